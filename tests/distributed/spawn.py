@@ -1,0 +1,51 @@
+"""The one helper that runs a function on a spawned group of gloo processes on CPU."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(*args)
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned processes in one gloo group; return each rank's result.
+
+    ``fn`` must be importable (module level) and its result picklable. An exception on any rank fails the call
+    with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+    return results
