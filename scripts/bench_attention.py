@@ -1,0 +1,467 @@
+"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic.
+
+Run from the repository root::
+
+    python scripts/bench_attention.py                        # everything, S=16384, bf16, P=2
+    python scripts/bench_attention.py --seq 2048 --iters 1 --only efficiency,baselines
+
+Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
+pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
+iterations after ``--warmup`` untimed ones. Peak memory is the growth of a rank's resident set during one extra
+forward + backward. The output is markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import os
+import pickle
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor
+
+from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
+from lctrain.attention.kernels import accumulation_dtype
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SECTIONS = ("efficiency", "baselines", "memory")
+MALLOC_MMAP_THRESHOLD = "65536"
+MIB = 2**20
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Problem size and measurement settings shared by every rank."""
+
+    seq: int
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    warmup: int
+    iters: int
+
+
+@dataclass
+class Measurement:
+    """One rank's figures for one implementation: per-iteration seconds and peak RSS growth in bytes."""
+
+    times: list[float]
+    peak_bytes: int
+    checks: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process launcher
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh single-threaded gloo processes; return each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank_main, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        return [pickle.loads((Path(out_dir) / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement (inside the ranks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def peak_rss_growth(step: Step) -> int:
+    """Bytes by which the resident set peaks above its level before ``step`` (VmHWM reset via clear_refs)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status_kib("VmRSS")
+    step()
+    return (_status_kib("VmHWM") - baseline) * 1024
+
+
+def measure(step: Step, cfg: Config) -> Measurement:
+    """Warm up, time ``cfg.iters`` barrier-aligned iterations, then measure peak memory on one more."""
+    for _ in range(cfg.warmup):
+        step()
+    times = []
+    for _ in range(cfg.iters):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    return Measurement(times, peak_rss_growth(step))
+
+
+def make_inputs(cfg: Config, seq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Full-sequence q, k, v, dout ``[B, S, H, D]``, identical on every rank (fixed seed)."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = DTYPES[cfg.dtype]
+
+    def randn(heads: int) -> Tensor:
+        return torch.randn(cfg.batch, seq, heads, cfg.head_dim, generator=generator).to(dtype)
+
+    return randn(cfg.heads), randn(cfg.kv_heads), randn(cfg.kv_heads), randn(cfg.heads)
+
+
+def shard(tensors: tuple[Tensor, ...], layout: str) -> tuple[Tensor, ...]:
+    """This rank's pieces (pure ring over the default group), leaves that require grad except the last (dout)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout=layout).clone() for t in tensors]
+    for piece in pieces[:-1]:
+        piece.requires_grad_(True)
+    return tuple(pieces)
+
+
+def autograd_step(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
+                  ) -> Step:
+    """Forward + backward of ``attend``; the gradients are dropped at the end so no state carries over."""
+
+    def step() -> None:
+        torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+
+    return step
+
+
+def max_diff(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> float:
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+
+
+def outputs_and_grads(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor,
+                      dout: Tensor) -> tuple[Tensor, ...]:
+    out = attend(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rank programs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def single_process_sdpa(cfg: Config) -> Measurement:
+    """T1: fused ``F.scaled_dot_product_attention`` (causal) on the whole sequence, ``[B, H, S, D]``."""
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in make_inputs(cfg, cfg.seq))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    return measure(autograd_step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                 q, k, v, dout), cfg)
+
+
+def _ring_case(cfg: Config, full: tuple[Tensor, ...], layout: str) -> Measurement:
+    q, k, v, dout = shard(full, layout)
+    group = dist.group.WORLD
+    return measure(autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout), cfg)
+
+
+def _torch_ring_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
+    """PyTorch context parallel's ring (head-tail load balancing = our zigzag shards), CPU flash kernels."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    q, k, v, dout = (t.detach().transpose(1, 2).contiguous() for t in shard(full, "zigzag"))  # [B, H, S/P, D]
+    group = dist.group.WORLD
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+    def forward_backward() -> tuple[Tensor, ...]:
+        out, lse = cp._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True, dropout_p=0.0)
+        grads = cp._templated_ring_attention_backward(
+            group, 2, backward_op, dout, "grad_out", q, k, v, out, lse, True, dropout_p=0.0
+        )
+        return (out, *grads)
+
+    ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *shard(full, "zigzag"))
+    theirs = tuple(t.transpose(1, 2) for t in forward_backward())
+    result = measure(forward_backward, cfg)
+    result.checks = {"out": max_diff(ours[:1], theirs[:1]), "grads": max_diff(ours[1:], theirs[1:])}
+    return result
+
+
+def _ulysses_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
+    q, k, v, dout = shard(full, "contiguous")
+    group = dist.group.WORLD
+    return measure(autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout), cfg)
+
+
+def _deepspeed_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
+    """DeepSpeed-Ulysses ``DistributedAttention`` on ``[B, S/P, H, D]`` (batch dim 0: scatter heads, gather seq)."""
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
+    group = dist.group.WORLD
+
+    def local_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, S, H/P, D]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return out.transpose(1, 2)
+
+    attention = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
+    q, k, v, dout = shard(full, "contiguous")
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attention(q, k, v, 0)
+
+    ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout)
+    theirs = outputs_and_grads(attend, q, k, v, dout)
+    result = measure(autograd_step(attend, q, k, v, dout), cfg)
+    result.checks = {"out": max_diff(ours[:1], theirs[:1]), "grads": max_diff(ours[1:], theirs[1:])}
+    return result
+
+
+def parallel_cases(cfg: Config, names: list[str]) -> dict[str, Measurement]:
+    """Run the named implementations one after another on the same ranks and the same global inputs."""
+    full = make_inputs(cfg, cfg.seq)
+    cases: dict[str, Callable[[], Measurement]] = {
+        "ring_zigzag": lambda: _ring_case(cfg, full, "zigzag"),
+        "ring_contiguous": lambda: _ring_case(cfg, full, "contiguous"),
+        "torch_ring": lambda: _torch_ring_case(cfg, full),
+        "ulysses": lambda: _ulysses_case(cfg, full),
+        "deepspeed": lambda: _deepspeed_case(cfg, full),
+    }
+    return {name: cases[name]() for name in names}
+
+
+class SendCounter:
+    """Stands in for ``dist.batch_isend_irecv`` and adds up the bytes of every ``isend`` it is given."""
+
+    def __init__(self) -> None:
+        self.original = dist.batch_isend_irecv
+        self.sent = 0
+
+    def __call__(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return self.original(ops)
+
+
+def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
+    """Peak RSS growth of ``usp_attention`` (ring over all ranks, Ulysses 1) fwd+bwd and bytes sent per rank."""
+    size = dist.get_world_size()
+    q, k, v, dout = shard(make_inputs(cfg, seq_per_rank * size), "zigzag")
+    group = dist.group.WORLD
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return usp_attention(q, k, v, ulysses_group=None, ring_group=group)
+
+    step = autograd_step(attend, q, k, v, dout)
+    for _ in range(cfg.warmup):
+        step()
+    dist.barrier()
+    peak = peak_rss_growth(step)
+    counter = SendCounter()
+    dist.batch_isend_irecv = counter
+    try:
+        out = attend(q, k, v)
+        forward_sent = counter.sent
+        torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        dist.batch_isend_irecv = counter.original
+    return {"peak_bytes": peak, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report (parent process)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def time_ms(per_rank: list[Measurement]) -> float:
+    """Median over iterations of the slowest rank's time, in milliseconds."""
+    return 1e3 * statistics.median(max(times) for times in zip(*(m.times for m in per_rank), strict=True))
+
+
+def peak_mib(per_rank: list[Measurement]) -> float:
+    return max(m.peak_bytes for m in per_rank) / MIB
+
+
+def check(per_rank: list[Measurement], key: str) -> float:
+    return max(m.checks[key] for m in per_rank)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def machine_line() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, python {platform.python_version()}, "
+            f"load average at start {load}")
+
+
+def deepspeed_version() -> str | None:
+    return importlib.metadata.version("deepspeed") if importlib.util.find_spec("deepspeed") else None
+
+
+def report_efficiency(cfg: Config, t1: list[Measurement], results: dict[str, list[Measurement]], ranks: int) -> None:
+    base = time_ms(t1)
+    rows = [["single-process fused SDPA (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
+    for name, label in (("ring_zigzag", "ours: ring_attention, zigzag (TP)"),
+                        ("ring_contiguous", "ours: ring_attention, contiguous")):
+        tp = time_ms(results[name])
+        rows.append([label, str(ranks), f"{tp:.1f}", f"{peak_mib(results[name]):.1f}", f"{base / (ranks * tp):.3f}"])
+    print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
+    print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
+    print("\nTarget: efficiency ≥ 0.85 for zigzag. Contiguous sharding leaves rank 0 idle after the diagonal block "
+          "under causal masking.")
+
+
+def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: int) -> None:
+    pairs = [("ring_zigzag", "ours: ring_attention (zigzag)", "torch_ring",
+              "PyTorch `_templated_ring_attention` (+ `_backward`)")]
+    version = deepspeed_version()
+    if version is not None:
+        pairs.append(("ulysses", "ours: ulysses_attention", "deepspeed",
+                      f"DeepSpeed {version} `DistributedAttention` + SDPA"))
+    rows = []
+    for ours, ours_label, theirs, theirs_label in pairs:
+        a, b = results[ours], results[theirs]
+        rows.append([
+            ours_label, f"{time_ms(a):.1f}", f"{peak_mib(a):.1f}", theirs_label, f"{time_ms(b):.1f}",
+            f"{peak_mib(b):.1f}", f"{time_ms(a) / time_ms(b):.2f}", f"{peak_mib(a) / peak_mib(b):.2f}",
+            f"{check(b, 'out'):.2e} / {check(b, 'grads'):.2e}",
+        ])
+    print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
+    print(table(["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs", "mem ours/theirs",
+                 "max abs diff out / grads"], rows))
+    if version is None:
+        print("\ndeepspeed not installed (pip install -e .[deepspeed]): the Ulysses row is skipped.")
+    print("\nPyTorch's ring runs with its module defaults: head-tail load balancing (fed our zigzag shards), "
+          "K/V rotated by one all-gather in the forward and all-to-all for dK/dV in the backward, fp32 merging. "
+          "The diffs compare its outputs (and dq, dk, dv) with ours on every rank before timing; DeepSpeed is "
+          "compared with our ulysses_attention the same way.")
+
+
+def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
+    element = DTYPES[cfg.dtype].itemsize
+    accumulator = accumulation_dtype(DTYPES[cfg.dtype]).itemsize
+    d_model = cfg.kv_heads * cfg.head_dim
+    kv_step, dkv_step = 2 * element * seq_per_rank * d_model, 2 * accumulator * seq_per_rank * d_model
+    rows = []
+    for ranks, per_rank in results.items():
+        peak = max(r["peak_bytes"] for r in per_rank) / MIB
+        forward = max(r["forward_sent"] for r in per_rank)
+        backward = max(r["backward_sent"] for r in per_rank)
+        if ranks == 1:
+            traffic = ["—", "—", "—", "—"]
+        else:
+            backward_formula = (ranks - 1) * kv_step + ranks * dkv_step
+            traffic = [f"{forward / (ranks - 1):,.0f}",
+                       f"{kv_step:,}" + (" ✓" if forward == (ranks - 1) * kv_step else " ✗"),
+                       f"{backward:,}", f"{backward_formula:,}" + (" ✓" if backward == backward_formula else " ✗")]
+        rows.append([str(ranks), str(seq_per_rank * ranks), f"{peak:.1f}", *traffic])
+    e, a = element, accumulator
+    print(f"\n## 3. Memory scaling at fixed S/P={seq_per_rank} (usp_attention: ring over P ranks, Ulysses 1)\n")
+    print(table(["P", "S", "peak mem/rank (MiB)", "fwd bytes sent/rank/step", f"formula {2 * e}·(S/P)·d_model",
+                 "bwd bytes sent/rank (total)", f"formula (P−1)·{2 * e}·(S/P)·d + P·{2 * a}·(S/P)·d"], rows))
+    print(f"\nd_model = Hkv·D = {d_model}. Forward: P−1 ring steps each send packed K and V ({cfg.dtype}). Backward: "
+          f"P−1 K/V sends plus P sends of the dK/dV accumulators ({accumulation_dtype(DTYPES[cfg.dtype])}); the last "
+          f"one returns them to their owner. No timings here: P>2 oversubscribes {os.cpu_count()} cores. The peak "
+          f"should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers.")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--seq", type=int, default=16384, help="global sequence length for sections 1 and 2")
+    parser.add_argument("--ranks", type=int, default=2, help="P for sections 1 and 2")
+    parser.add_argument("--seq-per-rank", type=int, default=4096, help="S/P for section 3")
+    parser.add_argument("--memory-ranks", default="1,2,4,8", help="values of P for section 3")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA when fewer than --heads)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = Config(args.seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype, args.warmup, args.iters)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
+    started = time.perf_counter()
+    print("# Attention benchmark\n")
+    print(f"- command: `{shlex.join(['python', *sys.argv])}`")
+    print(f"- machine: {machine_line()}")
+    print(f"- problem: B={cfg.batch}, Hq={cfg.heads}, Hkv={cfg.kv_heads}, D={cfg.head_dim}, {cfg.dtype}, causal; "
+          f"forward+backward, one thread per rank, {cfg.warmup} warm-up + median of {cfg.iters} timed iterations, "
+          f"time = slowest rank")
+    sys.stdout.flush()
+
+    names = []
+    if "efficiency" in args.only:
+        names += ["ring_zigzag", "ring_contiguous"]
+    if "baselines" in args.only:
+        names += [n for n in ("ring_zigzag", "torch_ring", "ulysses") if n not in names]
+        names += ["deepspeed"] if deepspeed_version() is not None else []
+    if names:
+        per_rank = spawn(parallel_cases, args.ranks, cfg, names)
+        results = {name: [r[name] for r in per_rank] for name in names}
+    if "efficiency" in args.only:
+        report_efficiency(cfg, spawn(single_process_sdpa, 1, cfg), results, args.ranks)
+        sys.stdout.flush()
+    if "baselines" in args.only:
+        report_baselines(cfg, results, args.ranks)
+        sys.stdout.flush()
+    if "memory" in args.only:
+        memory_ranks = [int(p) for p in args.memory_ranks.split(",")]
+        report_memory(cfg, args.seq_per_rank, {p: spawn(memory_and_traffic, p, cfg, args.seq_per_rank)
+                                               for p in memory_ranks})
+    print(f"\nPeak memory = VmHWM − VmRSS around one extra forward+backward per rank (VmHWM reset by writing 5 to "
+          f"/proc/self/clear_refs), max over ranks. Every rank runs with MALLOC_MMAP_THRESHOLD_={MALLOC_MMAP_THRESHOLD}"
+          f" so freed large buffers go back to the OS and one phase cannot hide another's memory (timings include "
+          f"that allocator setting for every implementation alike). Total wall time {time.perf_counter() - started:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()

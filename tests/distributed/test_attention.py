@@ -1,0 +1,303 @@
+"""Ring, Ulysses and USP attention on spawned gloo groups against float64 attention on the full sequence.
+
+One process group is spawned per world size (start-up dominates on 2 cores); it runs every case for that world
+size and returns the gathered, unsharded outputs and gradients, which the tests below compare with the
+reference. Tolerances:
+- fp32: outputs within 1e-5 absolute (rtol 0), gradients within 3e-5 absolute (rtol 0).
+- bf16: 5e-2 absolute + 5e-2 relative. This catches layout, masking and merge bugs (which give O(1) errors);
+  the precision claim for bf16 is ``test_bf16_error_does_not_grow_with_world_size``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import zlib
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
+from lctrain.attention.kernels import AttentionKernel, reference_attention, resolve_kernel
+from tests.distributed.spawn import run_distributed
+
+# (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.
+SPLITS = {
+    1: [(1, 1)],
+    2: [(1, 2), (2, 1)],
+    4: [(2, 2), (1, 4), (4, 1)],
+    8: [(2, 4), (4, 2), (1, 8), (8, 1)],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    ulysses: int
+    ring: int
+    causal: bool
+    layout: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    batch: int = 2
+    tokens_per_rank: int = 8
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens_per_rank * self.ring * self.ulysses
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "full"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"U{self.ulysses}R{self.ring}-{mask}-{self.layout}-h{self.q_heads}kv{self.kv_heads}d{self.head_dim}-{dtype}"
+
+
+HEADS = [(8, 8, 64), (8, 2, 80)]  # MHA with a power-of-two head_dim; GQA (Hkv < U when U >= 4) with head_dim 80
+CASES = [
+    Case(u, r, causal, layout, hq, hkv, d, dtype)
+    for world in SPLITS
+    for (u, r) in SPLITS[world]
+    for causal, layout, (hq, hkv, d), dtype in itertools.product(
+        (True, False), ("zigzag", "contiguous"), HEADS, (torch.float32, torch.bfloat16)
+    )
+]
+
+
+def make_inputs(case: Case) -> list[torch.Tensor]:
+    """q, k, v, dout on the full sequence, the same in every process (rounded to the case's dtype)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))  # stable across processes
+    shapes = [(case.batch, case.seq_len, h, case.head_dim) for h in (case.q_heads, case.kv_heads, case.kv_heads)]
+    shapes.append(shapes[0])
+    return [torch.randn(shape, generator=gen).to(case.dtype) for shape in shapes]
+
+
+def _groups(ring: int, ulysses: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int]:
+    """(ring_group, ulysses_group, ring_rank, ulysses_rank); Ulysses innermost, as in the trainer's mesh."""
+    if ring * ulysses == 1:
+        return None, None, 0, 0
+    mesh = init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+    return mesh.get_group("ring"), mesh.get_group("ulysses"), mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+
+
+def _gather(x: torch.Tensor, world: int, *, ring: int, ulysses: int, layout: str) -> torch.Tensor:
+    shards = [x]
+    if world > 1:
+        shards = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(shards, x.contiguous())
+    return unshard_sequence(shards, dim=1, ring_size=ring, ulysses_size=ulysses, layout=layout)
+
+
+def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """One fwd+bwd of usp_attention on this rank's shards; returns full out, dq, dk, dv (gathered)."""
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(
+            x, dim=1, ring_rank=ring_rank, ring_size=case.ring, ulysses_rank=ulysses_rank,
+            ulysses_size=case.ulysses, layout=case.layout,
+        ).clone()
+
+    q, k, v, dout = (shard(x) for x in make_inputs(case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = usp_attention(
+        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, causal=case.causal, layout=case.layout
+    )
+    out.backward(dout)
+    world = case.ring * case.ulysses
+    return [
+        _gather(t, world, ring=case.ring, ulysses=case.ulysses, layout=case.layout)
+        for t in (out.detach(), q.grad, k.grad, v.grad)
+    ]
+
+
+class CountingKernel:
+    """Wraps the resolved kernel and records every call as (query rows, key rows, causal)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int, bool]] = []
+
+    def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
+        inner = resolve_kernel(device, dtype)
+
+        def forward(q, k, v, *, causal, scale):  # noqa: ANN001, ANN202
+            self.calls.append(("fwd", q.shape[1], k.shape[1], causal))
+            return inner.forward(q, k, v, causal=causal, scale=scale)
+
+        def backward(dout, q, k, v, out, lse, *, causal, scale):  # noqa: ANN001, ANN202
+            self.calls.append(("bwd", q.shape[1], k.shape[1], causal))
+            return inner.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+        return AttentionKernel(f"counting_{inner.name}", forward, backward)
+
+
+def count_kernel_calls(ring: int, layout: str, causal: bool, seq_len: int) -> list[tuple[str, int, int, bool]]:
+    """This rank's kernel calls in one fwd+bwd of pure ring attention (ulysses 1)."""
+    case = Case(1, ring, causal, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=seq_len // ring)
+    counter = CountingKernel()
+    with mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve):
+        run_usp(case, *_groups(ring, 1))
+    return counter.calls
+
+
+def bad_input_errors(world: int) -> dict[str, str]:
+    """Message of each bad-input error, raised on every rank before any communication (no rank hangs)."""
+    ring_group, ulysses_group, _, _ = _groups(1, world)
+    errors = {}
+
+    def attempt(name: str, **kwargs) -> None:  # noqa: ANN003
+        shapes = kwargs.pop("shapes")
+        q, k, v = (torch.randn(*s) for s in shapes)
+        try:
+            usp_attention(q, k, v, **kwargs)
+        except (ValueError, NotImplementedError) as error:
+            errors[name] = str(error)
+
+    attempt("q_heads", shapes=[(1, 4, 5, 8)] * 3, ulysses_group=ulysses_group)
+    attempt("kv_heads", shapes=[(1, 4, 12, 8), (1, 4, 3, 8), (1, 4, 3, 8)], ulysses_group=ulysses_group)
+    attempt("odd_zigzag", shapes=[(1, 3, 4, 8)] * 3, ring_group=ulysses_group, layout="zigzag")
+    attempt("same_group", shapes=[(1, 4, 4, 8)] * 3, ring_group=ulysses_group, ulysses_group=ulysses_group)
+    attempt("layout", shapes=[(1, 4, 4, 8)] * 3, ring_group=ulysses_group, layout="striped")
+    attempt(
+        "cu_seqlens", shapes=[(1, 4, 4, 8)] * 3, ring_group=ulysses_group,
+        cu_seqlens=torch.tensor([0, 4 * world], dtype=torch.int32),
+    )
+    return errors
+
+
+BF16_GROWTH = dict(batch=1, seq_len=1024, heads=8, head_dim=64)
+
+
+def bf16_growth_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    b, s, h, d = (BF16_GROWTH[key] for key in ("batch", "seq_len", "heads", "head_dim"))
+    return [torch.randn(b, s, h, d, generator=gen).bfloat16() for _ in range(4)]
+
+
+def run_bf16_growth(ulysses: int, ring: int) -> list[torch.Tensor]:
+    ring_group, ulysses_group, ring_rank, ulysses_rank = _groups(ring, ulysses)
+    world = ring * ulysses
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(
+            x, dim=1, ring_rank=ring_rank, ring_size=ring, ulysses_rank=ulysses_rank, ulysses_size=ulysses
+        ).clone()
+
+    q, k, v, dout = (shard(x) for x in bf16_growth_inputs())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, causal=True)
+    out.backward(dout)
+    return [
+        _gather(t, world, ring=ring, ulysses=ulysses, layout="zigzag") for t in (out.detach(), q.grad, k.grad, v.grad)
+    ]
+
+
+def world_job(world: int) -> dict:
+    """Everything one spawned group of ``world`` ranks computes. Rank 0's result holds the gathered tensors."""
+    results: dict = {"cases": {}}
+    for ulysses, ring in SPLITS[world]:
+        groups = _groups(ring, ulysses)
+        for case in CASES:
+            if (case.ulysses, case.ring) == (ulysses, ring):
+                results["cases"][str(case)] = run_usp(case, *groups)
+    if world > 1:
+        results["errors"] = bad_input_errors(world)
+        results["calls"] = {
+            (layout, causal): count_kernel_calls(world, layout, causal, seq_len=16 * world)
+            for layout in ("zigzag", "contiguous")
+            for causal in (True, False)
+        }
+    if world == 8:
+        results["bf16_growth"] = {(u, r): run_bf16_growth(u, r) for (u, r) in SPLITS[8]}
+    return results
+
+
+@functools.cache
+def results_for(world: int) -> list[dict]:
+    """Per-rank results of ``world_job`` (spawned once per world size and cached for the session)."""
+    if world == 1:
+        return [world_job(1)]
+    return run_distributed(world_job, world, world)
+
+
+def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool) -> list:
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out = reference_attention(q, k, v, causal=causal)
+    out.backward(dout.double())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_usp_matches_float64_reference(case: Case) -> None:
+    world = case.ring * case.ulysses
+    got = results_for(world)[0]["cases"][str(case)]
+    q, k, v, dout = make_inputs(case)
+    expected = reference_grads(q, k, v, dout, case.causal)
+    if case.dtype == torch.float32:
+        tolerances = [dict(atol=1e-5, rtol=0)] + [dict(atol=3e-5, rtol=0)] * 3
+    else:
+        tolerances = [dict(atol=5e-2, rtol=5e-2)] * 4
+    for name, actual, reference, tol in zip(("out", "dq", "dk", "dv"), got, expected, tolerances):
+        assert actual.dtype == case.dtype, name
+        torch.testing.assert_close(actual.double(), reference, **tol, msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+def _relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((actual.double() - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("split", SPLITS[8], ids=lambda s: f"U{s[0]}R{s[1]}")
+def test_bf16_error_does_not_grow_with_world_size(split: tuple[int, int]) -> None:
+    """bf16 relative (Frobenius) error vs float64 at P=8 stays within 1.5x of one device's bf16 SDPA error."""
+    got = results_for(8)[0]["bf16_growth"][split]
+    q, k, v, dout = bf16_growth_inputs()
+    expected = reference_grads(q, k, v, dout, causal=True)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    single_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q1, k1, v1)), is_causal=True)
+    single_out = single_out.transpose(1, 2)
+    single_out.backward(dout)
+    single = [single_out.detach(), q1.grad, k1.grad, v1.grad]
+    for name, actual, one_device, reference in zip(("out", "dq", "dk", "dv"), got, single, expected):
+        distributed_error = _relative_error(actual, reference)
+        single_error = _relative_error(one_device, reference)
+        assert distributed_error <= 1.5 * single_error, (name, distributed_error, single_error)
+
+
+def _work(calls: list[tuple[str, int, int, bool]]) -> float:
+    """Query×key pairs a rank computed (a causal diagonal block counts half)."""
+    return sum(rows * cols * (0.5 if causal else 1.0) for _, rows, cols, causal in calls)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_balances_causal_work(world: int) -> None:
+    per_rank = [rank_result["calls"][("zigzag", True)] for rank_result in results_for(world)]
+    assert all(len(calls) == 2 * world for calls in per_rank)  # one fwd and one bwd call per ring step
+    assert len({_work(calls) for calls in per_rank}) == 1
+    # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
+    full_work = 2 * world * (16 * world // world) ** 2
+    assert _work(per_rank[0]) < 0.6 * full_work
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_contiguous_causal_skips_masked_blocks(world: int) -> None:
+    per_rank = [rank_result["calls"][("contiguous", True)] for rank_result in results_for(world)]
+    # Rank r sees keys of ranks 0..r only: r + 1 forward and r + 1 backward calls; later blocks are skipped.
+    assert [len(calls) for calls in per_rank] == [2 * (rank + 1) for rank in range(world)]
+    non_causal = [rank_result["calls"][("contiguous", False)] for rank_result in results_for(world)]
+    assert [len(calls) for calls in non_causal] == [2 * world] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_errors_name_the_setting(world: int) -> None:
+    for rank_result in results_for(world):
+        errors = rank_result["errors"]
+        assert "not divisible by the Ulysses degree" in errors["q_heads"]
+        assert "key/value heads and Ulysses degree" in errors["kv_heads"]
+        assert "2·ring_size·ulysses_size" in errors["odd_zigzag"]
+        assert "must be orthogonal" in errors["same_group"]
+        assert "layout='striped'" in errors["layout"]
+        assert "cu_seqlens" in errors["cu_seqlens"]
