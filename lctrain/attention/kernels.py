@@ -7,9 +7,10 @@ Every kernel works on one (query block, key block) pair and has the same signatu
 
 Shapes: q, out, dout, dq ``[B, Sq, Hq, D]``; k, v, dk, dv ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA is
 handled inside the kernel; K and V are never repeated by the caller); lse ``[B, Hq, Sq]`` in the accumulation
-dtype (``accumulation_dtype``). ``causal`` is top-left aligned and is only used on square (diagonal) blocks.
-``backward`` takes the *final* ``out`` and ``lse`` of the whole row (after merging all key blocks), which makes
-each block's gradient exact on its own.
+dtype (``accumulation_dtype``). ``out``, ``dq``, ``dk``, ``dv`` come back in the input dtype or in the
+accumulation dtype (callers accumulate in the latter and cast once). ``causal`` is top-left aligned and is only
+used on square (diagonal) blocks. ``backward`` takes the *final* ``out`` and ``lse`` of the whole row (after
+merging all key blocks), which makes each block's gradient exact on its own.
 
 ``resolve_kernel`` picks one kernel per (device, dtype): flash-attn on CUDA when installed, PyTorch's fused
 flash kernels (CUDA for half dtypes, CPU for all float dtypes), else the plain reference.
@@ -92,7 +93,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: 
     scores = _scores(q, k, causal=causal, scale=scale)
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, Sq]
     vf = v.to(scores.dtype).transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = (_probs(scores, lse) @ vf).transpose(1, 2).to(q.dtype)
+    out = (_probs(scores, lse) @ vf).transpose(1, 2)
     return out, lse
 
 
@@ -113,9 +114,9 @@ def _reference_backward(
     dk = dscores.transpose(-1, -2) @ qf * scale
 
     def fold_groups(grad: Tensor) -> Tensor:  # [B, Hq, Sk, D] -> [B, Sk, Hkv, D], summed over each GQA group
-        return grad.view(batch, hkv, groups, sk, dim).sum(2).transpose(1, 2).to(k.dtype)
+        return grad.view(batch, hkv, groups, sk, dim).sum(2).transpose(1, 2)
 
-    return dq.transpose(1, 2).to(q.dtype), fold_groups(dk), fold_groups(dv)
+    return dq.transpose(1, 2), fold_groups(dk), fold_groups(dv)
 
 
 REFERENCE = AttentionKernel("reference", _reference_forward, _reference_backward)
@@ -130,8 +131,16 @@ def _bhsd(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)  # [B, S, H, D] <-> [B, H, S, D]
 
 
+def _cpu_compute(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Half-precision blocks run in fp32 on CPU: PyTorch's CPU flash kernels emulate bf16 on CPUs without native
+    bf16 (the backward 6-7x slower than fp32 on an AVX2 EPYC) and fp32 keeps each block's result unrounded."""
+    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
+
+
 def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_bhsd(q, k, v), 0.0, causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *_bhsd(*_cpu_compute(q, k, v)), 0.0, causal, scale=scale
+    )
     return out.transpose(1, 2), lse
 
 
@@ -139,7 +148,7 @@ def _cpu_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *_bhsd(dout, q, k, v, out), lse.contiguous(), 0.0, causal, scale=scale
+        *_bhsd(*_cpu_compute(dout, q, k, v, out)), lse.contiguous(), 0.0, causal, scale=scale
     )
     return _bhsd(dq, dk, dv)
 
@@ -157,9 +166,7 @@ def _repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     k, v = _repeat_kv(q, k, v)
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        *_bhsd(q, k, v), 0.0, causal, False, scale=scale
-    )
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(*_bhsd(q, k, v), 0.0, causal, False, scale=scale)
     return out.transpose(1, 2), lse
 
 
@@ -170,8 +177,17 @@ def _cuda_backward(
     k_full, v_full = _repeat_kv(q, k, v)
     unused_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: the RNG state is not read
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        *_bhsd(dout, q, k_full, v_full, out), lse.contiguous(), None, None, q.shape[1], k.shape[1],
-        0.0, causal, unused_rng, unused_rng, scale=scale,
+        *_bhsd(dout, q, k_full, v_full, out),
+        lse.contiguous(),
+        None,
+        None,
+        q.shape[1],
+        k.shape[1],
+        0.0,
+        causal,
+        unused_rng,
+        unused_rng,
+        scale=scale,
     )
     dq, dk, dv = _bhsd(dq, dk, dv)
     if dk.shape[2] != hkv:  # fold repeated heads back: [B, Sk, Hq, D] -> [B, Sk, Hkv, D]
@@ -203,13 +219,27 @@ def _flash_attn_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # flash-attn 2.7 split `window_size` into left/right; accept both spellings of the private signature.
     params = inspect.signature(backward).parameters
-    window = {"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params else {
-        "window_size": (-1, -1)
-    }
+    window = (
+        {"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params else {"window_size": (-1, -1)}
+    )
     backward(
-        dout.contiguous(), q, k, v, out, lse.contiguous(), dq, dk, dv,
-        dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=None, **window,
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse.contiguous(),
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+        **window,
     )
     return dq, dk, dv
 

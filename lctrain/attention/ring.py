@@ -76,7 +76,14 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def _ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, *, causal: bool, layout: str, scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    causal: bool,
+    layout: str,
+    scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor]:
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
@@ -106,8 +113,18 @@ def _ring_forward(
 
 
 def _ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group: dist.ProcessGroup | None, *,
-    causal: bool, layout: str, scale: float, kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    causal: bool,
+    layout: str,
+    scale: float,
+    kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     exchange = _RingExchange(group) if size > 1 else None
@@ -126,8 +143,14 @@ def _ring_backward(
         block = block_for_step(step, rank, size, seq_len, causal=causal, layout=layout)
         if block is not None:
             dq_block, dk_block, dv_block = kernel.backward(
-                dout[:, block.rows], q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols],
-                out[:, block.rows], lse[:, :, block.rows], causal=block.causal, scale=scale,
+                dout[:, block.rows],
+                q[:, block.rows],
+                kv[0][:, block.cols],
+                kv[1][:, block.cols],
+                out[:, block.rows],
+                lse[:, :, block.rows],
+                causal=block.causal,
+                scale=scale,
             )
             dq[:, block.rows] += dq_block
         _wait(dkv_pending)  # the accumulator for the K/V piece we hold now, from the previous rank
@@ -157,8 +180,17 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         options = ctx.options
         dq, dk, dv = _ring_backward(
-            dout.contiguous(), q, k, v, out, lse, options["group"], causal=options["causal"],
-            layout=options["layout"], scale=options["scale"], kernel=options["kernel"],
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            options["group"],
+            causal=options["causal"],
+            layout=options["layout"],
+            scale=options["scale"],
+            kernel=options["kernel"],
         )
         return dq, dk, dv, None, None, None, None
 
