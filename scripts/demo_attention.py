@@ -31,7 +31,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="bf16 is emulated (slow) on most CPUs"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed forward+backward steps after one warm-up")
     return parser.parse_args()
 

@@ -1,0 +1,33 @@
+# lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests.
+PYTHON ?= python3
+# The CPU build of torch 2.13.0 lies on the development machines' disk; on a CUDA machine pip takes the CUDA build.
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install train test lint bench
+
+install: $(VENV)/.installed
+
+# torch first, so that nothing pulls a different (multi-GB CUDA) build as a dependency.
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+# The default job until the trainer lands: USP attention on 4 CPU processes (ring 2 x ulysses 2), checked
+# against single-device SDPA and timed.
+train: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 scripts/demo_attention.py --ring 2 --ulysses 2
+
+test: install
+	$(PY) -m pytest tests
+
+lint: install
+	$(VENV)/bin/ruff check lctrain tests scripts
+	$(VENV)/bin/ruff format --check lctrain tests scripts
+
+bench: install
+	$(PY) -m pip install --quiet -e ".[deepspeed]"
+	$(PY) scripts/bench_attention.py
