@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lctrain.attention import shard_sequence
 from lctrain.attention.kernels import accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.merge import merge_block
-from lctrain.attention.ring import block_for_step
+from lctrain.attention.plan import plan_ring
 
 
 def timed(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001
@@ -59,42 +59,40 @@ def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     q_local, dout_local = piece(q, rank), piece(dout, rank)
     kv_pieces = [(piece(k, r), piece(v, r)) for r in range(ring)]
     seq_len = q_local.shape[1]
-    blocks = [block_for_step(s, rank, ring, seq_len, causal=True, layout="zigzag") for s in range(ring)]
+    plan = plan_ring(rank, ring, seq_len, causal=True, layout="zigzag")
     sources = [(rank - s) % ring for s in range(ring)]
 
     def run() -> None:
         acc = accumulation_dtype(q.dtype)
-        out = torch.empty(q_local.shape, dtype=acc, device=q.device)
-        lse = torch.empty(q_local.shape[0], q_local.shape[2], seq_len, dtype=acc, device=q.device)
-        for step, (block, source) in enumerate(zip(blocks, sources)):
+        out = torch.zeros(q_local.shape, dtype=acc, device=q.device)
+        lse = torch.full((q_local.shape[0], q_local.shape[2], seq_len), float("-inf"), dtype=acc, device=q.device)
+        for blocks, source in zip(plan, sources):
             k_piece, v_piece = kv_pieces[source]
-            o, m = kernel.forward(
-                q_local[:, block.rows],
-                k_piece[:, block.cols],
-                v_piece[:, block.cols],
-                causal=block.causal,
-                scale=scale,
-            )
-            if step == 0:
-                out.copy_(o)
-                lse.copy_(m)
-            else:
+            for block in blocks:
+                o, m = kernel.forward(
+                    q_local[:, block.rows],
+                    k_piece[:, block.cols],
+                    v_piece[:, block.cols],
+                    causal=block.causal,
+                    scale=scale,
+                )
                 merge_block(out[:, block.rows], lse[:, :, block.rows], o, m)
         out = out.to(q.dtype)
         dq = torch.zeros(q_local.shape, dtype=acc, device=q.device)
-        for block, source in zip(blocks, sources):
+        for blocks, source in zip(plan, sources):
             k_piece, v_piece = kv_pieces[source]
-            grads = kernel.backward(
-                dout_local[:, block.rows],
-                q_local[:, block.rows],
-                k_piece[:, block.cols],
-                v_piece[:, block.cols],
-                out[:, block.rows],
-                lse[:, :, block.rows],
-                causal=block.causal,
-                scale=scale,
-            )
-            dq[:, block.rows] += grads[0]
+            for block in blocks:
+                grads = kernel.backward(
+                    dout_local[:, block.rows],
+                    q_local[:, block.rows],
+                    k_piece[:, block.cols],
+                    v_piece[:, block.cols],
+                    out[:, block.rows],
+                    lse[:, :, block.rows],
+                    causal=block.causal,
+                    scale=scale,
+                )
+                dq[:, block.rows] += grads[0]
 
     return run
 

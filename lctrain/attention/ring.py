@@ -16,8 +16,6 @@ received keys or the second half of the queries against all received keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -25,31 +23,7 @@ from torch import Tensor
 from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.layout import check_layout
 from lctrain.attention.merge import merge_block
-
-
-@dataclass(frozen=True)
-class Block:
-    """The part of one ring step that is computed: local query rows × rows of the received K/V piece."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-
-
-def block_for_step(step: int, rank: int, size: int, seq_len: int, *, causal: bool, layout: str) -> Block | None:
-    """What ring rank ``rank`` computes at ``step`` (K/V of rank ``(rank - step) mod size``); None = skipped."""
-    source = (rank - step) % size
-    everything = slice(0, seq_len)
-    if not causal:
-        return Block(everything, everything, causal=False)
-    if source == rank:
-        return Block(everything, everything, causal=True)
-    if layout == "contiguous":
-        return Block(everything, everything, causal=False) if source < rank else None
-    half = seq_len // 2
-    if source < rank:  # both local chunks come after the source's first chunk and before its second
-        return Block(everything, slice(0, half), causal=False)
-    return Block(slice(half, seq_len), everything, causal=False)  # only the local second chunk sees the source
+from lctrain.attention.plan import Block, plan_ring
 
 
 class _RingExchange:
@@ -75,39 +49,37 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
+def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
 def _ring_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     group: dist.ProcessGroup | None,
+    plan: list[list[Block]],
     *,
-    causal: bool,
-    layout: str,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor]:
-    rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    size = len(plan)
     exchange = _RingExchange(group) if size > 1 else None
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
-    lse = torch.empty((batch, heads, seq_len), dtype=acc_dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
     kv_buffers = [torch.stack([k, v])]  # [2, B, S, Hkv, D]
     if size > 1:
         kv_buffers.append(torch.empty_like(kv_buffers[0]))
-    for step in range(size):
+    for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
         pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < size else []
-        block = block_for_step(step, rank, size, seq_len, causal=causal, layout=layout)
-        if block is not None:
+        for block in blocks:
             out_block, lse_block = kernel.forward(
                 q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols], causal=block.causal, scale=scale
             )
-            if step == 0:  # the first block always covers every row: it initialises the accumulators
-                out.copy_(out_block)
-                lse.copy_(lse_block)
-            else:
-                merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
+            merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
         _wait(pending)
     return out.to(q.dtype), lse
 
@@ -120,15 +92,13 @@ def _ring_backward(
     out: Tensor,
     lse: Tensor,
     group: dist.ProcessGroup | None,
+    plan: list[list[Block]],
     *,
-    causal: bool,
-    layout: str,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    size = len(plan)
     exchange = _RingExchange(group) if size > 1 else None
-    seq_len = q.shape[1]
     acc_dtype = lse.dtype
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv_buffers = [torch.stack([k, v])]  # [2, B, S, Hkv, D]
@@ -137,11 +107,11 @@ def _ring_backward(
         kv_buffers.append(torch.empty_like(kv_buffers[0]))
         dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
     dkv_pending: list[dist.Work] = []
-    for step in range(size):
+    for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
         kv_pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < size else []
-        block = block_for_step(step, rank, size, seq_len, causal=causal, layout=layout)
-        if block is not None:
+        dkv_blocks = []
+        for block in blocks:
             dq_block, dk_block, dv_block = kernel.backward(
                 dout[:, block.rows],
                 q[:, block.rows],
@@ -153,11 +123,12 @@ def _ring_backward(
                 scale=scale,
             )
             dq[:, block.rows] += dq_block
+            dkv_blocks.append((block.cols, dk_block, dv_block))
         _wait(dkv_pending)  # the accumulator for the K/V piece we hold now, from the previous rank
         dkv = dkv_buffers[step % 2]
-        if block is not None:
-            dkv[0][:, block.cols] += dk_block
-            dkv[1][:, block.cols] += dv_block
+        for cols, dk_block, dv_block in dkv_blocks:
+            dkv[0][:, cols] += dk_block
+            dkv[1][:, cols] += dv_block
         if size > 1:  # pass it on; after the last step it reaches the piece's owner
             dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2])
         _wait(kv_pending)
@@ -168,11 +139,11 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale):  # noqa: ANN001, ANN205 (autograd signature)
+    def forward(ctx, q, k, v, group, plan, scale):  # noqa: ANN001, ANN205 (autograd signature)
         kernel = resolve_kernel(q.device, q.dtype)
-        out, lse = _ring_forward(q, k, v, group, causal=causal, layout=layout, scale=scale, kernel=kernel)
+        out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, kernel=kernel)
+        ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel)
         return out
 
     @staticmethod
@@ -187,12 +158,11 @@ class _RingAttention(torch.autograd.Function):
             out,
             lse,
             options["group"],
-            causal=options["causal"],
-            layout=options["layout"],
+            options["plan"],
             scale=options["scale"],
             kernel=options["kernel"],
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -214,10 +184,33 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def document_masking_not_ready(cu_seqlens: Tensor | None) -> None:
-    if cu_seqlens is not None:
-        raise NotImplementedError(
-            "cu_seqlens (document masking of packed sequences) is not implemented yet; pass cu_seqlens=None"
+def check_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int) -> list[int] | None:
+    """Validate document boundaries of a global sequence of ``seq_len`` tokens; return them as a list."""
+    if cu_seqlens is None:
+        return None
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1]; got shape {tuple(cu_seqlens.shape)}, "
+            f"dtype {cu_seqlens.dtype}"
+        )
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase; got {bounds[:8]}...")
+    if bounds[-1] != seq_len:
+        raise ValueError(
+            f"cu_seqlens ends at {bounds[-1]} but the sharded sequence has {seq_len} tokens (local length x ring "
+            f"size x ulysses size): pass the boundaries of the global row, and groups matching how it was sharded"
+        )
+    return bounds
+
+
+def check_zigzag_piece(piece_len: int, ring_size: int, layout: str) -> None:
+    """A zigzag piece is two equal chunks: a ring rank must hold an even number of tokens."""
+    if layout == "zigzag" and ring_size > 1 and piece_len % 2:
+        raise ValueError(
+            f"each ring rank holds {piece_len} tokens, an odd number, but layout='zigzag' needs two equal chunks "
+            f"per rank: make the global sequence length divisible by 2·ring_size·ulysses_size "
+            f"(ring_size={ring_size}) and shard it with shard_sequence"
         )
 
 
@@ -235,17 +228,17 @@ def ring_attention(
     """Exact attention over a sequence sharded across ``group`` with ``shard_sequence(layout=layout)``.
 
     q ``[B, S_local, Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]`` in q's dtype,
-    differentiable in q, k, v. ``group=None`` means a ring of one rank.
+    differentiable in q, k, v. ``group=None`` means a ring of one rank. ``cu_seqlens`` (int, ``[num_docs + 1]``,
+    0 to S) are the document boundaries of the global sequence, the same on every rank and for every batch row;
+    tokens then attend only inside their document.
     """
     check_qkv(q, k, v)
     check_layout(layout)
-    document_masking_not_ready(cu_seqlens)
-    size = dist.get_world_size(group) if group is not None else 1
-    if layout == "zigzag" and size > 1 and q.shape[1] % 2:
-        raise ValueError(
-            f"each ring rank holds {q.shape[1]} tokens, an odd number, but layout='zigzag' needs two equal chunks "
-            f"per rank: make the global sequence length divisible by 2·ring_size·ulysses_size "
-            f"(ring_size={size}) and shard it with shard_sequence"
-        )
+    rank, size = _group_coordinates(group)
+    if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
+        layout = "contiguous"
+    bounds = check_cu_seqlens(cu_seqlens, q.shape[1] * size)
+    check_zigzag_piece(q.shape[1], size, layout)
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, layout, scale)
+    plan = plan_ring(rank, size, q.shape[1], causal=causal, layout=layout, cu_seqlens=bounds)
+    return _RingAttention.apply(q, k, v, group, plan, scale)

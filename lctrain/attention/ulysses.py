@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.ring import check_qkv, document_masking_not_ready, ring_attention
+from lctrain.attention.ring import check_cu_seqlens, check_qkv, ring_attention
 
 
 def _all_to_all(send: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -119,9 +119,10 @@ def ulysses_attention(
     ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``.
     """
     check_qkv(q, k, v)
-    document_masking_not_ready(cu_seqlens)
+    size = dist.get_world_size(group) if group is not None else 1
+    check_cu_seqlens(cu_seqlens, q.shape[1] * size)  # before any communication
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(q, k, v, None, causal=causal, layout="contiguous", scale=scale)
+        return ring_attention(q, k, v, None, causal=causal, layout="contiguous", scale=scale, cu_seqlens=cu_seqlens)
 
     return attend_head_sharded(q, k, v, group, attend)

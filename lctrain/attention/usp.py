@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.layout import check_layout
-from lctrain.attention.ring import check_qkv, document_masking_not_ready, ring_attention
+from lctrain.attention.ring import check_cu_seqlens, check_qkv, check_zigzag_piece, ring_attention
 from lctrain.attention.ulysses import attend_head_sharded
 
 
@@ -41,10 +41,13 @@ def usp_attention(
     """
     check_qkv(q, k, v)
     check_layout(layout)
-    document_masking_not_ready(cu_seqlens)
     _check_orthogonal(ulysses_group, ring_group)
+    # Every check runs before any communication, so a bad input fails on all ranks instead of hanging some.
+    ulysses_size, ring_size = (dist.get_world_size(g) if g is not None else 1 for g in (ulysses_group, ring_group))
+    check_zigzag_piece(q.shape[1] * ulysses_size, ring_size, layout)
+    check_cu_seqlens(cu_seqlens, q.shape[1] * ulysses_size * ring_size)
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(q, k, v, ring_group, causal=causal, layout=layout, scale=scale)
+        return ring_attention(q, k, v, ring_group, causal=causal, layout=layout, scale=scale, cu_seqlens=cu_seqlens)
 
     return attend_head_sharded(q, k, v, ulysses_group, attend)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import zlib
 from dataclasses import dataclass
 from unittest import mock
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
-from lctrain.attention.kernels import AttentionKernel, reference_attention, resolve_kernel
+from lctrain.attention.kernels import AttentionKernel, resolve_kernel
 from tests.distributed.spawn import run_distributed
+from tests.reference import reference_grads
 
 # (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.
 SPLITS = {
@@ -47,17 +49,29 @@ class Case:
     dtype: torch.dtype
     batch: int = 2
     tokens_per_rank: int = 8
+    documents: str = "one"  # "one" document, or packed: "spanning" (one spans every shard) or "random" lengths
 
     @property
     def seq_len(self) -> int:
         return self.tokens_per_rank * self.ring * self.ulysses
 
+    @property
+    def bounds(self) -> list[int] | None:
+        """cu_seqlens of the packed row (None = one document); includes length-1 documents."""
+        s = self.seq_len
+        if self.documents == "spanning":
+            return [0, 1, 2, s - 3, s - 1, s]
+        if self.documents == "random":
+            rng = random.Random(str(self))
+            return sorted({0, 1, 2, *rng.sample(range(3, s), s // 6), s})
+        return None
+
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
         dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"U{self.ulysses}R{self.ring}-{mask}-{self.layout}-h{self.q_heads}kv{self.kv_heads}d{self.head_dim}-{dtype}"
-        )
+        docs = "" if self.documents == "one" else f"-docs_{self.documents}"
+        heads = f"h{self.q_heads}kv{self.kv_heads}d{self.head_dim}"
+        return f"U{self.ulysses}R{self.ring}-{mask}-{self.layout}-{heads}-{dtype}{docs}"
 
 
 HEADS = [(8, 8, 64), (8, 2, 80)]  # MHA with a power-of-two head_dim; GQA (Hkv < U when U >= 4) with head_dim 80
@@ -68,6 +82,11 @@ CASES = [
     for causal, layout, (hq, hkv, d), dtype in itertools.product(
         (True, False), ("zigzag", "contiguous"), HEADS, (torch.float32, torch.bfloat16)
     )
+] + [  # packed rows: document masking, GQA with head_dim 80, fp32
+    Case(u, r, causal, layout, 8, 2, 80, torch.float32, documents=documents)
+    for world in SPLITS
+    for (u, r) in SPLITS[world]
+    for causal, layout, documents in itertools.product((True, False), ("zigzag", "contiguous"), ("spanning", "random"))
 ]
 
 
@@ -116,8 +135,16 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
 
     q, k, v, dout = (shard(x) for x in make_inputs(case))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu_seqlens = torch.tensor(case.bounds, dtype=torch.int32) if case.bounds is not None else None
     out = usp_attention(
-        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, causal=case.causal, layout=case.layout
+        q,
+        k,
+        v,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
+        causal=case.causal,
+        layout=case.layout,
+        cu_seqlens=cu_seqlens,
     )
     out.backward(dout)
     world = case.ring * case.ulysses
@@ -178,7 +205,7 @@ def bad_input_errors(world: int) -> dict[str, str]:
         "cu_seqlens",
         shapes=[(1, 4, 4, 8)] * 3,
         ring_group=ulysses_group,
-        cu_seqlens=torch.tensor([0, 4 * world], dtype=torch.int32),
+        cu_seqlens=torch.tensor([0, 4 * world + 1], dtype=torch.int32),
     )
     return errors
 
@@ -257,19 +284,12 @@ def results_for(world: int) -> list[dict]:
     return run_distributed(world_job, world, world)
 
 
-def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool) -> list:
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    out = reference_attention(q, k, v, causal=causal)
-    out.backward(dout.double())
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_usp_matches_float64_reference(case: Case) -> None:
     world = case.ring * case.ulysses
     got = results_for(world)[0]["cases"][str(case)]
     q, k, v, dout = make_inputs(case)
-    expected = reference_grads(q, k, v, dout, case.causal)
+    expected = reference_grads(q, k, v, dout, causal=case.causal, bounds=case.bounds)
     if case.dtype == torch.float32:
         tolerances = [dict(atol=1e-5, rtol=0)] + [dict(atol=3e-5, rtol=0)] * 3
     else:
@@ -338,4 +358,7 @@ def test_bad_input_errors_name_the_setting(world: int) -> None:
         assert "2·ring_size·ulysses_size" in errors["odd_zigzag"]
         assert "must be orthogonal" in errors["same_group"]
         assert "layout='striped'" in errors["layout"]
-        assert "cu_seqlens" in errors["cu_seqlens"]
+        assert (
+            f"cu_seqlens ends at {4 * world + 1} but the sharded sequence has {4 * world} tokens"
+            in errors["cu_seqlens"]
+        )

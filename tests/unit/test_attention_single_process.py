@@ -5,6 +5,7 @@ import torch
 
 from lctrain.attention import ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import reference_attention
+from tests.reference import reference_grads
 
 
 @pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
@@ -53,7 +54,33 @@ def test_bad_inputs(shapes, dtypes, message: str) -> None:  # noqa: ANN001
             fn(q, k, v)
 
 
-def test_document_masking_is_not_there_yet() -> None:
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_documents_attend_only_inside_their_document(fn, causal: bool) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, 40, h, 80, generator=gen) for h in (8, 2, 2, 8))
+    bounds = [0, 1, 9, 10, 27, 40]  # includes length-1 documents
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal=causal, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
+    out.backward(dout)
+    expected = reference_grads(q, k, v, dout, causal=causal, bounds=bounds)
+    torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=0)
+    for grad, reference in zip((q.grad, k.grad, v.grad), expected[1:]):
+        torch.testing.assert_close(grad.double(), reference, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens,message",
+    [
+        (torch.tensor([0, 3, 9]), "cu_seqlens ends at 9 but the sharded sequence has 8 tokens"),
+        (torch.tensor([0, 5, 5, 8]), "must start at 0 and strictly increase"),
+        (torch.tensor([1, 8]), "must start at 0"),
+        (torch.tensor([[0, 8]]), "must be a 1-D integer tensor"),
+        (torch.tensor([0.0, 8.0]), "must be a 1-D integer tensor"),
+    ],
+)
+def test_bad_cu_seqlens(cu_seqlens: torch.Tensor, message: str) -> None:
     q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        ring_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32))
+    for fn in (ring_attention, ulysses_attention, usp_attention):
+        with pytest.raises(ValueError, match=message):
+            fn(q, q, q, cu_seqlens=cu_seqlens)
