@@ -7,13 +7,16 @@ Run from the repository root::
 
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
-iterations after ``--warmup`` untimed ones. Peak memory is the growth of a rank's resident set during one extra
-forward + backward. The output is markdown.
+iterations after ``--warmup`` untimed ones. Peak memory is the growth of a rank's resident set during a timed
+forward + backward. Every fused CPU kernel (T1, PyTorch's ring op, DeepSpeed's local SDPA) computes in the dtype
+that lctrain's CPU kernel computes its blocks in, so the comparisons measure the distribution, not PyTorch's bf16
+emulation. The output is markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
-from lctrain.attention.kernels import accumulation_dtype
+from lctrain.attention.kernels import _cpu_compute, accumulation_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory")
@@ -113,27 +116,32 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
-def peak_rss_growth(step: Step) -> int:
-    """Bytes by which the resident set peaks above its level before ``step`` (VmHWM reset via clear_refs)."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    baseline = _status_kib("VmRSS")
-    step()
-    return (_status_kib("VmHWM") - baseline) * 1024
+class PeakRss:
+    """Resets the resident-set high-water mark (VmHWM) on entry; ``growth`` is its rise above the entry VmRSS."""
+
+    def __enter__(self) -> PeakRss:
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        self.baseline = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth = (_status_kib("VmHWM") - self.baseline) * 1024
 
 
 def measure(step: Step, cfg: Config) -> Measurement:
-    """Warm up, time ``cfg.iters`` barrier-aligned iterations, then measure peak memory on one more."""
+    """Warm up, then time ``cfg.iters`` barrier-aligned iterations and take the peak RSS growth over them."""
     for _ in range(cfg.warmup):
         step()
-    times = []
+    times, peak = [], 0
     for _ in range(cfg.iters):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    return Measurement(times, peak_rss_growth(step))
+        with PeakRss() as rss:
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        peak = max(peak, rss.growth)
+    return Measurement(times, peak)
 
 
 def make_inputs(cfg: Config, seq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -156,8 +164,9 @@ def shard(tensors: tuple[Tensor, ...], layout: str) -> tuple[Tensor, ...]:
     return tuple(pieces)
 
 
-def autograd_step(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
-                  ) -> Step:
+def autograd_step(
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
+) -> Step:
     """Forward + backward of ``attend``; the gradients are dropped at the end so no state carries over."""
 
     def step() -> None:
@@ -166,12 +175,16 @@ def autograd_step(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor,
     return step
 
 
-def max_diff(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> float:
-    return max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, float]:
+    """Max abs difference of (out, dq, dk, dv) and the largest magnitude in ours, for out and for the grads."""
+    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs)]
+    sizes = [a.float().abs().max().item() for a in ours]
+    return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
 
 
-def outputs_and_grads(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor,
-                      dout: Tensor) -> tuple[Tensor, ...]:
+def outputs_and_grads(
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
+) -> tuple[Tensor, ...]:
     out = attend(q, k, v)
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
@@ -181,13 +194,29 @@ def outputs_and_grads(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Ten
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Fused causal ``F.scaled_dot_product_attention`` on ``[B, H, S, D]``, computing in the dtype that lctrain's
+    CPU kernel computes its blocks in (``_cpu_compute``: fp32 for half inputs), output in the input dtype."""
+    return F.scaled_dot_product_attention(*_cpu_compute(q, k, v), is_causal=True).to(q.dtype)
+
+
+def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
+    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts its blocks (``_cpu_compute``)."""
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        args = tuple(_cpu_compute(a)[0] if isinstance(a, Tensor) else a for a in args)
+        kwargs = {name: _cpu_compute(a)[0] if isinstance(a, Tensor) else a for name, a in kwargs.items()}
+        return op(*args, **kwargs)
+
+    return run
+
+
 def single_process_sdpa(cfg: Config) -> Measurement:
-    """T1: fused ``F.scaled_dot_product_attention`` (causal) on the whole sequence, ``[B, H, S, D]``."""
+    """T1: fused causal SDPA on the whole sequence, ``[B, H, S, D]``."""
     q, k, v, dout = (t.transpose(1, 2).contiguous() for t in make_inputs(cfg, cfg.seq))
     for t in (q, k, v):
         t.requires_grad_(True)
-    return measure(autograd_step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                 q, k, v, dout), cfg)
+    return measure(autograd_step(causal_sdpa, q, k, v, dout), cfg)
 
 
 def _ring_case(cfg: Config, full: tuple[Tensor, ...], layout: str) -> Measurement:
@@ -202,11 +231,12 @@ def _torch_ring_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
 
     q, k, v, dout = (t.detach().transpose(1, 2).contiguous() for t in shard(full, "zigzag"))  # [B, H, S/P, D]
     group = dist.group.WORLD
-    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    forward_op = cpu_compute_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    backward_op = cpu_compute_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 
     def forward_backward() -> tuple[Tensor, ...]:
         out, lse = cp._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True, dropout_p=0.0)
+        out = out.to(q.dtype)  # the merged output comes back in the op's (compute) dtype
         grads = cp._templated_ring_attention_backward(
             group, 2, backward_op, dout, "grad_out", q, k, v, out, lse, True, dropout_p=0.0
         )
@@ -215,7 +245,7 @@ def _torch_ring_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
     ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *shard(full, "zigzag"))
     theirs = tuple(t.transpose(1, 2) for t in forward_backward())
     result = measure(forward_backward, cfg)
-    result.checks = {"out": max_diff(ours[:1], theirs[:1]), "grads": max_diff(ours[1:], theirs[1:])}
+    result.checks = compare(ours, theirs)
     return result
 
 
@@ -230,12 +260,12 @@ def _deepspeed_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
-    deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
+    with contextlib.redirect_stdout(sys.stderr):  # it announces the CPU op it builds; keep stdout markdown
+        deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
     group = dist.group.WORLD
 
     def local_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, S, H/P, D]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return out.transpose(1, 2)
+        return causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
     attention = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
     q, k, v, dout = shard(full, "contiguous")
@@ -246,7 +276,7 @@ def _deepspeed_case(cfg: Config, full: tuple[Tensor, ...]) -> Measurement:
     ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout)
     theirs = outputs_and_grads(attend, q, k, v, dout)
     result = measure(autograd_step(attend, q, k, v, dout), cfg)
-    result.checks = {"out": max_diff(ours[:1], theirs[:1]), "grads": max_diff(ours[1:], theirs[1:])}
+    result.checks = compare(ours, theirs)
     return result
 
 
@@ -276,7 +306,8 @@ class SendCounter:
 
 
 def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
-    """Peak RSS growth of ``usp_attention`` (ring over all ranks, Ulysses 1) fwd+bwd and bytes sent per rank."""
+    """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
+    growth of a second one."""
     size = dist.get_world_size()
     q, k, v, dout = shard(make_inputs(cfg, seq_per_rank * size), "zigzag")
     group = dist.group.WORLD
@@ -284,20 +315,19 @@ def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return usp_attention(q, k, v, ulysses_group=None, ring_group=group)
 
-    step = autograd_step(attend, q, k, v, dout)
-    for _ in range(cfg.warmup):
-        step()
-    dist.barrier()
-    peak = peak_rss_growth(step)
     counter = SendCounter()
     dist.batch_isend_irecv = counter
-    try:
+    try:  # the counted iteration doubles as the warm-up of the memory measurement
         out = attend(q, k, v)
         forward_sent = counter.sent
         torch.autograd.grad(out, (q, k, v), dout)
     finally:
         dist.batch_isend_irecv = counter.original
-    return {"peak_bytes": peak, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
+    del out
+    with PeakRss() as rss:
+        dist.barrier()
+        autograd_step(attend, q, k, v, dout)()
+    return {"peak_bytes": rss.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,11 +354,19 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def machine_line() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, python {platform.python_version()}, "
-            f"load average at start {load}")
+    return (
+        f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, python {platform.python_version()}, "
+        f"load average at start {load}"
+    )
 
 
 def deepspeed_version() -> str | None:
@@ -338,40 +376,76 @@ def deepspeed_version() -> str | None:
 def report_efficiency(cfg: Config, t1: list[Measurement], results: dict[str, list[Measurement]], ranks: int) -> None:
     base = time_ms(t1)
     rows = [["single-process fused SDPA (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
-    for name, label in (("ring_zigzag", "ours: ring_attention, zigzag (TP)"),
-                        ("ring_contiguous", "ours: ring_attention, contiguous")):
+    for name, label in (
+        ("ring_zigzag", "ours: ring_attention, zigzag (TP)"),
+        ("ring_contiguous", "ours: ring_attention, contiguous"),
+    ):
         tp = time_ms(results[name])
         rows.append([label, str(ranks), f"{tp:.1f}", f"{peak_mib(results[name]):.1f}", f"{base / (ranks * tp):.3f}"])
     print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
     print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
-    print("\nTarget: efficiency ≥ 0.85 for zigzag. Contiguous sharding leaves rank 0 idle after the diagonal block "
-          "under causal masking.")
+    print(
+        "\nTarget: efficiency ≥ 0.85 for zigzag. Contiguous sharding leaves rank 0 idle after the diagonal block "
+        "under causal masking."
+    )
 
 
 def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: int) -> None:
-    pairs = [("ring_zigzag", "ours: ring_attention (zigzag)", "torch_ring",
-              "PyTorch `_templated_ring_attention` (+ `_backward`)")]
+    pairs = [
+        (
+            "ring_zigzag",
+            "ours: ring_attention (zigzag)",
+            "torch_ring",
+            "PyTorch `_templated_ring_attention` (+ `_backward`)",
+        )
+    ]
     version = deepspeed_version()
     if version is not None:
-        pairs.append(("ulysses", "ours: ulysses_attention", "deepspeed",
-                      f"DeepSpeed {version} `DistributedAttention` + SDPA"))
+        pairs.append(
+            ("ulysses", "ours: ulysses_attention", "deepspeed", f"DeepSpeed {version} `DistributedAttention` + SDPA")
+        )
     rows = []
     for ours, ours_label, theirs, theirs_label in pairs:
         a, b = results[ours], results[theirs]
-        rows.append([
-            ours_label, f"{time_ms(a):.1f}", f"{peak_mib(a):.1f}", theirs_label, f"{time_ms(b):.1f}",
-            f"{peak_mib(b):.1f}", f"{time_ms(a) / time_ms(b):.2f}", f"{peak_mib(a) / peak_mib(b):.2f}",
-            f"{check(b, 'out'):.2e} / {check(b, 'grads'):.2e}",
-        ])
+        rows.append(
+            [
+                ours_label,
+                f"{time_ms(a):.1f}",
+                f"{peak_mib(a):.1f}",
+                theirs_label,
+                f"{time_ms(b):.1f}",
+                f"{peak_mib(b):.1f}",
+                f"{time_ms(a) / time_ms(b):.2f}",
+                f"{peak_mib(a) / peak_mib(b):.2f}",
+                f"{check(b, 'out'):.1e} / {check(b, 'grads'):.1e} "
+                f"(max \\|out\\| {check(b, 'out_max'):.2f}, \\|grad\\| {check(b, 'grads_max'):.2f})",
+            ]
+        )
     print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
-    print(table(["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs", "mem ours/theirs",
-                 "max abs diff out / grads"], rows))
+    print(
+        table(
+            [
+                "ours",
+                "ms",
+                "MiB/rank",
+                "theirs",
+                "ms",
+                "MiB/rank",
+                "time ours/theirs",
+                "mem ours/theirs",
+                "max abs diff out / grads",
+            ],
+            rows,
+        )
+    )
     if version is None:
         print("\ndeepspeed not installed (pip install -e .[deepspeed]): the Ulysses row is skipped.")
-    print("\nPyTorch's ring runs with its module defaults: head-tail load balancing (fed our zigzag shards), "
-          "K/V rotated by one all-gather in the forward and all-to-all for dK/dV in the backward, fp32 merging. "
-          "The diffs compare its outputs (and dq, dk, dv) with ours on every rank before timing; DeepSpeed is "
-          "compared with our ulysses_attention the same way.")
+    print(
+        "\nPyTorch's ring runs with its module defaults: head-tail load balancing (fed our zigzag shards), "
+        "K/V rotated by one all-gather in the forward and all-to-all for dK/dV in the backward, fp32 merging. "
+        "The diffs compare its outputs (and dq, dk, dv) with ours on every rank before timing; DeepSpeed is "
+        "compared with our ulysses_attention the same way."
+    )
 
 
 def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
@@ -388,18 +462,35 @@ def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[s
             traffic = ["—", "—", "—", "—"]
         else:
             backward_formula = (ranks - 1) * kv_step + ranks * dkv_step
-            traffic = [f"{forward / (ranks - 1):,.0f}",
-                       f"{kv_step:,}" + (" ✓" if forward == (ranks - 1) * kv_step else " ✗"),
-                       f"{backward:,}", f"{backward_formula:,}" + (" ✓" if backward == backward_formula else " ✗")]
+            traffic = [
+                f"{forward / (ranks - 1):,.0f}",
+                f"{kv_step:,}" + (" ✓" if forward == (ranks - 1) * kv_step else " ✗"),
+                f"{backward:,}",
+                f"{backward_formula:,}" + (" ✓" if backward == backward_formula else " ✗"),
+            ]
         rows.append([str(ranks), str(seq_per_rank * ranks), f"{peak:.1f}", *traffic])
     e, a = element, accumulator
     print(f"\n## 3. Memory scaling at fixed S/P={seq_per_rank} (usp_attention: ring over P ranks, Ulysses 1)\n")
-    print(table(["P", "S", "peak mem/rank (MiB)", "fwd bytes sent/rank/step", f"formula {2 * e}·(S/P)·d_model",
-                 "bwd bytes sent/rank (total)", f"formula (P−1)·{2 * e}·(S/P)·d + P·{2 * a}·(S/P)·d"], rows))
-    print(f"\nd_model = Hkv·D = {d_model}. Forward: P−1 ring steps each send packed K and V ({cfg.dtype}). Backward: "
-          f"P−1 K/V sends plus P sends of the dK/dV accumulators ({accumulation_dtype(DTYPES[cfg.dtype])}); the last "
-          f"one returns them to their owner. No timings here: P>2 oversubscribes {os.cpu_count()} cores. The peak "
-          f"should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers.")
+    print(
+        table(
+            [
+                "P",
+                "S",
+                "peak mem/rank (MiB)",
+                "fwd bytes sent/rank/step",
+                f"formula {2 * e}·(S/P)·d_model",
+                "bwd bytes sent/rank (total)",
+                f"formula (P−1)·{2 * e}·(S/P)·d + P·{2 * a}·(S/P)·d",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nd_model = Hkv·D = {d_model}. Forward: P−1 ring steps each send packed K and V ({cfg.dtype}). Backward: "
+        f"P−1 K/V sends plus P sends of the dK/dV accumulators ({accumulation_dtype(DTYPES[cfg.dtype])}); the last "
+        f"one returns them to their owner. No timings here: P>2 oversubscribes {os.cpu_count()} cores. The peak "
+        f"should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers."
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -429,21 +520,25 @@ def main() -> None:
     cfg = Config(args.seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype, args.warmup, args.iters)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     print("# Attention benchmark\n")
     print(f"- command: `{shlex.join(['python', *sys.argv])}`")
     print(f"- machine: {machine_line()}")
-    print(f"- problem: B={cfg.batch}, Hq={cfg.heads}, Hkv={cfg.kv_heads}, D={cfg.head_dim}, {cfg.dtype}, causal; "
-          f"forward+backward, one thread per rank, {cfg.warmup} warm-up + median of {cfg.iters} timed iterations, "
-          f"time = slowest rank")
+    print(
+        f"- problem: B={cfg.batch}, Hq={cfg.heads}, Hkv={cfg.kv_heads}, D={cfg.head_dim}, {cfg.dtype}, causal; "
+        f"forward+backward, one thread per rank, {cfg.warmup} warm-up + median of {cfg.iters} timed iterations, "
+        f"time = slowest rank"
+    )
     sys.stdout.flush()
 
-    names = []
+    names: list[str] = []
     if "efficiency" in args.only:
         names += ["ring_zigzag", "ring_contiguous"]
     if "baselines" in args.only:
-        names += [n for n in ("ring_zigzag", "torch_ring", "ulysses") if n not in names]
-        names += ["deepspeed"] if deepspeed_version() is not None else []
+        names += [n for n in ("ring_zigzag", "torch_ring") if n not in names]
+        names += ["ulysses", "deepspeed"] if deepspeed_version() is not None else []
+    results: dict[str, list[Measurement]] = {}
     if names:
         per_rank = spawn(parallel_cases, args.ranks, cfg, names)
         results = {name: [r[name] for r in per_rank] for name in names}
@@ -455,12 +550,25 @@ def main() -> None:
         sys.stdout.flush()
     if "memory" in args.only:
         memory_ranks = [int(p) for p in args.memory_ranks.split(",")]
-        report_memory(cfg, args.seq_per_rank, {p: spawn(memory_and_traffic, p, cfg, args.seq_per_rank)
-                                               for p in memory_ranks})
-    print(f"\nPeak memory = VmHWM − VmRSS around one extra forward+backward per rank (VmHWM reset by writing 5 to "
-          f"/proc/self/clear_refs), max over ranks. Every rank runs with MALLOC_MMAP_THRESHOLD_={MALLOC_MMAP_THRESHOLD}"
-          f" so freed large buffers go back to the OS and one phase cannot hide another's memory (timings include "
-          f"that allocator setting for every implementation alike). Total wall time {time.perf_counter() - started:.0f} s.")
+        report_memory(
+            cfg, args.seq_per_rank, {p: spawn(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks}
+        )
+    compute = _cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype]))[0].dtype
+    if compute != DTYPES[cfg.dtype]:
+        print(
+            f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {compute} "
+            f"(`kernels._cpu_compute`); T1, PyTorch's ring op and DeepSpeed's local SDPA get the same cast (inputs, "
+            f"outputs and everything communicated stay {cfg.dtype}), because PyTorch emulates bf16 on CPUs without "
+            f"native bf16 and its bf16 flash backward there is several times slower than fp32."
+        )
+    print(
+        "\nPeak memory = VmHWM − VmRSS around a forward+backward (VmHWM reset by writing 5 to /proc/self/clear_refs "
+        "just before it), max over the timed iterations and over ranks (section 3: one forward+backward after a "
+        f"warm-up one). Every rank runs with MALLOC_MMAP_THRESHOLD_={MALLOC_MMAP_THRESHOLD} so freed large buffers "
+        "go back to the OS and one phase cannot hide another's memory; the timings run with that setting too, "
+        "for every implementation alike."
+    )
+    print(f"\nTotal wall time {time.perf_counter() - started:.0f} s.")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ Backward: K/V travel the same way, followed by their gradient accumulators dK/dV
 rank's contribution and arrive back at their owner after the last step. Each block's gradient is computed with
 the final ``out`` and ``lse``, so it is exact on its own.
 
-Causal blocks that are fully masked are skipped. With ``layout="zigzag"`` (see ``layout.py``) every rank does
-the same work at every step: the diagonal block, then either all queries against the first half of the
+What each step computes comes from ``plan.py``: blocks that the causal mask or the document boundaries
+(``cu_seqlens``) hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one document every
+rank does the same work at every step: the diagonal block, then either all queries against the first half of the
 received keys or the second half of the queries against all received keys.
 """
 
