@@ -1,0 +1,98 @@
+"""Tokenizers: a Hugging Face tokenizer from a local directory, or the embedded default one trained on first use.
+
+The default is a byte-level BPE (vocab 8192, special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>``) trained with the
+``tokenizers`` library on every 4th file of the Python standard library (sorted; the first ~3 MB), which takes a
+few seconds, is deterministic and downloads nothing. It is saved under ``<cache>/tokenizers/<name>``, where
+``<cache>`` is the ``cache_dir`` argument, else ``$LCTRAIN_CACHE``, else ``~/.cache/lctrain``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import Tensor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lctrain.data.sources import read_text_files, stdlib_files
+
+DEFAULT_VOCAB_SIZE = 8192
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+_TRAIN_BYTES = 3_000_000
+
+
+def default_tokenizer_name() -> str:
+    """Names the default tokenizer after the Python version whose standard library it was trained on."""
+    return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bpe{DEFAULT_VOCAB_SIZE}"
+
+
+def _training_texts() -> Iterator[str]:
+    size = 0
+    for example in read_text_files(stdlib_files()[::4]):
+        yield example["text"]
+        size += len(example["text"])
+        if size >= _TRAIN_BYTES:
+            return
+
+
+def train_default_tokenizer() -> PreTrainedTokenizerFast:
+    """Train the default byte-level BPE (a few seconds); the same result on every call."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=DEFAULT_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_texts(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+def default_tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
+    """The directory of the default tokenizer, trained and saved there on first use (safe to race: the first
+    complete directory to be renamed into place wins, and every process trains the same tokenizer)."""
+    cache = Path(cache_dir or os.environ.get("LCTRAIN_CACHE") or Path.home() / ".cache" / "lctrain")
+    target = cache / "tokenizers" / default_tokenizer_name()
+    if (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        train_default_tokenizer().save_pretrained(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "tokenizer.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer`` from a local directory (``None``: the default tokenizer); it must have BOS and EOS."""
+    if path is None:
+        path = default_tokenizer_dir()
+    elif not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer: the directory {str(path)!r} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer: {str(path)!r} has no BOS or EOS token (bos={tokenizer.bos_token!r}, "
+            f"eos={tokenizer.eos_token!r}); every document is framed by both"
+        )
+    return tokenizer
+
+
+def tokenize_documents(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[Tensor]:
+    """One int64 tensor ``[BOS, *tokens, EOS]`` per text."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    encoded = tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False, verbose=False)
+    return [torch.tensor([bos, *ids, eos], dtype=torch.int64) for ids in encoded["input_ids"]]
