@@ -54,6 +54,19 @@ def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
+def _kv_buffers(k: Tensor, v: Tensor, size: int) -> list:
+    """K/V as the ring sends them: one packed ``[2, B, S, Hkv, D]`` buffer plus a receive buffer; a ring of one
+    sends nothing and uses ``(k, v)`` as they are."""
+    if size == 1:
+        return [(k, v)]
+    packed = torch.stack([k, v])
+    return [packed, torch.empty_like(packed)]
+
+
+def _covers(block: Block, seq_len: int) -> bool:
+    return block.rows == slice(0, seq_len)
+
+
 def _ring_forward(
     q: Tensor,
     k: Tensor,
@@ -68,11 +81,8 @@ def _ring_forward(
     exchange = _RingExchange(group) if size > 1 else None
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
-    kv_buffers = [torch.stack([k, v])]  # [2, B, S, Hkv, D]
-    if size > 1:
-        kv_buffers.append(torch.empty_like(kv_buffers[0]))
+    out = lse = None
+    kv_buffers = _kv_buffers(k, v, size)
     for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
         pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < size else []
@@ -80,9 +90,25 @@ def _ring_forward(
             out_block, lse_block = kernel.forward(
                 q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols], causal=block.causal, scale=scale
             )
+            if out is None and _covers(block, seq_len):  # a first block over every row starts the accumulators
+                out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
+                continue
+            if out is None:
+                out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+                lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
         _wait(pending)
     return out.to(q.dtype), lse
+
+
+def _accumulate(acc: Tensor | None, index: slice, grad: Tensor, like: Tensor, acc_dtype: torch.dtype) -> Tensor:
+    """``acc[:, index] += grad``; the first gradient that covers the whole sequence becomes the accumulator."""
+    if acc is None:
+        if index == slice(0, like.shape[1]):
+            return grad.to(acc_dtype)
+        acc = torch.zeros(like.shape, dtype=acc_dtype, device=like.device)
+    acc[:, index] += grad
+    return acc
 
 
 def _ring_backward(
@@ -99,14 +125,30 @@ def _ring_backward(
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
     size = len(plan)
-    exchange = _RingExchange(group) if size > 1 else None
     acc_dtype = lse.dtype
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    kv_buffers = [torch.stack([k, v])]  # [2, B, S, Hkv, D]
+    kv_buffers = _kv_buffers(k, v, size)
+    dq = None
+    if size == 1:  # nothing travels: gradients go straight into local accumulators
+        dk = dv = None
+        for block in plan[0]:
+            dq_block, dk_block, dv_block = kernel.backward(
+                dout[:, block.rows],
+                q[:, block.rows],
+                k[:, block.cols],
+                v[:, block.cols],
+                out[:, block.rows],
+                lse[:, :, block.rows],
+                causal=block.causal,
+                scale=scale,
+            )
+            dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
+            dk = _accumulate(dk, block.cols, dk_block, k, acc_dtype)
+            dv = _accumulate(dv, block.cols, dv_block, v, acc_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    exchange = _RingExchange(group)
     dkv_buffers = [torch.zeros(kv_buffers[0].shape, dtype=acc_dtype, device=q.device)]  # travels with K/V
-    if size > 1:
-        kv_buffers.append(torch.empty_like(kv_buffers[0]))
-        dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
+    dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
     dkv_pending: list[dist.Work] = []
     for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
@@ -123,18 +165,17 @@ def _ring_backward(
                 causal=block.causal,
                 scale=scale,
             )
-            dq[:, block.rows] += dq_block
+            dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
             dkv_blocks.append((block.cols, dk_block, dv_block))
         _wait(dkv_pending)  # the accumulator for the K/V piece we hold now, from the previous rank
         dkv = dkv_buffers[step % 2]
         for cols, dk_block, dv_block in dkv_blocks:
             dkv[0][:, cols] += dk_block
             dkv[1][:, cols] += dv_block
-        if size > 1:  # pass it on; after the last step it reaches the piece's owner
-            dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2])
+        dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2])  # after the last step: back to the owner
         _wait(kv_pending)
     _wait(dkv_pending)
-    dkv = dkv_buffers[size % 2] if size > 1 else dkv_buffers[0]  # where the last transfer delivered it
+    dkv = dkv_buffers[size % 2]  # where the last transfer delivered it
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
