@@ -22,13 +22,10 @@ import gc
 import importlib.metadata
 import importlib.util
 import os
-import pickle
 import platform
 import shlex
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,12 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor
 
 from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
 from lctrain.attention.kernels import _cpu_compute, accumulation_dtype
+from lctrain.parallel.spawn import run_distributed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory")
@@ -73,36 +70,6 @@ class Measurement:
     times: list[float]
     peak_bytes: int
     checks: dict[str, float] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Process launcher
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        result = fn(*args)
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh single-threaded gloo processes; return each rank's result."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
-        return [pickle.loads((Path(out_dir) / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -558,7 +525,7 @@ def main() -> None:
         names += ["ulysses", "deepspeed"] if deepspeed_version() is not None else []
     results: dict[str, list[Measurement]] = {}
     if names:
-        per_rank = spawn(parallel_cases, args.ranks, cfg, names)
+        per_rank = run_distributed(parallel_cases, args.ranks, cfg, names)
         results = {name: [r[name] for r in per_rank] for name in names}
     if "efficiency" in args.only:
         report_efficiency(cfg, results, args.ranks)
@@ -569,7 +536,9 @@ def main() -> None:
     if "memory" in args.only:
         memory_ranks = [int(p) for p in args.memory_ranks.split(",")]
         report_memory(
-            cfg, args.seq_per_rank, {p: spawn(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks}
+            cfg,
+            args.seq_per_rank,
+            {p: run_distributed(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks},
         )
     compute = _cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype]))[0].dtype
     if compute != DTYPES[cfg.dtype]:

@@ -1,4 +1,4 @@
-"""The one helper that runs a function on a spawned group of gloo processes on CPU."""
+"""Run a function on a freshly spawned group of gloo processes on CPU: the one helper tests and benchmarks use."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"  # in this child only: one thread per rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -35,7 +35,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned processes in one gloo group; return each rank's result.
+    """Run ``fn(*args)`` on ``world_size`` spawned single-threaded processes in one gloo group (TCP on loopback);
+    return each rank's result.
 
     ``fn`` must be importable (module level) and its result picklable. An exception on any rank fails the call
     with that rank's traceback.
