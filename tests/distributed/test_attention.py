@@ -49,7 +49,8 @@ class Case:
     dtype: torch.dtype
     batch: int = 2
     tokens_per_rank: int = 8
-    documents: str = "one"  # "one" document, or packed: "spanning" (one spans every shard) or "random" lengths
+    # "one" document, or packed: "spanning" (one spans every shard), "random" lengths or "short" (4 tokens each)
+    documents: str = "one"
 
     @property
     def seq_len(self) -> int:
@@ -61,6 +62,8 @@ class Case:
         s = self.seq_len
         if self.documents == "spanning":
             return [0, 1, 2, s - 3, s - 1, s]
+        if self.documents == "short":
+            return list(range(0, s + 1, 4))
         if self.documents == "random":
             rng = random.Random(str(self))
             return sorted({0, 1, 2, *rng.sample(range(3, s), s // 6), s})
@@ -174,9 +177,13 @@ class CountingKernel:
         return AttentionKernel(f"counting_{inner.name}", forward, backward)
 
 
-def count_kernel_calls(ring: int, layout: str, causal: bool, seq_len: int) -> list[tuple[str, int, int, bool]]:
+def count_kernel_calls(
+    ring: int, layout: str, causal: bool, seq_len: int, documents: str = "one"
+) -> list[tuple[str, int, int, bool]]:
     """This rank's kernel calls in one fwd+bwd of pure ring attention (ulysses 1)."""
-    case = Case(1, ring, causal, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=seq_len // ring)
+    case = Case(
+        1, ring, causal, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=seq_len // ring, documents=documents
+    )
     counter = CountingKernel()
     with mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve):
         run_usp(case, *_groups(ring, 1))
@@ -267,6 +274,7 @@ def world_job(world: int) -> dict:
             for layout in ("zigzag", "contiguous")
             for causal in (True, False)
         }
+        results["calls"]["zigzag", True, "short"] = count_kernel_calls(world, "zigzag", True, 16 * world, "short")
     if world == 8:
         results["bf16_growth"] = {
             (u, r, round_blocks): run_bf16_growth(u, r, round_blocks)
@@ -338,6 +346,16 @@ def test_zigzag_balances_causal_work(world: int) -> None:
     # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
     full_work = 2 * world * (16 * world // world) ** 2
     assert _work(per_rank[0]) < 0.6 * full_work
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_documents_skip_blocks_no_query_can_see(world: int) -> None:
+    """Documents of 4 tokens never cross a zigzag chunk (8 tokens): each rank computes its 2 + 2 documents at
+    step 0, as causal 4x4 squares, and nothing at the R - 1 later steps."""
+    for rank_result in results_for(world):
+        calls = rank_result["calls"][("zigzag", True, "short")]
+        assert sorted(calls) == sorted([("fwd", 4, 4, True)] * 4 + [("bwd", 4, 4, True)] * 4)
+        assert _work(rank_result["calls"][("zigzag", True)]) == 4 * world * _work(calls)  # 1/(4R) of the work
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
