@@ -3,8 +3,9 @@
     python scripts/count_document_skipping.py [--seq 131072] [--ring 8]
 
 For a packed causal row on a zigzag ring, it prints, per document length, the kernel calls and the query×key
-pairs the busiest rank computes over all ring steps, against the same row treated as one document. Skipped blocks
-are never computed; the counts are what ``ring_attention`` executes (it runs exactly these blocks).
+pairs the busiest rank computes over all ring steps, and how many ring steps run (trailing steps that no rank
+needs are dropped, with their K/V transfers), against the same row treated as one document. Skipped blocks are
+never computed; the counts are what ``ring_attention`` executes (it runs exactly these blocks).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ def pairs(block: Block) -> int:
     return rows * (rows + 1) // 2 if block.causal else rows * cols
 
 
-def busiest_rank(ring: int, piece_len: int, bounds: list[int] | None) -> tuple[int, int, int]:
-    """(kernel calls, query×key pairs, ring steps with any work) of the rank with the most pairs."""
+def busiest_rank(ring: int, piece_len: int, bounds: list[int] | None) -> tuple[int, int, int, int]:
+    """(kernel calls, query×key pairs, steps with work, steps run) of the rank with the most pairs."""
     per_rank = []
     for rank in range(ring):
         plan = plan_ring(rank, ring, piece_len, causal=True, layout="zigzag", cu_seqlens=bounds)
         blocks = [b for step in plan for b in step]
-        per_rank.append((len(blocks), sum(pairs(b) for b in blocks), sum(1 for step in plan if step)))
+        per_rank.append((len(blocks), sum(pairs(b) for b in blocks), sum(1 for step in plan if step), len(plan)))
     return max(per_rank, key=lambda counts: counts[1])
 
 
@@ -43,12 +44,15 @@ def main() -> None:
     cuts = sorted(rng.sample(range(1, args.seq), 200))
     rows["200 random cuts"] = [0, *cuts, args.seq]
     print(f"S={args.seq}, zigzag ring R={args.ring}, causal; busiest rank, forward (backward runs the same blocks)")
-    print("| row | kernel calls | steps with work | query×key pairs | fraction of one-document work |")
-    print("|---|---|---|---|---|")
+    print(
+        "| row | kernel calls | steps with work | ring steps run (K/V sent steps − 1 times) | query×key pairs | "
+        "fraction of one-document work |"
+    )
+    print("|---|---|---|---|---|---|")
     dense = busiest_rank(args.ring, piece_len, None)[1]
     for name, bounds in rows.items():
-        calls, work, steps = busiest_rank(args.ring, piece_len, bounds)
-        print(f"| {name} | {calls} | {steps}/{args.ring} | {work:.3e} | {work / dense:.4f} |")
+        calls, work, busy, run = busiest_rank(args.ring, piece_len, bounds)
+        print(f"| {name} | {calls} | {busy} | {run}/{args.ring} | {work:.3e} | {work / dense:.4f} |")
 
 
 if __name__ == "__main__":

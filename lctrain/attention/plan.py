@@ -85,16 +85,27 @@ def _document_blocks(queries: Chunk, keys: Chunk, bounds: Sequence[int], *, caus
 def plan_ring(
     rank: int, size: int, piece_len: int, *, causal: bool, layout: str, cu_seqlens: Sequence[int] | None = None
 ) -> list[list[Block]]:
-    """The blocks ring rank ``rank`` computes at each of the ``size`` steps (an empty list = the step is skipped).
+    """The blocks ring rank ``rank`` computes at each ring step (an empty list = nothing to compute at that step).
 
     ``cu_seqlens`` are the document boundaries of the global sequence (``size * piece_len`` tokens), or None for
-    one document. The same plan drives the forward and the backward pass.
+    one document. With documents, the steps after the last one at which *any* rank computes something are dropped
+    (every rank gets the same number of steps), so K/V stop travelling once no rank needs them; a row whose
+    documents never cross a rank's piece runs one step and communicates nothing. The same plan drives the forward
+    and the backward pass.
     """
     if cu_seqlens is None:
         return [_dense_block(step, rank, size, piece_len, causal=causal, layout=layout) for step in range(size)]
+    plans = [_document_plan(r, size, piece_len, causal=causal, layout=layout, bounds=cu_seqlens) for r in range(size)]
+    steps = 1 + max(step for plan in plans for step, blocks in enumerate(plan) if blocks)
+    return plans[rank][:steps]
+
+
+def _document_plan(
+    rank: int, size: int, piece_len: int, *, causal: bool, layout: str, bounds: Sequence[int]
+) -> list[list[Block]]:
     local = piece_chunks(rank, size, piece_len, layout)
     plan = []
     for step in range(size):
         remote = piece_chunks((rank - step) % size, size, piece_len, layout)
-        plan.append([b for q in local for k in remote for b in _document_blocks(q, k, cu_seqlens, causal=causal)])
+        plan.append([b for q in local for k in remote for b in _document_blocks(q, k, bounds, causal=causal)])
     return plan

@@ -6,7 +6,8 @@ the send/receive for step ``s + 1`` (double buffers, ``batch_isend_irecv``) befo
 transfer overlaps the block computation. Partial results are merged with the online-softmax rule in fp32.
 
 Backward: K/V travel the same way, followed by their gradient accumulators dK/dV (fp32), which collect each
-rank's contribution and arrive back at their owner after the last step. Each block's gradient is computed with
+rank's contribution and go back to their owner after the last step (directly, when the plan stops the ring early
+because no rank needs the remaining steps). Each block's gradient is computed with
 the final ``out`` and ``lse``, so it is exact on its own.
 
 What each step computes comes from ``plan.py``: blocks that the causal mask or the document boundaries
@@ -28,19 +29,19 @@ from lctrain.attention.plan import Block, plan_ring
 
 
 class _RingExchange:
-    """Sends a buffer to the next ring rank while receiving the same-shaped buffer from the previous one."""
+    """Sends a buffer ``offset`` ranks ahead on the ring while receiving one from ``offset`` ranks behind."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
-        self.send_to = dist.get_global_rank(group, (rank + 1) % size)
-        self.receive_from = dist.get_global_rank(group, (rank - 1) % size)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def start(self, send: Tensor, receive: Tensor) -> list[dist.Work]:
+    def start(self, send: Tensor, receive: Tensor, offset: int = 1) -> list[dist.Work]:
+        send_to = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+        receive_from = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
         return dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, send, self.send_to, self.group),
-                dist.P2POp(dist.irecv, receive, self.receive_from, self.group),
+                dist.P2POp(dist.isend, send, send_to, self.group),
+                dist.P2POp(dist.irecv, receive, receive_from, self.group),
             ]
         )
 
@@ -54,10 +55,10 @@ def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def _kv_buffers(k: Tensor, v: Tensor, size: int) -> list:
-    """K/V as the ring sends them: one packed ``[2, B, S, Hkv, D]`` buffer plus a receive buffer; a ring of one
-    sends nothing and uses ``(k, v)`` as they are."""
-    if size == 1:
+def _kv_buffers(k: Tensor, v: Tensor, steps: int) -> list:
+    """K/V as the ring sends them: one packed ``[2, B, S, Hkv, D]`` buffer plus a receive buffer; a plan of one
+    step sends nothing and uses ``(k, v)`` as they are."""
+    if steps == 1:
         return [(k, v)]
     packed = torch.stack([k, v])
     return [packed, torch.empty_like(packed)]
@@ -77,15 +78,15 @@ def _ring_forward(
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor]:
-    size = len(plan)
-    exchange = _RingExchange(group) if size > 1 else None
+    steps = len(plan)
+    exchange = _RingExchange(group) if steps > 1 else None
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
     out = lse = None
-    kv_buffers = _kv_buffers(k, v, size)
+    kv_buffers = _kv_buffers(k, v, steps)
     for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
-        pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < size else []
+        pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < steps else []
         for block in blocks:
             out_block, lse_block = kernel.forward(
                 q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols], causal=block.causal, scale=scale
@@ -124,11 +125,11 @@ def _ring_backward(
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    size = len(plan)
+    steps = len(plan)
     acc_dtype = lse.dtype
-    kv_buffers = _kv_buffers(k, v, size)
+    kv_buffers = _kv_buffers(k, v, steps)
     dq = None
-    if size == 1:  # nothing travels: gradients go straight into local accumulators
+    if steps == 1:  # nothing travels: gradients go straight into local accumulators
         dk = dv = None
         for block in plan[0]:
             dq_block, dk_block, dv_block = kernel.backward(
@@ -152,7 +153,7 @@ def _ring_backward(
     dkv_pending: list[dist.Work] = []
     for step, blocks in enumerate(plan):
         kv = kv_buffers[step % 2]
-        kv_pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < size else []
+        kv_pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < steps else []
         dkv_blocks = []
         for block in blocks:
             dq_block, dk_block, dv_block = kernel.backward(
@@ -172,10 +173,12 @@ def _ring_backward(
         for cols, dk_block, dv_block in dkv_blocks:
             dkv[0][:, cols] += dk_block
             dkv[1][:, cols] += dv_block
-        dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2])  # after the last step: back to the owner
+        # Pass it on to the rank that holds this K/V next; after the last step, straight back to its owner.
+        offset = 1 if step + 1 < steps else -step
+        dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2], offset)
         _wait(kv_pending)
     _wait(dkv_pending)
-    dkv = dkv_buffers[size % 2]  # where the last transfer delivered it
+    dkv = dkv_buffers[steps % 2]  # where the last transfer delivered it
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

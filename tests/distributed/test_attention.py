@@ -179,15 +179,19 @@ class CountingKernel:
 
 def count_kernel_calls(
     ring: int, layout: str, causal: bool, seq_len: int, documents: str = "one"
-) -> list[tuple[str, int, int, bool]]:
-    """This rank's kernel calls in one fwd+bwd of pure ring attention (ulysses 1)."""
+) -> tuple[list[tuple[str, int, int, bool]], int]:
+    """This rank's kernel calls in one fwd+bwd of pure ring attention (ulysses 1), and its P2P exchanges."""
     case = Case(
         1, ring, causal, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=seq_len // ring, documents=documents
     )
     counter = CountingKernel()
-    with mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve):
-        run_usp(case, *_groups(ring, 1))
-    return counter.calls
+    groups = _groups(ring, 1)
+    with (
+        mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve),
+        mock.patch.object(dist, "batch_isend_irecv", wraps=dist.batch_isend_irecv) as exchanges,
+    ):
+        run_usp(case, *groups)
+    return counter.calls, exchanges.call_count
 
 
 def bad_input_errors(world: int) -> dict[str, str]:
@@ -269,12 +273,13 @@ def world_job(world: int) -> dict:
                 results["cases"][str(case)] = run_usp(case, *groups)
     if world > 1:
         results["errors"] = bad_input_errors(world)
-        results["calls"] = {
-            (layout, causal): count_kernel_calls(world, layout, causal, seq_len=16 * world)
-            for layout in ("zigzag", "contiguous")
-            for causal in (True, False)
-        }
-        results["calls"]["zigzag", True, "short"] = count_kernel_calls(world, "zigzag", True, 16 * world, "short")
+        results["calls"], results["exchanges"] = {}, {}
+        cases = [(layout, causal, "one") for layout in ("zigzag", "contiguous") for causal in (True, False)]
+        for layout, causal, documents in [*cases, ("zigzag", True, "short")]:
+            key = (layout, causal) if documents == "one" else (layout, causal, documents)
+            results["calls"][key], results["exchanges"][key] = count_kernel_calls(
+                world, layout, causal, 16 * world, documents
+            )
     if world == 8:
         results["bf16_growth"] = {
             (u, r, round_blocks): run_bf16_growth(u, r, round_blocks)
@@ -342,6 +347,8 @@ def _work(calls: list[tuple[str, int, int, bool]]) -> float:
 def test_zigzag_balances_causal_work(world: int) -> None:
     per_rank = [rank_result["calls"][("zigzag", True)] for rank_result in results_for(world)]
     assert all(len(calls) == 2 * world for calls in per_rank)  # one fwd and one bwd call per ring step
+    # K/V move R - 1 times in each pass, dK/dV R times in the backward
+    assert all(rank_result["exchanges"][("zigzag", True)] == 3 * world - 2 for rank_result in results_for(world))
     assert len({_work(calls) for calls in per_rank}) == 1
     # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
     full_work = 2 * world * (16 * world // world) ** 2
@@ -351,11 +358,12 @@ def test_zigzag_balances_causal_work(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_documents_skip_blocks_no_query_can_see(world: int) -> None:
     """Documents of 4 tokens never cross a zigzag chunk (8 tokens): each rank computes its 2 + 2 documents at
-    step 0, as causal 4x4 squares, and nothing at the R - 1 later steps."""
+    step 0, as causal 4x4 squares, and the ring stops there: no K/V is sent at all."""
     for rank_result in results_for(world):
         calls = rank_result["calls"][("zigzag", True, "short")]
         assert sorted(calls) == sorted([("fwd", 4, 4, True)] * 4 + [("bwd", 4, 4, True)] * 4)
         assert _work(rank_result["calls"][("zigzag", True)]) == 4 * world * _work(calls)  # 1/(4R) of the work
+        assert rank_result["exchanges"][("zigzag", True, "short")] == 0  # no rank needs another's K/V
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
