@@ -1,0 +1,77 @@
+"""The 4D device mesh: pipeline × data × ring × Ulysses (DESIGN.md §3).
+
+Axes, outermost to innermost: ``pp``, ``dp``, ``ring``, ``ulysses``. Ulysses is innermost so a Ulysses group is
+made of adjacent ranks (one node, fast all-to-all); the ring spans nodes. Flattened sub-meshes:
+
+- ``cp`` = ring × ulysses: the ranks that share one sequence (context parallelism; same batch, same parameters).
+- ``dp_cp`` = dp × ring × ulysses: the ranks FSDP shards parameters over, and the ranks the loss's token count and
+  the gradients are reduced over (context-parallel ranks hold the same parameters, so they take part in sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lctrain.attention.layout import sequence_divisor
+
+AXES = ("pp", "dp", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel degrees; their product must equal the world size."""
+
+    pp: int = 1
+    dp: int = 1
+    ring: int = 1
+    ulysses: int = 1
+
+    def check(
+        self,
+        world_size: int,
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        seq_len: int | None = None,
+        layout: str = "zigzag",
+    ) -> None:
+        """Raise one clear error for degrees that cannot run: call it before any process group work."""
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+        product = self.pp * self.dp * self.ring * self.ulysses
+        if product != world_size:
+            raise ValueError(
+                f"pp x dp x ring x ulysses = {self.pp} x {self.dp} x {self.ring} x {self.ulysses} = {product}, but "
+                f"the job has {world_size} processes: make the degrees multiply to the world size"
+            )
+        if num_heads is not None and num_heads % self.ulysses:
+            raise ValueError(
+                f"parallel.ulysses={self.ulysses} does not divide the model's {num_heads} attention heads: choose a "
+                f"ulysses degree that divides {num_heads} and move the rest to parallel.ring"
+            )
+        if num_kv_heads is not None and num_kv_heads % self.ulysses and self.ulysses % num_kv_heads:
+            raise ValueError(
+                f"parallel.ulysses={self.ulysses} and the model's {num_kv_heads} key/value heads: one must divide "
+                f"the other; choose another ulysses degree"
+            )
+        if seq_len is not None:
+            divisor = sequence_divisor(layout, self.ring, self.ulysses)
+            if seq_len % divisor:
+                raise ValueError(
+                    f"seq_len={seq_len} is not divisible by {divisor} "
+                    f"({'2·' if layout == 'zigzag' else ''}ring·ulysses for layout={layout!r}): use a multiple of "
+                    f"{divisor}"
+                )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 4D mesh with dims ``AXES`` plus the flattened ``cp`` and ``dp_cp`` sub-meshes (module docstring).
+
+        The default process group must be initialised; every rank must call this.
+        """
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.ring, self.ulysses), mesh_dim_names=AXES)
+        mesh["ring", "ulysses"]._flatten("cp")
+        mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
+        return mesh

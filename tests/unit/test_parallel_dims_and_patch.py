@@ -1,0 +1,58 @@
+"""ParallelDims checks and the patched attention's refusals (the parity itself: tests/distributed)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from lctrain.models import patch_attention
+from lctrain.parallel.dims import ParallelDims
+
+
+def test_degrees_must_multiply_to_the_world_size() -> None:
+    ParallelDims(pp=1, dp=2, ring=2, ulysses=2).check(8, num_heads=8, num_kv_heads=2, seq_len=64)
+    with pytest.raises(ValueError, match=r"pp x dp x ring x ulysses = 1 x 2 x 2 x 1 = 4, but the job has 8"):
+        ParallelDims(dp=2, ring=2).check(8)
+    with pytest.raises(ValueError, match="parallel.ring=0 must be >= 1"):
+        ParallelDims(ring=0).check(1)
+
+
+def test_model_and_sequence_checks_name_the_setting() -> None:
+    with pytest.raises(ValueError, match="parallel.ulysses=4 does not divide the model's 6 attention heads"):
+        ParallelDims(ulysses=4).check(4, num_heads=6)
+    with pytest.raises(ValueError, match="parallel.ulysses=4 and the model's 3 key/value heads"):
+        ParallelDims(ulysses=4).check(4, num_heads=12, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 8 \(2·ring·ulysses"):
+        ParallelDims(ring=2, ulysses=2).check(4, seq_len=100)
+    ParallelDims(ring=2, ulysses=2).check(4, seq_len=100 - 100 % 4, layout="contiguous")
+
+
+def tiny(model_cls, config_cls, **overrides):  # noqa: ANN001, ANN003, ANN201
+    config = config_cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        **overrides,
+    )
+    return model_cls(config)
+
+
+def test_patched_model_refuses_what_it_cannot_do_exactly() -> None:
+    ids = torch.randint(0, 50, (1, 16))
+    model = tiny(LlamaForCausalLM, LlamaConfig, attention_dropout=0.1)
+    patch_attention(model, ulysses_group=None, ring_group=None)
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout=0.1 is not supported"):
+        model(input_ids=ids)
+    mistral = tiny(MistralForCausalLM, MistralConfig, sliding_window=8)
+    patch_attention(mistral, ulysses_group=None, ring_group=None)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        mistral(input_ids=ids)
+
+
+def test_patch_selects_the_registered_implementation() -> None:
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    name = patch_attention(model, ulysses_group=None, ring_group=None, layout="contiguous")
+    assert model.config._attn_implementation == name == "lctrain_usp:contiguous:none:none"
