@@ -64,10 +64,6 @@ def _kv_buffers(k: Tensor, v: Tensor, steps: int) -> list:
     return [packed, torch.empty_like(packed)]
 
 
-def _covers(block: Block, seq_len: int) -> bool:
-    return block.rows == slice(0, seq_len)
-
-
 def _ring_forward(
     q: Tensor,
     k: Tensor,
@@ -91,7 +87,7 @@ def _ring_forward(
             out_block, lse_block = kernel.forward(
                 q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols], causal=block.causal, scale=scale
             )
-            if out is None and _covers(block, seq_len):  # a first block over every row starts the accumulators
+            if out is None and block.rows == slice(0, seq_len):  # a first block over every row starts the accumulators
                 out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
                 continue
             if out is None:
