@@ -32,13 +32,20 @@ KernelForward = Callable[..., tuple[Tensor, Tensor]]
 KernelBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
-    """A blockwise attention kernel: a name and its forward/backward functions (signatures in the module doc)."""
+    """A blockwise attention kernel: a name, its forward/backward functions (signatures in the module doc), and
+    the dtype it computes in for a given input dtype (callers that keep tensors for the backward may keep them in
+    that dtype to save the kernel a conversion)."""
 
     name: str
     forward: KernelForward
     backward: KernelBackward
+    compute_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,10 +138,14 @@ def _bhsd(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)  # [B, S, H, D] <-> [B, H, S, D]
 
 
-def _cpu_compute(*tensors: Tensor) -> tuple[Tensor, ...]:
+def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision blocks run in fp32 on CPU: PyTorch's CPU flash kernels emulate bf16 on CPUs without native
     bf16 (the backward 6-7x slower than fp32 on an AVX2 EPYC) and fp32 keeps each block's result unrounded."""
-    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _cpu_compute(*tensors: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.to(_cpu_compute_dtype(t.dtype)) for t in tensors)
 
 
 def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -153,7 +164,7 @@ def _cpu_backward(
     return _bhsd(dq, dk, dv)
 
 
-TORCH_CPU_FLASH = AttentionKernel("torch_cpu_flash", _cpu_forward, _cpu_backward)
+TORCH_CPU_FLASH = AttentionKernel("torch_cpu_flash", _cpu_forward, _cpu_backward, _cpu_compute_dtype)
 
 
 def _repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

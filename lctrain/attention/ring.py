@@ -182,10 +182,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plan, scale):  # noqa: ANN001, ANN205 (autograd signature)
         kernel = resolve_kernel(q.device, q.dtype)
+        input_dtype = q.dtype
+        if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
+            q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
         out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel)
-        return out
+        ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
+        return out.to(input_dtype)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
@@ -203,7 +206,8 @@ class _RingAttention(torch.autograd.Function):
             scale=options["scale"],
             kernel=options["kernel"],
         )
-        return dq, dk, dv, None, None, None
+        dtype = options["input_dtype"]
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
