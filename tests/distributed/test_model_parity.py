@@ -2,7 +2,8 @@
 
 Every rank holds the full model (same seed) and its zigzag shard of one packed row (input ids, global position
 ids, labels shifted on the global row); ``cu_seq_lens_q`` carries the document boundaries. The loss is the
-token-summed cross-entropy divided by the number of valid tokens over the context-parallel group, and the
+token-summed cross-entropy (``chunked_cross_entropy``) divided by the number of valid tokens over the
+context-parallel group, and the
 gradients are summed over that group (each rank's are partial sums over its tokens). The reference runs the plain
 model (sdpa attention) on each document separately. Tolerances (fp32): loss within 1e-5 relative; every parameter
 gradient within 1e-5 absolute + 1e-4 relative.
@@ -23,6 +24,7 @@ from lctrain.attention import shard_sequence
 from lctrain.models import patch_attention
 from lctrain.parallel.dims import ParallelDims
 from lctrain.parallel.spawn import run_distributed
+from lctrain.train.loss import chunked_cross_entropy
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -85,16 +87,16 @@ def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str,
         ulysses_size=ulysses,
     )
     shard = functools.partial(shard_sequence, dim=1, **coords)
-    logits = model(
+    hidden = model.model(
         input_ids=shard(input_ids),
         position_ids=shard(position_ids),
         cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32),
-    ).logits
-    local_labels = shard(labels)
+    ).last_hidden_state
+    # the chunked loss on this rank's tokens (5 at a time), divided by the valid tokens of the whole row
+    local_sum, tokens = chunked_cross_entropy(hidden, model.lm_head.weight, shard(labels), chunk_tokens=5)
     cp_group = mesh["cp"].get_group()
-    tokens = (local_labels != -100).sum()
-    dist.all_reduce(tokens, group=cp_group)  # valid tokens of the whole row
-    loss = loss_sum(logits, local_labels) / tokens
+    dist.all_reduce(tokens, group=cp_group)
+    loss = local_sum / tokens
     loss.backward()
     reported = loss.detach().clone()
     dist.all_reduce(reported, group=cp_group)

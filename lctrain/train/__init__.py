@@ -1,0 +1,1 @@
+"""Training: the loss (the loop, optimizer, checkpoints and metrics arrive with the trainer)."""
