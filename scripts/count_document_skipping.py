@@ -25,7 +25,9 @@ def busiest_rank(ring: int, piece_len: int, bounds: list[int] | None) -> tuple[i
     """(kernel calls, query×key pairs, steps with work, steps run) of the rank with the most pairs."""
     per_rank = []
     for rank in range(ring):
-        plan = plan_ring(rank, ring, piece_len, causal=True, layout="zigzag", cu_seqlens=bounds)
+        plan = plan_ring(
+            rank, ring, piece_len, causal=True, layout="zigzag", cu_seqlens=None if bounds is None else tuple(bounds)
+        )
         blocks = [b for step in plan for b in step]
         per_rank.append((len(blocks), sum(pairs(b) for b in blocks), sum(1 for step in plan if step), len(plan)))
     return max(per_rank, key=lambda counts: counts[1])

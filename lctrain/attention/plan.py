@@ -13,6 +13,7 @@ mask). Every pair of chunks a causal mask hides, and every document that stays i
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,22 +83,25 @@ def _document_blocks(queries: Chunk, keys: Chunk, bounds: Sequence[int], *, caus
     return blocks
 
 
+@functools.lru_cache(maxsize=64)
 def plan_ring(
-    rank: int, size: int, piece_len: int, *, causal: bool, layout: str, cu_seqlens: Sequence[int] | None = None
-) -> list[list[Block]]:
+    rank: int, size: int, piece_len: int, *, causal: bool, layout: str, cu_seqlens: tuple[int, ...] | None = None
+) -> tuple[tuple[Block, ...], ...]:
     """The blocks ring rank ``rank`` computes at each ring step (an empty list = nothing to compute at that step).
 
     ``cu_seqlens`` are the document boundaries of the global sequence (``size * piece_len`` tokens), or None for
     one document. With documents, the steps after the last one at which *any* rank computes something are dropped
     (every rank gets the same number of steps), so K/V stop travelling once no rank needs them; a row whose
     documents never cross a rank's piece runs one step and communicates nothing. The same plan drives the forward
-    and the backward pass.
+    and the backward pass, and every layer of a model sees the same row: plans are cached.
     """
     if cu_seqlens is None:
-        return [_dense_block(step, rank, size, piece_len, causal=causal, layout=layout) for step in range(size)]
+        return tuple(
+            tuple(_dense_block(step, rank, size, piece_len, causal=causal, layout=layout)) for step in range(size)
+        )
     plans = [_document_plan(r, size, piece_len, causal=causal, layout=layout, bounds=cu_seqlens) for r in range(size)]
     steps = 1 + max(step for plan in plans for step, blocks in enumerate(plan) if blocks)
-    return plans[rank][:steps]
+    return tuple(tuple(blocks) for blocks in plans[rank][:steps])
 
 
 def _document_plan(

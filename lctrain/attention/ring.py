@@ -69,7 +69,7 @@ def _ring_forward(
     k: Tensor,
     v: Tensor,
     group: dist.ProcessGroup | None,
-    plan: list[list[Block]],
+    plan: tuple[tuple[Block, ...], ...],
     *,
     scale: float,
     kernel: AttentionKernel,
@@ -116,7 +116,7 @@ def _ring_backward(
     out: Tensor,
     lse: Tensor,
     group: dist.ProcessGroup | None,
-    plan: list[list[Block]],
+    plan: tuple[tuple[Block, ...], ...],
     *,
     scale: float,
     kernel: AttentionKernel,
@@ -285,5 +285,7 @@ def ring_attention(
     bounds = check_cu_seqlens(cu_seqlens, q.shape[1] * size)
     check_zigzag_piece(q.shape[1], size, layout)
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    plan = plan_ring(rank, size, q.shape[1], causal=causal, layout=layout, cu_seqlens=bounds)
+    plan = plan_ring(
+        rank, size, q.shape[1], causal=causal, layout=layout, cu_seqlens=None if bounds is None else tuple(bounds)
+    )
     return _RingAttention.apply(q, k, v, group, plan, scale)
