@@ -1,5 +1,21 @@
-"""Hugging Face Llama-style models: attention patching (loading, meta init and export arrive with the trainer)."""
+"""Hugging Face Llama-style models: build empty, load weights shard by shard, export; USP attention patching."""
 
+from lctrain.models.hf import (
+    build_empty_model,
+    export_hf,
+    materialize,
+    model_config,
+    random_init_source,
+    safetensors_source,
+)
 from lctrain.models.patch import patch_attention
 
-__all__ = ["patch_attention"]
+__all__ = [
+    "build_empty_model",
+    "export_hf",
+    "materialize",
+    "model_config",
+    "patch_attention",
+    "random_init_source",
+    "safetensors_source",
+]

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lctrain.attention.layout import sequence_divisor
 
 AXES = ("pp", "dp", "ring", "ulysses")
+FLATTENED = {"cp": ("ring", "ulysses"), "dp_cp": ("dp", "ring", "ulysses")}
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ class ParallelDims:
         The default process group must be initialised; every rank must call this.
         """
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.ring, self.ulysses), mesh_dim_names=AXES)
-        mesh["ring", "ulysses"]._flatten("cp")
-        mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
+        for name in FLATTENED:
+            flat_mesh(mesh, name)
         return mesh
+
+
+def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The flattened sub-mesh ``name`` (``cp`` or ``dp_cp``) of a mesh made by ``ParallelDims.build_mesh``."""
+    return mesh[FLATTENED[name]]._flatten(name)

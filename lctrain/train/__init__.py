@@ -1,1 +1,1 @@
-"""Training: the loss (the loop, optimizer, checkpoints and metrics arrive with the trainer)."""
+"""Training: the loop (trainer.py), loss, optimizer and schedule, DCP checkpoints and metrics."""

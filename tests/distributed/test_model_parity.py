@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from lctrain.attention import shard_sequence
 from lctrain.models import patch_attention
-from lctrain.parallel.dims import ParallelDims
+from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.spawn import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
 
@@ -94,7 +94,7 @@ def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str,
     ).last_hidden_state
     # the chunked loss on this rank's tokens (5 at a time), divided by the valid tokens of the whole row
     local_sum, tokens = chunked_cross_entropy(hidden, model.lm_head.weight, shard(labels), chunk_tokens=5)
-    cp_group = mesh["cp"].get_group()
+    cp_group = flat_mesh(mesh, "cp").get_group()
     dist.all_reduce(tokens, group=cp_group)
     loss = local_sum / tokens
     loss.backward()

@@ -1,0 +1,93 @@
+"""Compose a run's config with Hydra and check it before any process group exists.
+
+``configs/recipe`` links to ``recipes/``, so ``recipe=tiny_cpu`` selects ``recipes/tiny_cpu.yaml`` (a complete
+run, ``# @package _global_``) on top of the group defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from lctrain.attention.layout import LAYOUTS
+from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
+from lctrain.parallel.dims import ParallelDims
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+MODEL_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def load_config(overrides: Sequence[str] = ()) -> JobConfig:
+    """``configs/train.yaml`` with Hydra ``overrides`` (``["recipe=tiny_cpu", "optim.lr=1e-3"]``), typed."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def check_job(cfg: JobConfig, world_size: int, *, num_heads: int, num_kv_heads: int, vocab_size: int) -> None:
+    """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
+
+    Call it before any process group work: every rank raises the same error, nothing has been written.
+    """
+    par, data, train = cfg.parallel, cfg.data, cfg.train
+    if par.pp != 1:
+        raise ValueError(f"parallel.pp={par.pp}: pipeline parallelism is not supported yet; set parallel.pp=1")
+    if par.layout not in LAYOUTS:
+        raise ValueError(f"parallel.layout={par.layout!r} must be one of {LAYOUTS}")
+    if data.layout != par.layout:
+        raise ValueError(
+            f"data.layout={data.layout!r} differs from parallel.layout={par.layout!r}: the loader must shard rows "
+            f"as attention expects them; leave data.layout unset (it follows parallel.layout)"
+        )
+    ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).check(
+        world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, seq_len=data.seq_len, layout=par.layout
+    )
+    if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(
+            f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "
+            f"{ACTIVATION_CHECKPOINTING}"
+        )
+    if par.ac_every < 1:
+        raise ValueError(f"parallel.ac_every={par.ac_every} must be >= 1")
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(par, name) not in DTYPES:
+            raise ValueError(f"parallel.{name}={getattr(par, name)!r} must be one of {DTYPES}")
+    if cfg.model.path is None and cfg.model.family not in MODEL_FAMILIES:
+        raise ValueError(f"model.family={cfg.model.family!r} must be one of {MODEL_FAMILIES} (or set model.path)")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
+            f"set model.vocab_size >= {vocab_size} (or leave it unset)"
+        )
+    positive = {
+        "data.batch_size": data.batch_size,
+        "train.steps": train.steps,
+        "train.grad_accum": train.grad_accum,
+        "train.loss_chunk_tokens": train.loss_chunk_tokens,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "logging.every": cfg.logging.every,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if cfg.checkpoint.every < 0:
+        raise ValueError(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+    if len(cfg.optim.betas) != 2:
+        raise ValueError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9, 0.95]")
+    if train.device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"train.device={train.device!r} must be auto, cuda or cpu")
+    if cfg.logging.wandb not in ("disabled", "offline", "online"):
+        raise ValueError(f"logging.wandb={cfg.logging.wandb!r} must be disabled, offline or online")

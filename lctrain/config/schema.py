@@ -1,0 +1,106 @@
+"""The typed configuration of a training run: one dataclass per component, each field documented.
+
+Hydra composes ``configs/train.yaml`` (its defaults list picks one file from each group in ``configs/``, then a
+recipe from ``recipes/`` when ``recipe=NAME`` is given) on top of ``JobConfig``; any field can be overridden on the
+command line (``optim.lr=1e-3``). Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lctrain.data import DataConfig
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style model: a local Hugging Face checkpoint directory, or a fresh one built from these sizes."""
+
+    path: str | None = None  # a local HF model directory (config.json + *.safetensors); None = random init
+    family: str = "llama"  # for random init: llama | mistral | qwen2 (the transformers model type)
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    vocab_size: int | None = None  # None = the tokenizer's vocabulary size
+    max_position_embeddings: int = 131072
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the 4D mesh (their product is the world size), the sequence layout, and memory/precision policy."""
+
+    pp: int = 1  # pipeline stages (pp > 1 is not supported yet)
+    dp: int = 1  # data parallel: different batches
+    ring: int = 1  # ring attention: sequence chunks passed peer to peer (spans nodes)
+    ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
+    layout: str = "zigzag"  # zigzag (balanced causal work) | contiguous
+    activation_checkpointing: str = "none"  # none | full (every decoder layer) | selective (every `ac_every`-th)
+    ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
+    param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
+    reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay, and global-norm gradient clipping."""
+
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # the cosine ends at lr · min_lr_ratio at the last step
+    max_grad_norm: float | None = 1.0  # None = no clipping (the norm is still reported)
+
+
+@dataclass
+class TrainConfig:
+    """The loop: steps, accumulation, seed, device and where the run writes."""
+
+    steps: int = 100
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    run_dir: str = "runs/default"
+    device: str = "auto"  # auto (cuda if available) | cuda | cpu
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
+    peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (DCP) in ``<run_dir>/checkpoints/step_XXXXXXXX`` and the Hugging Face export."""
+
+    every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
+    keep: int = 2  # newest complete checkpoints kept; older ones are deleted
+    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint directory
+    export_hf: bool = True  # at the end, write a Hugging Face model directory to <run_dir>/hf
+
+
+@dataclass
+class LoggingConfig:
+    """Rank 0 prints one metrics line per `every` steps and writes every step to <run_dir>/metrics.jsonl."""
+
+    every: int = 1
+    progress_bar: bool = True
+    wandb: str = "disabled"  # disabled | offline | online
+    wandb_project: str = "lctrain"
+    plot: bool = True  # write <run_dir>/loss.png at the end
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,155 @@
+"""Hugging Face Llama-style models: config, empty (meta) construction, weight loading shard by shard, export.
+
+The model is built with parameters on the meta device (buffers such as RoPE's ``inv_freq`` are real and small),
+parallelized, then materialized: ``materialize`` allocates each rank's shards and fills them one parameter at a
+time from a *source* of full tensors (a local safetensors checkpoint, or a seeded random init), so no rank ever
+holds more than one full tensor. Random init draws each tensor from a generator seeded by (seed, parameter name):
+the initial weights do not depend on the mesh.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lctrain.config.schema import ModelConfig
+
+TensorSource = Callable[[str, torch.Size], Tensor]
+WEIGHTS_NAME = "model.safetensors"
+# Wrappers applied by activation checkpointing and FSDP insert this into parameter names; checkpoints use HF names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a (possibly wrapped) parameter."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """The transformers config: read from ``cfg.path``, or built from the sizes in ``cfg`` (random init)."""
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
+            )
+        config = AutoConfig.from_pretrained(path)
+    else:
+        config = AutoConfig.for_model(
+            cfg.family,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            vocab_size=cfg.vocab_size or vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            initializer_range=cfg.init_std,
+            attention_dropout=0.0,
+        )
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None  # USP attention is full causal attention (Mistral/Qwen2 configs may set one)
+    config.use_cache = False
+    return config
+
+
+def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model with parameters on the meta device and real buffers (``config`` is deep-copied, not shared)."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    return model
+
+
+def random_init_source(config: PretrainedConfig, seed: int) -> TensorSource:
+    """Full tensors like Hugging Face's init: normal(0, initializer_range) weights, ones for norms, zero biases."""
+
+    def make(name: str, shape: torch.Size) -> Tensor:
+        if "norm" in name:
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen)
+
+    return make
+
+
+def safetensors_source(path: str | Path) -> TensorSource:
+    """Full tensors read lazily (memory-mapped) from a local HF checkpoint's ``*.safetensors`` files."""
+    path = Path(path)
+    index = path / f"{WEIGHTS_NAME}.index.json"
+    if index.is_file():
+        files = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        files = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                files.update(dict.fromkeys(f.keys(), file))
+    if not files:
+        raise FileNotFoundError(f"model.path={str(path)!r} has no *.safetensors weights")
+
+    def read(name: str, shape: torch.Size) -> Tensor:
+        if name not in files:
+            raise KeyError(f"{path}: the checkpoint has no tensor {name!r} (is it a model of the configured family?)")
+        with safe_open(files[name], "pt") as f:
+            tensor = f.get_tensor(name)
+        if tensor.shape != shape:
+            raise ValueError(f"{files[name]}: {name} has shape {tuple(tensor.shape)}, the model {tuple(shape)}")
+        return tensor
+
+    return read
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, source: TensorSource, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on ``device`` and fill them from ``source``, one full tensor at a time.
+
+    Buffers keep the values they were built with. Works on FSDP-sharded (DTensor) and plain parameters.
+    """
+    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, buf in model.named_buffers():
+        buf.copy_(buffers[name])
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            full = source(hf_name(name), param.shape).to(device=device, dtype=param.dtype)
+            # every rank holds the full tensor, so each keeps its own shard with no communication
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+        else:
+            param.copy_(source(hf_name(name), param.shape))
+
+
+def export_hf(model: nn.Module, config: PretrainedConfig, out_dir: str | Path, tokenizer=None) -> None:
+    """Write a Hugging Face model directory (``config.json`` + ``model.safetensors`` [+ tokenizer]) that
+    ``AutoModelForCausalLM.from_pretrained`` loads. Every rank must call it (the shards are gathered); rank 0 writes.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tensors = {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / WEIGHTS_NAME, metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,34 @@
+"""FSDP2 over the flattened ``dp_cp`` mesh (dp × ring × ulysses): each decoder layer, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
+
+
+def apply_fsdp(
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Shard ``model`` in place over the 1-D ``mesh`` (``dp_cp``): one all-gather unit per decoder layer, and the
+    root (embeddings, final norm, LM head).
+
+    Gradients are *summed* over the mesh, not averaged: the caller divides the token-summed loss by the global
+    number of valid tokens (every rank of ``dp_cp`` and every micro-batch), so the sum is the mean gradient.
+    Context-parallel ranks see different tokens of the same rows, so their gradients are partial sums too.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        # the last layer is all-gathered again at once for the backward: keep it unsharded after the forward
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM

@@ -1,0 +1,123 @@
+"""Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
+plot at the end. Also the FLOP and memory estimates the line reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from lctrain.config.schema import LoggingConfig
+
+logger = logging.getLogger("lctrain")
+
+# Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def setup_logging(rank: int) -> None:
+    """One rank-aware logger: rank 0 prints INFO, the others only warnings and errors."""
+    logging.basicConfig(format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward matmuls) plus causal attention,
+    6·layers·hidden·seq_len (half of the 12·L·H·S of full attention)."""
+    return 6 * num_params + 6 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """The device's peak FLOP/s for the MFU estimate: the configured one, or a known GPU's; None if unknown."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in _PEAK_FLOPS.items():
+            if key in name:
+                return flops
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: allocated CUDA memory, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks' calls do nothing."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, *, rank: int, resume_step: int, job_config: dict[str, Any]):
+        self.cfg = cfg
+        self.enabled = rank == 0
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self.wandb_run = None
+        if not self.enabled:
+            return
+        # a resumed run repeats the steps after its checkpoint: drop their old records
+        kept = [line for line in _read_jsonl(self.path) if line["step"] <= resume_step]
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        if cfg.wandb != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb, config=job_config, resume="allow"
+            )
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> str | None:
+        """Record one step; returns the formatted line when this step is printed."""
+        if not self.enabled:
+            return None
+        record = {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if step % self.cfg.every:
+            return None
+        mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
+        return (
+            f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e}"
+            f" | tok/s {metrics['tokens_per_s']:.0f} | mfu {mfu} | mem {metrics['peak_mem_gib']:.2f} GiB"
+        )
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.cfg.plot:
+            plot_loss(self.path, self.run_dir / "loss.png")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out: Path) -> None:
+    """Training loss against step, from ``metrics.jsonl``, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = _read_jsonl(metrics_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,292 @@
+"""The training loop, top to bottom: config -> mesh -> data -> model (patched, checkpointed, sharded) -> loss ->
+optimizer -> metrics -> checkpoint.
+
+Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``configs/`` and ``recipes/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from lctrain.config import JobConfig, check_job, load_config, to_yaml
+from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
+from lctrain.models import (
+    build_empty_model,
+    export_hf,
+    materialize,
+    model_config,
+    patch_attention,
+    random_init_source,
+    safetensors_source,
+)
+from lctrain.parallel.checkpointing import apply_activation_checkpointing
+from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.train.checkpoint import Checkpointer
+from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
+from lctrain.train.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger("lctrain")
+
+Batch = dict[str, Any]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but CUDA is not available: set train.device=cpu (or auto)")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Trainer:
+    """Builds everything from a ``JobConfig`` on an initialized default process group, then ``train()``."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = resolve_device(cfg.train.device)
+        self.run_dir = Path(cfg.train.run_dir)
+
+        # 1. config: checked against the world size and the model before any collective
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.hf_config = model_config(cfg.model, len(self.tokenizer))
+        check_job(
+            cfg,
+            world_size,
+            num_heads=self.hf_config.num_attention_heads,
+            num_kv_heads=self.hf_config.num_key_value_heads,
+            vocab_size=len(self.tokenizer),
+        )
+        if cfg.model.path is not None:  # fail before any work if the weights are missing
+            source = safetensors_source(cfg.model.path)
+        else:
+            source = random_init_source(self.hf_config, cfg.train.seed)
+
+        # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
+        par = cfg.parallel
+        self.mesh = ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
+        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
+        torch.manual_seed(cfg.train.seed)
+
+        # 3. data: this rank's dp shard of the rows, cut to its (ring, ulysses) part
+        self.loader = PackedLoader(
+            cfg.data,
+            dp_rank=self.mesh.get_local_rank("dp"),
+            dp_size=par.dp,
+            ring_rank=self.mesh.get_local_rank("ring"),
+            ring_size=par.ring,
+            ulysses_rank=self.mesh.get_local_rank("ulysses"),
+            ulysses_size=par.ulysses,
+        )
+
+        # 4. model, in this order: USP attention -> activation checkpointing -> FSDP -> weights
+        self.model = build_empty_model(self.hf_config)
+        patch_attention(
+            self.model,
+            ulysses_group=self.mesh.get_group("ulysses"),
+            ring_group=self.mesh.get_group("ring"),
+            layout=par.layout,
+        )
+        apply_activation_checkpointing(self.model.model.layers, par.activation_checkpointing, par.ac_every)
+        apply_fsdp(
+            self.model,
+            flat_mesh(self.mesh, "dp_cp"),
+            param_dtype=_dtype(par.param_dtype, self.device),
+            reduce_dtype=_dtype(par.reduce_dtype, self.device),
+        )
+        materialize(self.model, source, self.device)
+        self.model.train()
+        # the final hidden states, taken as the base model returns them, feed the chunked loss (no full logits)
+        self._hidden: list[torch.Tensor] = []
+        self.model.model.register_forward_hook(lambda module, args, out: self._hidden.append(out.last_hidden_state))
+
+        # 5. optimizer, schedule, checkpoints, metrics
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self.step = 0
+        self._resume()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.metrics = MetricsLogger(
+            cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
+        )
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = flops_per_token(self.hf_config, num_params, cfg.data.seq_len)
+        self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
+        logger.info(
+            "model %s: %.2fM parameters, mesh pp=%d dp=%d ring=%d ulysses=%d, seq_len %d, device %s",
+            self.hf_config.model_type,
+            num_params / 1e6,
+            par.pp,
+            par.dp,
+            par.ring,
+            par.ulysses,
+            cfg.data.seq_len,
+            self.device,
+        )
+
+    def _resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return
+        path = self.checkpointer.latest() if resume == "auto" else Path(resume)
+        if path is None:
+            return
+        extra = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = extra["step"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.loader.load_state_dict(extra["data"])
+        torch.set_rng_state(extra["rng"])
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def save_checkpoint(self) -> None:
+        extra = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, extra)
+        logger.info("checkpoint %s", path)
+
+    def forward_loss_sum(self, batch: Batch, row: int) -> torch.Tensor:
+        """The token-summed loss of one row of this rank's micro-batch (``[1, S_local]`` tokens)."""
+        rows = slice(row, row + 1)
+        self.model(
+            input_ids=batch["input_ids"][rows].to(self.device),
+            position_ids=batch["position_ids"][rows].to(self.device),  # global positions: RoPE is right per shard
+            cu_seq_lens_q=batch["cu_seqlens"][row],  # document bounds of the global row
+            logits_to_keep=torch.empty(0, dtype=torch.long),  # no logits here: the chunked loss computes them
+        )
+        hidden = self._hidden.pop()
+        loss_sum, _ = chunked_cross_entropy(
+            hidden,
+            self.model.lm_head.weight,  # all-gathered by the root's forward and kept for its backward
+            batch["labels"][rows].to(self.device),
+            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+        )
+        return loss_sum
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        """Accumulate the gradients of the step's global mean loss over ``micro_batches``; returns this rank's share
+        of that loss (summed over dp_cp it is the global mean)."""
+        # valid tokens of the whole step, summed over dp_cp: each rank's loss is its token sum / this count, so the
+        # gradients summed over dp_cp (apply_fsdp) and accumulated over micro-batches are the global mean's
+        valid = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches).to(self.device)
+        dist.all_reduce(valid, group=self.dp_cp_group)
+        valid = valid.clamp(min=1)
+        loss = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            for row in range(batch["input_ids"].shape[0]):
+                row_loss = self.forward_loss_sum(batch, row) / valid
+                row_loss.backward()
+                loss += row_loss.detach()
+        return loss
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip by the global gradient norm (over all shards), step AdamW and the schedule; returns the norm."""
+        max_norm = self.cfg.optim.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm is not None else float("inf"), foreach=True
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm."""
+        loss = self.forward_backward(micro_batches)
+        grad_norm = self.optimizer_step()
+        dist.all_reduce(loss, group=self.dp_cp_group)
+        return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+    def train(self) -> list[float]:
+        """Run to ``train.steps``; returns the losses of the steps run here."""
+        cfg = self.cfg
+        batches: Iterator[Batch] = iter(self.loader)
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * cfg.parallel.dp
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.step,
+            disable=self.rank != 0 or not cfg.logging.progress_bar,
+            dynamic_ncols=True,
+        )
+        losses = []
+        while self.step < cfg.train.steps:
+            start = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
+            result = self.train_step([next(batches) for _ in range(cfg.train.grad_accum)])
+            self.step += 1
+            elapsed = time.perf_counter() - start
+            tokens_per_s = tokens_per_step / elapsed
+            devices = dist.get_world_size()
+            mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
+            line = self.metrics.log(
+                self.step,
+                {
+                    **result,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": mfu,
+                    "peak_mem_gib": peak_memory_gib(self.device),
+                    "step_time_s": elapsed,
+                },
+            )
+            if line is not None:
+                bar.write(line) if not bar.disable else logger.info(line)
+            bar.update(1)
+            losses.append(result["loss"])
+            every = cfg.checkpoint.every
+            if self.step == cfg.train.steps or (every and self.step % every == 0):
+                self.save_checkpoint()
+        bar.close()
+        if cfg.checkpoint.export_hf:
+            export_hf(self.model, self.hf_config, self.run_dir / "hf", tokenizer=self.tokenizer)
+            logger.info("Hugging Face model written to %s", self.run_dir / "hf")
+        self.metrics.close()
+        return losses
+
+
+def init_distributed(device: torch.device) -> None:
+    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+
+def main(overrides: Sequence[str]) -> None:
+    cfg = load_config(overrides)
+    init_distributed(resolve_device(cfg.train.device))
+    setup_logging(dist.get_rank())
+    try:
+        Trainer(cfg).train()
+    finally:
+        dist.destroy_process_group()
