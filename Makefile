@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-# The default job until the trainer lands: USP attention on 4 CPU processes (ring 2 x ulysses 2), checked
-# against single-device SDPA and timed.
+# The default job: recipes/tiny_cpu.yaml, a small Llama trained on the embedded corpus by 4 CPU processes
+# (ring 2 x ulysses 2). Extra Hydra overrides: make train ARGS="train.steps=50".
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 scripts/demo_attention.py --ring 2 --ulysses 2
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m lctrain train recipe=tiny_cpu $(ARGS)
 
 test: install
 	$(PY) -m pytest tests

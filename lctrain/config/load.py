@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lctrain.attention.layout import LAYOUTS
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
@@ -27,8 +27,31 @@ def load_config(overrides: Sequence[str] = ()) -> JobConfig:
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    _check_required(cfg, choices)
     return OmegaConf.to_object(cfg)
+
+
+def _check_required(cfg: DictConfig, choices: dict[str, str | None]) -> None:
+    """A ``???`` in a chosen group file (``model/hf.yaml``: ``path: ???``) is a value the command line must give.
+
+    The schema's defaults are merged first and OmegaConf never lets ``???`` replace a value, so without this check
+    ``model=hf`` with no ``model.path`` would silently train a randomly initialized model.
+    """
+    defaults = OmegaConf.structured(JobConfig)
+    for group, option in choices.items():
+        if option is None or group not in defaults or not (CONFIG_DIR / group / f"{option}.yaml").is_file():
+            continue  # no option, not a section of JobConfig (hydra/*, recipe), or not a file of configs/
+        raw = OmegaConf.load(CONFIG_DIR / group / f"{option}.yaml")
+        for key in raw:
+            if OmegaConf.is_missing(raw, key) and cfg[group][key] == defaults[group][key]:
+                raise ValueError(
+                    f"{group}={option} needs {group}.{key}: add {group}.{key}=... to the command line "
+                    f"(see configs/{group}/{option}.yaml)"
+                )
 
 
 def to_yaml(cfg: JobConfig) -> str:

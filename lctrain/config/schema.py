@@ -20,16 +20,16 @@ class ModelConfig:
     """A Llama-style model: a local Hugging Face checkpoint directory, or a fresh one built from these sizes."""
 
     path: str | None = None  # a local HF model directory (config.json + *.safetensors); None = random init
-    family: str = "llama"  # for random init: llama | mistral | qwen2 (the transformers model type)
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
+    family: str = "llama"  # for random init: llama, mistral or qwen2 (the transformers model type)
+    hidden_size: int = 256  # model width (random init)
+    intermediate_size: int = 688  # MLP width (random init)
+    num_layers: int = 4  # decoder layers (random init)
+    num_heads: int = 8  # attention (query) heads; must be divisible by parallel.ulysses
+    num_kv_heads: int = 4  # key/value heads (GQA); divides or is divided by parallel.ulysses
     vocab_size: int | None = None  # None = the tokenizer's vocabulary size
-    max_position_embeddings: int = 131072
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 131072  # written into the config; RoPE itself has no length limit
+    rope_theta: float = 10000.0  # RoPE base (random init)
+    tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
     init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
 
 
@@ -41,8 +41,8 @@ class ParallelConfig:
     dp: int = 1  # data parallel: different batches
     ring: int = 1  # ring attention: sequence chunks passed peer to peer (spans nodes)
     ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
-    layout: str = "zigzag"  # zigzag (balanced causal work) | contiguous
-    activation_checkpointing: str = "none"  # none | full (every decoder layer) | selective (every `ac_every`-th)
+    layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
+    activation_checkpointing: str = "none"  # none, full (every decoder layer) or selective (every ac_every-th)
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
     param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
@@ -52,11 +52,11 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay, and global-norm gradient clipping."""
 
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 10
+    lr: float = 3e-4  # peak learning rate (after warmup)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, on matrices only (not norms or biases)
+    warmup_steps: int = 10  # linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1  # the cosine ends at lr · min_lr_ratio at the last step
     max_grad_norm: float | None = 1.0  # None = no clipping (the norm is still reported)
 
@@ -65,11 +65,11 @@ class OptimConfig:
 class TrainConfig:
     """The loop: steps, accumulation, seed, device and where the run writes."""
 
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the whole run (the cosine ends here)
     grad_accum: int = 1  # micro-batches per optimizer step
-    seed: int = 0
-    run_dir: str = "runs/default"
-    device: str = "auto"  # auto (cuda if available) | cuda | cpu
+    seed: int = 0  # weight init (random init) and torch's RNG
+    run_dir: str = "runs/default"  # config.yaml, metrics.jsonl, loss.png, checkpoints/, hf/
+    device: str = "auto"  # auto (cuda if available), cuda or cpu
     loss_chunk_tokens: int = 4096  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
 
@@ -80,7 +80,7 @@ class CheckpointConfig:
 
     every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
     keep: int = 2  # newest complete checkpoints kept; older ones are deleted
-    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint directory
+    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any), none, or a checkpoint directory
     export_hf: bool = True  # at the end, write a Hugging Face model directory to <run_dir>/hf
 
 
@@ -88,10 +88,10 @@ class CheckpointConfig:
 class LoggingConfig:
     """Rank 0 prints one metrics line per `every` steps and writes every step to <run_dir>/metrics.jsonl."""
 
-    every: int = 1
-    progress_bar: bool = True
-    wandb: str = "disabled"  # disabled | offline | online
-    wandb_project: str = "lctrain"
+    every: int = 1  # print the metrics line every this many steps
+    progress_bar: bool = True  # a tqdm bar on rank 0
+    wandb: str = "disabled"  # disabled, offline (local files) or online
+    wandb_project: str = "lctrain"  # the W&B project name
     plot: bool = True  # write <run_dir>/loss.png at the end
 
 

@@ -53,10 +53,10 @@ class DataConfig:
     dataset: str | None = None  # a hub dataset name (needs network)
     dataset_config: str | None = None  # the hub dataset's configuration name, if it has several
     split: str = "train"  # the hub dataset's split
-    text_field: str = "text"
+    text_field: str = "text"  # the field of each record that holds the document text
     tokenizer: str | None = None  # a local tokenizer directory; None = the embedded default tokenizer
     shuffle_buffer: int = 0  # documents in the shuffle buffer; 0 = no shuffling
-    seed: int = 0
+    seed: int = 0  # shuffle seed
     truncate: bool = False  # drop the rest of a document that does not fit in its row, instead of continuing it
     layout: str = "zigzag"  # context-parallel layout, as in lctrain.attention.shard_sequence
 

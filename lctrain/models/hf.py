@@ -74,6 +74,9 @@ def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """The model with parameters on the meta device and real buffers (``config`` is deep-copied, not shared)."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    # init_empty_weights re-creates each parameter on meta, which unties tie_word_embeddings models: tie again (one
+    # Parameter, kept through FSDP and materialize; tied checkpoints store only the embeddings)
+    model.tie_weights()
     return model
 
 

@@ -62,7 +62,7 @@ class ParallelDims:
             divisor = sequence_divisor(layout, self.ring, self.ulysses)
             if seq_len % divisor:
                 raise ValueError(
-                    f"seq_len={seq_len} is not divisible by {divisor} "
+                    f"data.seq_len={seq_len} is not divisible by {divisor} "
                     f"({'2·' if layout == 'zigzag' else ''}ring·ulysses for layout={layout!r}): use a multiple of "
                     f"{divisor}"
                 )

@@ -1,0 +1,146 @@
+"""The Hugging Face export of a trained, FSDP-sharded run loads with ``from_pretrained`` and computes what the
+trained lctrain model computes.
+
+One spawned gloo group of 2 ranks trains two small jobs for 3 steps each on a small jsonl corpus
+(``tests/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with untied
+embeddings and no activation checkpointing, and ``parallel.ulysses=2`` with tied embeddings and full activation
+checkpointing (wrapped parameter names, one shared tensor). After ``trainer.train()`` each rank runs the trained,
+still sharded lctrain model (USP attention) on its zigzag shard of a fixed 64-token input; the logit shards are
+all-gathered and unsharded on rank 0. The test process then loads ``run_dir/hf`` with
+``AutoModelForCausalLM.from_pretrained`` (plain SDPA attention, one process) and compares its logits on the same
+input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2, exactly equal for
+ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
+``AutoTokenizer.from_pretrained(run_dir/"hf")`` loads the training tokenizer (same vocabulary, same token ids on a
+sample text).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lctrain.attention import shard_sequence, unshard_sequence
+from lctrain.config import load_config
+from lctrain.data import load_tokenizer
+from lctrain.models import random_init_source
+from lctrain.parallel.spawn import run_distributed
+from tests.corpus import corpus_overrides, write_corpus
+
+WORLD = 2
+SEQ_LEN = 64
+SAMPLE_TEXT = "def export(model, out_dir):\n    return model.save_pretrained(out_dir)  # ok\n"
+CASES = {
+    "untied": ["parallel.ring=2", "model.tie_word_embeddings=false", "parallel.activation_checkpointing=none"],
+    "tied_ac": ["parallel.ulysses=2", "model.tie_word_embeddings=true", "parallel.activation_checkpointing=full"],
+}
+BASE = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    f"data.seq_len={SEQ_LEN}",
+    "train.steps=3",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+    "checkpoint.every=0",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+]
+
+
+def fixed_input(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(1234))
+
+
+def train_and_logits(root: str) -> dict[str, Any] | None:
+    """Each case: train, export, then the trained sharded model's logits on ``fixed_input`` (full, on rank 0)."""
+    from lctrain.train.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    for name, overrides in CASES.items():
+        corpus = corpus_overrides(Path(root) / "corpus.jsonl")
+        cfg = load_config([*BASE, *corpus, *overrides, f"train.run_dir={Path(root) / name}"])
+        trainer = Trainer(cfg)
+        losses = trainer.train()
+        ring, ulysses = cfg.parallel.ring, cfg.parallel.ulysses
+        shard = functools.partial(
+            shard_sequence,
+            dim=1,
+            ring_rank=trainer.mesh.get_local_rank("ring"),
+            ring_size=ring,
+            ulysses_rank=trainer.mesh.get_local_rank("ulysses"),
+            ulysses_size=ulysses,
+        )
+        input_ids = fixed_input(trainer.hf_config.vocab_size)
+        with torch.no_grad():
+            logits = trainer.model(
+                input_ids=shard(input_ids),
+                position_ids=shard(torch.arange(SEQ_LEN)[None]),
+                logits_to_keep=0,  # all positions
+            ).logits  # [1, S/(R·U), V]
+        # world = ring × ulysses (dp = pp = 1): rank r·U + u holds ring rank r's part u, the order unshard expects
+        shards = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, logits.contiguous())
+        out[name] = {
+            "losses": losses,
+            "logits": unshard_sequence(shards, dim=1, ring_size=ring, ulysses_size=ulysses),  # [1, S, V]
+        }
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("export")
+    write_corpus(root / "corpus.jsonl")
+    return root, run_distributed(train_and_logits, WORLD, str(root))[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_model_reproduces_trained_logits(trained: tuple[Path, dict[str, Any]], case: str) -> None:
+    root, results = trained
+    hf_dir = root / case / "hf"
+    assert "lctrain" not in (hf_dir / "config.json").read_text()  # no custom attention implementation saved
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert model.dtype == torch.float32
+    assert model.config.tie_word_embeddings is (case == "tied_ac")
+    with torch.no_grad():
+        expected = model(input_ids=fixed_input(model.config.vocab_size)).logits
+    torch.testing.assert_close(results[case]["logits"], expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(torch.tensor(results[case]["losses"])))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_weights_are_the_trained_ones(trained: tuple[Path, dict[str, Any]], case: str) -> None:
+    root, _ = trained
+    hf_dir = root / case / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    saved = load_file(hf_dir / "model.safetensors")
+    assert ("lm_head.weight" in saved) is (case == "untied")
+    assert not any("_checkpoint_wrapped_module" in name or "_fsdp" in name for name in saved)
+    init = random_init_source(model.config, seed=0)  # train.seed defaults to 0
+    for name, param in model.named_parameters():
+        if "norm" not in name:  # norms start at ones; a few steps of AdamW move them a little
+            assert not torch.allclose(param, init(name, param.shape), atol=1e-4), f"{name} was not trained"
+    if case == "tied_ac":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_exported_tokenizer_is_the_training_tokenizer(trained: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = trained
+    exported = AutoTokenizer.from_pretrained(root / "untied" / "hf")
+    original = load_tokenizer(None)
+    assert len(exported) == len(original)
+    ids = exported(SAMPLE_TEXT)["input_ids"]
+    assert ids == original(SAMPLE_TEXT)["input_ids"] and len(ids) > 5
+    assert exported.decode(ids, skip_special_tokens=True) == original.decode(ids, skip_special_tokens=True)
+    config = json.loads((root / "untied" / "hf" / "config.json").read_text())
+    assert config["vocab_size"] >= len(exported)

@@ -1,0 +1,185 @@
+"""Bad configurations fail early with one message that names the setting and says how to fix it; every recipe
+starts with its launch line and composes into a job that passes the checks for that launch.
+
+``load_config`` (Hydra composition: unknown keys, groups, recipes, required values) and ``check_job`` (cross-field
+checks against the world size and the model) run here without any process group; ``model_config`` and
+``safetensors_source`` report a missing or empty ``model.path``. Each case asserts substrings of the message: the
+setting (``parallel.ring=3`` ...) and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+
+from lctrain.config import CONFIG_DIR, check_job, load_config
+from lctrain.models import model_config, safetensors_source
+
+RECIPES = sorted((CONFIG_DIR.parent / "recipes").glob("*.yaml"))
+VOCAB = 1000  # the tokenizer's vocabulary size given to check_job
+SMALL = ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=128"]
+
+# (overrides, world size, substrings of the message)
+BAD_JOBS = {
+    "mesh_product": (
+        ["parallel.ring=3"],
+        4,
+        ["pp x dp x ring x ulysses = 1 x 1 x 3 x 1 = 3", "4 processes", "make the degrees multiply to the world size"],
+    ),
+    "mesh_product_dp": (
+        ["parallel.dp=2", "parallel.ring=2"],
+        2,
+        ["1 x 2 x 2 x 1 = 4", "2 processes", "multiply to the world size"],
+    ),
+    "zero_degree": (["parallel.ulysses=0"], 1, ["parallel.ulysses=0 must be >= 1"]),
+    "pipeline": (["parallel.pp=2"], 2, ["parallel.pp=2", "set parallel.pp=1"]),
+    "heads_vs_ulysses": (
+        ["model.num_heads=6", "model.num_kv_heads=2", "parallel.ulysses=4"],
+        4,
+        ["parallel.ulysses=4 does not divide the model's 6 attention heads", "choose a ulysses degree that divides 6"],
+    ),
+    "kv_heads_vs_ulysses": (
+        ["model.num_heads=12", "model.num_kv_heads=6", "parallel.ulysses=4"],
+        4,
+        ["parallel.ulysses=4 and the model's 6 key/value heads", "one must divide the other"],
+    ),
+    "seq_len_zigzag": (
+        ["parallel.ring=2", "parallel.ulysses=2", "data.seq_len=100"],
+        4,
+        ["data.seq_len=100 is not divisible by 8", "2·ring·ulysses", "use a multiple of 8"],
+    ),
+    "seq_len_contiguous": (
+        ["parallel.ring=4", "parallel.layout=contiguous", "data.seq_len=102"],
+        4,
+        ["data.seq_len=102 is not divisible by 4", "layout='contiguous'", "use a multiple of 4"],
+    ),
+    "unknown_layout": (["parallel.layout=diagonal"], 1, ["parallel.layout='diagonal' must be one of"]),
+    "data_layout": (
+        ["data.layout=contiguous"],
+        1,
+        ["data.layout='contiguous' differs from parallel.layout='zigzag'", "leave data.layout unset"],
+    ),
+    "activation_checkpointing": (
+        ["parallel.activation_checkpointing=sometimes"],
+        1,
+        ["parallel.activation_checkpointing='sometimes' must be one of", "'full'", "'selective'"],
+    ),
+    "ac_every": (["parallel.ac_every=0"], 1, ["parallel.ac_every=0 must be >= 1"]),
+    "param_dtype": (["parallel.param_dtype=fp8"], 1, ["parallel.param_dtype='fp8' must be one of", "'bfloat16'"]),
+    "batch_size": (["data.batch_size=0"], 1, ["data.batch_size=0 must be >= 1"]),
+    "steps": (["train.steps=0"], 1, ["train.steps=0 must be >= 1"]),
+    "grad_accum": (["train.grad_accum=-1"], 1, ["train.grad_accum=-1 must be >= 1"]),
+    "loss_chunk": (["train.loss_chunk_tokens=0"], 1, ["train.loss_chunk_tokens=0 must be >= 1"]),
+    "keep": (["checkpoint.keep=0"], 1, ["checkpoint.keep=0 must be >= 1"]),
+    "checkpoint_every": (["checkpoint.every=-1"], 1, ["checkpoint.every=-1 must be >= 0", "0 = only at the end"]),
+    "vocab_size": (
+        ["model.vocab_size=999"],
+        1,
+        [f"model.vocab_size=999 is smaller than the tokenizer's {VOCAB} tokens", f"set model.vocab_size >= {VOCAB}"],
+    ),
+    "family": (["model.family=gpt2"], 1, ["model.family='gpt2' must be one of", "'llama'", "or set model.path"]),
+    "min_lr_ratio": (["optim.min_lr_ratio=1.5"], 1, ["optim.min_lr_ratio=1.5 must be in [0, 1]"]),
+    "betas": (["optim.betas=[0.9]"], 1, ["optim.betas=[0.9] must be two numbers"]),
+    "device": (["train.device=tpu"], 1, ["train.device='tpu' must be auto, cuda or cpu"]),
+    "wandb": (["logging.wandb=maybe"], 1, ["logging.wandb='maybe' must be disabled, offline or online"]),
+}
+
+
+def check(overrides: list[str], world_size: int) -> None:
+    cfg = load_config([*SMALL, *overrides])
+    check_job(cfg, world_size, num_heads=cfg.model.num_heads, num_kv_heads=cfg.model.num_kv_heads, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("case", list(BAD_JOBS))
+def test_bad_job_names_setting_and_fix(case: str) -> None:
+    overrides, world_size, expected = BAD_JOBS[case]
+    with pytest.raises(ValueError) as error:
+        check(overrides, world_size)
+    for text in expected:
+        assert text in str(error.value), f"{text!r} not in {str(error.value)!r}"
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size",
+    [
+        ([], 1),
+        (["parallel.ring=2", "parallel.ulysses=2"], 4),
+        (["parallel.dp=2", "parallel.ring=2", "parallel.ulysses=2", "parallel.layout=contiguous"], 8),
+        (["model.num_heads=8", "model.num_kv_heads=2", "parallel.ulysses=4"], 4),  # kv heads replicated
+        (["model.vocab_size=1024", "checkpoint.every=0"], 1),
+    ],
+)
+def test_good_job_passes(overrides: list[str], world_size: int) -> None:
+    check(overrides, world_size)
+
+
+def test_data_layout_follows_parallel_layout() -> None:
+    assert load_config(["parallel.layout=contiguous"]).data.layout == "contiguous"
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model.hidden=64", ["Could not override 'model.hidden'"]),  # a typo of a key
+        ("trainer.steps=5", ["trainer.steps"]),  # a typo of a section
+        ("parallel.ring=two", ["parallel.ring=two"]),  # the wrong type
+        ("parallel=cpu8", ["Could not find 'parallel/cpu8'", "Available options", "cpu4"]),
+        ("recipe=tiny", ["Could not find 'recipe/tiny'", "Available options", "tiny_cpu"]),
+    ],
+)
+def test_bad_override_is_a_hydra_error(override: str, expected: list[str]) -> None:
+    with pytest.raises(HydraException) as error:
+        load_config([override])
+    message = str(error.value) + str(error.value.__cause__)
+    for text in expected:
+        assert text in message, f"{text!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("model=hf", "model.path=/models/llama"), ("data=jsonl", "data.paths=[train.jsonl]")],
+)
+def test_required_value_of_a_group_option(option: str, value: str) -> None:
+    """``???`` in ``configs/model/hf.yaml`` / ``configs/data/jsonl.yaml``: without it the schema's default (random
+    init / the embedded corpus) would be used silently."""
+    key = value.split("=")[0]
+    with pytest.raises(ValueError) as error:
+        load_config([option])
+    assert f"{option} needs {key}: add {key}=... to the command line" in str(error.value)
+    load_config([option, value])  # given: composes
+
+
+def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_model"
+    cfg = load_config(["model=hf", f"model.path='{missing}'"])
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path={str(missing)!r} has no config.json")) as error:
+        model_config(cfg.model, VOCAB)
+    assert "point it at a local Hugging Face model directory" in str(error.value)
+    missing.mkdir()
+    (missing / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path={str(missing)!r} has no *.safetensors")):
+        safetensors_source(missing)
+
+
+def test_recipes_exist() -> None:
+    assert RECIPES, "no recipes/*.yaml"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_starts_with_its_launch_line_and_composes(recipe: Path) -> None:
+    lines = [line for line in recipe.read_text().splitlines() if not line.startswith("# @package")]
+    launch = lines[0]
+    match = re.fullmatch(r"# (torchrun .*--nproc-per-node[ =](\d+) -m lctrain train (.*))", launch)
+    assert match, f"{recipe}: the first line is {launch!r}, not '# torchrun ... -m lctrain train recipe=...'"
+    world_size = int(match.group(2))
+    overrides = match.group(3).split()
+    assert f"recipe={recipe.stem}" in overrides, f"{recipe}: the launch line does not select recipe={recipe.stem}"
+    cfg = load_config(overrides)
+    par = cfg.parallel
+    assert par.pp * par.dp * par.ring * par.ulysses == world_size, f"{recipe}: the mesh does not fit {world_size}"
+    if cfg.model.path is None:  # a random-init model: its sizes are in the config
+        heads, kv_heads = cfg.model.num_heads, cfg.model.num_kv_heads
+        check_job(cfg, world_size, num_heads=heads, num_kv_heads=kv_heads, vocab_size=cfg.model.vocab_size or 1)

@@ -1,0 +1,140 @@
+"""The trainer's single-process parts: LR schedule, optimizer groups, model build and weight sources, activation
+checkpointing, metrics records and plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from lctrain.config import LoggingConfig, ModelConfig, OptimConfig
+from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
+from lctrain.models.hf import hf_name
+from lctrain.parallel.checkpointing import apply_activation_checkpointing
+from lctrain.train.metrics import MetricsLogger, flops_per_token
+from lctrain.train.optim import build_optimizer, build_scheduler, lr_factor
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    config = model_config(TINY, vocab_size=50)
+    model = build_empty_model(config)
+    materialize(model, random_init_source(config, seed), torch.device("cpu"))
+    return model
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:
+    factors = [lr_factor(s, warmup_steps=4, total_steps=14, min_lr_ratio=0.1) for s in range(14)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and factors[-1] == pytest.approx(0.1)
+    assert factors[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 9)))
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+
+
+def test_scheduler_applies_the_factor_to_every_group() -> None:
+    model = tiny_model()
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.0)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=4)
+    seen = []
+    for _ in range(4):
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    assert seen == [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    decayed, plain = build_optimizer(tiny_model(), OptimConfig(weight_decay=0.1)).param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and plain["params"] and all(p.dim() == 1 for p in plain["params"])
+
+
+def test_random_init_is_seeded_per_tensor_and_like_hugging_face() -> None:
+    a, b, c = tiny_model(0), tiny_model(0), tiny_model(1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" in name:
+            assert torch.equal(pa, torch.ones_like(pa)), name
+        else:
+            assert not torch.equal(pa, pc), name
+    weight = a.model.embed_tokens.weight
+    assert weight.std().item() == pytest.approx(TINY.init_std, rel=0.1)
+    assert not torch.equal(a.model.layers[0].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight)
+    # RoPE buffers survive the meta build and materialize
+    rotary = a.model.rotary_emb
+    expected = 1.0 / (TINY.rope_theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    torch.testing.assert_close(rotary.inv_freq, expected)
+
+
+def test_safetensors_source_reads_a_saved_model_and_names_what_is_wrong(tmp_path: Path) -> None:
+    model = tiny_model(3)
+    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, tmp_path / "model.safetensors")
+    loaded = build_empty_model(model.config)
+    materialize(loaded, safetensors_source(tmp_path), torch.device("cpu"))
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    read = safetensors_source(tmp_path)
+    with pytest.raises(KeyError, match="no tensor 'missing.weight'"):
+        read("missing.weight", torch.Size([1]))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight has shape \(50, 32\), the model \(2, 2\)"):
+        read("model.embed_tokens.weight", torch.Size([2, 2]))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        safetensors_source(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        model_config(ModelConfig(path=str(tmp_path / "nowhere")), vocab_size=50)
+
+
+@pytest.mark.parametrize("mode,every,wrapped", [("none", 1, []), ("full", 1, [0, 1, 2]), ("selective", 2, [0, 2])])
+def test_activation_checkpointing_wraps_the_chosen_layers(mode: str, every: int, wrapped: list[int]) -> None:
+    model = tiny_model()
+    input_ids = torch.randint(0, 50, (1, 12))
+    before = model(input_ids=input_ids).logits
+    apply_activation_checkpointing(model.model.layers, mode, every)
+    assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer, CheckpointWrapper)] == wrapped
+    assert {hf_name(n) for n, _ in model.named_parameters()} == {n for n, _ in tiny_model().named_parameters()}
+    torch.testing.assert_close(model(input_ids=input_ids).logits, before)
+
+
+def test_flops_per_token_counts_parameters_and_causal_attention() -> None:
+    config = model_config(TINY, vocab_size=50)
+    assert flops_per_token(config, num_params=1000, seq_len=64) == 6 * 1000 + 6 * 3 * 32 * 64
+
+
+def test_metrics_jsonl_drops_steps_after_the_resumed_one_and_plots(tmp_path: Path) -> None:
+    def record(loss: float) -> dict:
+        return {"loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": None, "peak_mem_gib": 0.1}
+
+    cfg = LoggingConfig(every=2)
+    first = MetricsLogger(cfg, tmp_path, rank=0, resume_step=0, job_config={})
+    lines = [first.log(step, record(10.0 - step)) for step in range(1, 6)]
+    assert lines[0] is None and lines[1].startswith("step 2 | loss 8.0000 | grad_norm 1.000 | lr 1.00e-03")
+    resumed = MetricsLogger(cfg, tmp_path, rank=0, resume_step=3, job_config={})
+    resumed.log(4, record(0.5))
+    resumed.close()
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in steps] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    other_rank = MetricsLogger(cfg, tmp_path / "r1", rank=1, resume_step=0, job_config={})
+    assert other_rank.log(2, record(1.0)) is None and not (tmp_path / "r1").exists()
+
+
+def test_every_config_field_is_documented_with_its_default() -> None:
+    import dataclasses
+
+    from lctrain.config import JobConfig
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    job = JobConfig()
+    for section in dataclasses.fields(job):
+        for field in dataclasses.fields(getattr(job, section.name)):
+            value = getattr(getattr(job, section.name), field.name)
+            default = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            row = f"| `{section.name}.{field.name}` | `{default}` |"
+            assert row in doc, f"docs/configuration.md lacks the row {row}"
