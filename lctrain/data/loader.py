@@ -54,7 +54,7 @@ class DataConfig:
     dataset_config: str | None = None  # the hub dataset's configuration name, if it has several
     split: str = "train"  # the hub dataset's split
     text_field: str = "text"  # the field of each record that holds the document text
-    tokenizer: str | None = None  # a local tokenizer directory; None = the embedded default tokenizer
+    tokenizer: str | None = None  # a local tokenizer directory; None = model.path's (the trainer) or the embedded one
     shuffle_buffer: int = 0  # documents in the shuffle buffer; 0 = no shuffling
     seed: int = 0  # shuffle seed
     truncate: bool = False  # drop the rest of a document that does not fit in its row, instead of continuing it

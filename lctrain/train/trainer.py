@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
@@ -67,8 +70,15 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
 
         # 1. config: checked against the world size and the model before any collective
+        if cfg.model.path is not None and cfg.data.tokenizer is None:
+            cfg.data.tokenizer = cfg.model.path  # fine-tuning a checkpoint: its own tokenizer
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.hf_config = model_config(cfg.model, len(self.tokenizer))
+        if self.hf_config.vocab_size < len(self.tokenizer):
+            raise ValueError(
+                f"the tokenizer (data.tokenizer={cfg.data.tokenizer}) has {len(self.tokenizer)} tokens but the model "
+                f"{cfg.model.path} only {self.hf_config.vocab_size} embeddings: use the model's own tokenizer"
+            )
         check_job(
             cfg,
             world_size,
@@ -116,8 +126,8 @@ class Trainer:
         materialize(self.model, source, self.device)
         self.model.train()
         # the final hidden states, taken as the base model returns them, feed the chunked loss (no full logits)
-        self._hidden: list[torch.Tensor] = []
-        self.model.model.register_forward_hook(lambda module, args, out: self._hidden.append(out.last_hidden_state))
+        self._hidden: torch.Tensor | None = None
+        self.model.model.register_forward_hook(self._keep_hidden)
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -145,6 +155,9 @@ class Trainer:
             cfg.data.seq_len,
             self.device,
         )
+
+    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._hidden = output.last_hidden_state
 
     def _resume(self) -> None:
         resume = self.cfg.checkpoint.resume
@@ -179,7 +192,7 @@ class Trainer:
             cu_seq_lens_q=batch["cu_seqlens"][row],  # document bounds of the global row
             logits_to_keep=torch.empty(0, dtype=torch.long),  # no logits here: the chunked loss computes them
         )
-        hidden = self._hidden.pop()
+        hidden, self._hidden = self._hidden, None
         loss_sum, _ = chunked_cross_entropy(
             hidden,
             self.model.lm_head.weight,  # all-gathered by the root's forward and kept for its backward
@@ -274,19 +287,33 @@ def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        device_id = device
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=device_id)
     else:
-        dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=device_id)
 
 
 def main(overrides: Sequence[str]) -> None:
-    cfg = load_config(overrides)
+    """The ``train`` command. A bad config or a missing file ends the job with one line per rank and exit status 1,
+    before anything is written."""
+    try:
+        cfg = load_config(overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"lctrain: bad config: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     init_distributed(resolve_device(cfg.train.device))
     setup_logging(dist.get_rank())
     try:
-        Trainer(cfg).train()
+        try:
+            trainer = Trainer(cfg)
+        except (ValueError, FileNotFoundError) as error:
+            logger.error("lctrain: %s", error)  # every rank: the launcher may stop the others as soon as one exits
+            raise SystemExit(1) from None
+        trainer.train()
     finally:
         dist.destroy_process_group()
