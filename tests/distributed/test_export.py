@@ -11,7 +11,9 @@ all-gathered and unsharded on rank 0. The test process then loads ``run_dir/hf``
 input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2, exactly equal for
 ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
 ``AutoTokenizer.from_pretrained(run_dir/"hf")`` loads the training tokenizer (same vocabulary, same token ids on a
-sample text).
+sample text). Finally a fine-tuning job with ``model=hf model.path=<the ring=2 export>`` (ring=2, weights read shard
+by shard from the safetensors file, the tokenizer taken from the same directory) computes, before any step, the
+exported model's logits (same tolerance).
 """
 
 from __future__ import annotations
@@ -61,39 +63,47 @@ def fixed_input(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(1234))
 
 
+def sharded_logits(trainer: Any) -> torch.Tensor:
+    """The sharded lctrain model's logits on ``fixed_input``, gathered: ``[1, S, V]``."""
+    ring, ulysses = trainer.cfg.parallel.ring, trainer.cfg.parallel.ulysses
+    shard = functools.partial(
+        shard_sequence,
+        dim=1,
+        ring_rank=trainer.mesh.get_local_rank("ring"),
+        ring_size=ring,
+        ulysses_rank=trainer.mesh.get_local_rank("ulysses"),
+        ulysses_size=ulysses,
+    )
+    input_ids = fixed_input(trainer.hf_config.vocab_size)
+    with torch.no_grad():
+        logits = trainer.model(
+            input_ids=shard(input_ids),
+            position_ids=shard(torch.arange(SEQ_LEN)[None]),
+            logits_to_keep=0,  # all positions
+        ).logits  # [1, S/(R·U), V]
+    # world = ring × ulysses (dp = pp = 1): rank r·U + u holds ring rank r's part u, the order unshard expects
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(shards, logits.contiguous())
+    return unshard_sequence(shards, dim=1, ring_size=ring, ulysses_size=ulysses)
+
+
 def train_and_logits(root: str) -> dict[str, Any] | None:
-    """Each case: train, export, then the trained sharded model's logits on ``fixed_input`` (full, on rank 0)."""
+    """Each case: train, export, then the trained sharded model's logits on ``fixed_input`` (full, on rank 0).
+    Then a fine-tuning job loads the ``untied`` export with ``model.path`` (sharded, its own tokenizer)."""
     from lctrain.train.trainer import Trainer
 
     out: dict[str, Any] = {}
+    corpus = corpus_overrides(Path(root) / "corpus.jsonl")
     for name, overrides in CASES.items():
-        corpus = corpus_overrides(Path(root) / "corpus.jsonl")
         cfg = load_config([*BASE, *corpus, *overrides, f"train.run_dir={Path(root) / name}"])
         trainer = Trainer(cfg)
-        losses = trainer.train()
-        ring, ulysses = cfg.parallel.ring, cfg.parallel.ulysses
-        shard = functools.partial(
-            shard_sequence,
-            dim=1,
-            ring_rank=trainer.mesh.get_local_rank("ring"),
-            ring_size=ring,
-            ulysses_rank=trainer.mesh.get_local_rank("ulysses"),
-            ulysses_size=ulysses,
-        )
-        input_ids = fixed_input(trainer.hf_config.vocab_size)
-        with torch.no_grad():
-            logits = trainer.model(
-                input_ids=shard(input_ids),
-                position_ids=shard(torch.arange(SEQ_LEN)[None]),
-                logits_to_keep=0,  # all positions
-            ).logits  # [1, S/(R·U), V]
-        # world = ring × ulysses (dp = pp = 1): rank r·U + u holds ring rank r's part u, the order unshard expects
-        shards = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
-        dist.all_gather(shards, logits.contiguous())
-        out[name] = {
-            "losses": losses,
-            "logits": unshard_sequence(shards, dim=1, ring_size=ring, ulysses_size=ulysses),  # [1, S, V]
-        }
+        out[name] = {"losses": trainer.train(), "logits": sharded_logits(trainer)}
+    hf_dir = Path(root) / "untied" / "hf"
+    cfg = load_config(
+        [*BASE, *corpus, "parallel.ring=2", "model=hf", f"model.path={hf_dir}", f"train.run_dir={root}/ft"]
+    )
+    trainer = Trainer(cfg)
+    out["finetune"] = {"logits": sharded_logits(trainer), "tokenizer": trainer.cfg.data.tokenizer}
     return out if dist.get_rank() == 0 else None
 
 
@@ -144,3 +154,13 @@ def test_exported_tokenizer_is_the_training_tokenizer(trained: tuple[Path, dict[
     assert exported.decode(ids, skip_special_tokens=True) == original.decode(ids, skip_special_tokens=True)
     config = json.loads((root / "untied" / "hf" / "config.json").read_text())
     assert config["vocab_size"] >= len(exported)
+
+
+def test_finetuning_loads_the_export_shard_by_shard(trained: tuple[Path, dict[str, Any]]) -> None:
+    root, results = trained
+    hf_dir = root / "untied" / "hf"
+    assert results["finetune"]["tokenizer"] == str(hf_dir)  # data.tokenizer unset: the model's own
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    with torch.no_grad():
+        expected = model(input_ids=fixed_input(model.config.vocab_size)).logits
+    torch.testing.assert_close(results["finetune"]["logits"], expected, atol=1e-5, rtol=1e-5)
