@@ -138,3 +138,16 @@ def test_every_config_field_is_documented_with_its_default() -> None:
             default = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             row = f"| `{section.name}.{field.name}` | `{default}` |"
             assert row in doc, f"docs/configuration.md lacks the row {row}"
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_weights_and_biases_offline_writes_a_local_run_and_disabled_nothing(tmp_path: Path, mode: str) -> None:
+    metrics = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "mfu": None, "peak_mem_gib": 0.1}
+    logger = MetricsLogger(LoggingConfig(wandb=mode, plot=False), tmp_path, rank=0, resume_step=0, job_config={})
+    logger.log(1, metrics)
+    logger.close()
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    if mode == "offline":
+        assert len(runs) == 1 and runs[0].stat().st_size > 0
+    else:
+        assert not (tmp_path / "wandb").exists()
