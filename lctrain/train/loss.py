@@ -2,7 +2,9 @@
 
 At long context the logits ``[tokens, vocab]`` are the largest activation of the model (128K tokens × 128K vocab
 in fp32 is 64 GiB). ``chunked_cross_entropy`` never holds more than ``chunk_tokens × vocab`` of them: each chunk's
-logits are computed, reduced to a loss and freed, and recomputed in the backward (activation checkpointing).
+logits are computed, reduced to a loss *and to its gradients* (softmax − one-hot is known in the forward), then
+freed. The backward only scales the stored gradients of the hidden states and the head's weight, so nothing is
+recomputed: three matmuls per chunk, as for the full logits.
 
 The caller divides the sum by the number of valid tokens over every rank that shares the step (dp × ring ×
 ulysses and the gradient-accumulation micro-batches), so that the loss equals the mean over the global batch.
@@ -11,20 +13,59 @@ ulysses and the gradient-accumulation micro-batches), so that the loss equals th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
 
-def _chunk_loss(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-    logits = (hidden @ weight.t()).float()  # [chunk, vocab]
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, needs_grad: bool) -> Tensor:
+        """hidden ``[T, H]``, weight ``[V, H]``, labels ``[T]`` -> the summed loss (fp32 scalar)."""
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.zeros_like(hidden) if needs_grad and hidden.requires_grad else None
+        accumulate = torch.promote_types(weight.dtype, torch.float32)  # the head's gradient sums over all tokens
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+            if needs_grad and weight.requires_grad
+            else None
+        )
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk, targets = hidden[rows], labels[rows]
+            valid = targets != IGNORE_INDEX
+            targets = targets.clamp(min=0)[:, None]  # ignored rows pick class 0, then are masked out
+            logits = (chunk @ weight.t()).float()  # [chunk, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, targets).squeeze(1)) * valid).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            # d(summed loss)/d(logits) = softmax - one-hot, zero on ignored rows; computed in place in the logits
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits.scatter_add_(1, targets, torch.full_like(lse[:, None], -1.0))
+            grad_logits.mul_(valid[:, None])
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(torch.float32)
+        return (
+            None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * scale.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int = 4096
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int = 1024
 ) -> tuple[Tensor, Tensor]:
     """(summed loss, number of valid tokens) of ``logits = hidden @ weight.T`` against ``labels``.
 
@@ -37,8 +78,6 @@ def chunked_cross_entropy(
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
     labels = labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_loss, hidden[rows], weight, labels[rows], use_reentrant=False)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    total = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, needs_grad)
     return total, (labels != IGNORE_INDEX).sum()

@@ -31,3 +31,37 @@ def test_errors() -> None:
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_tokens=0)
     with pytest.raises(ValueError, match="disagree on the token dims"):
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
+
+
+def test_backward_scales_the_stored_gradients_and_no_grad_computes_none() -> None:
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(30, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(20, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 20, (30,), generator=gen)
+    loss, _ = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+    (loss * 3.0).backward()
+    expected = 3.0 * F.cross_entropy(hidden @ weight.t(), labels, reduction="sum")
+    grads = torch.autograd.grad(expected, (hidden, weight))
+    torch.testing.assert_close(hidden.grad, grads[0])
+    torch.testing.assert_close(weight.grad, grads[1])
+    with torch.no_grad():
+        value, _ = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+    torch.testing.assert_close(value, loss.detach())
+    assert not value.requires_grad
+
+
+def test_bf16_inputs_give_an_fp32_loss_and_bf16_gradients() -> None:
+    """The logits are the bf16 matmul's (rounded to bf16, as the LM head computes them), then reduced in fp32."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(64, 16, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(40, 16, generator=gen).bfloat16().requires_grad_()
+    labels = torch.randint(0, 40, (64,), generator=gen)
+    loss, _ = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=16)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    expected = F.cross_entropy(h @ w.t(), labels, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
+    for got, want in ((hidden.grad, h.grad), (weight.grad, w.grad)):
+        assert (got.float() - want).norm() <= 1e-2 * want.norm()  # bf16 rounding of logits and gradients
