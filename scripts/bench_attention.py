@@ -22,7 +22,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_report import machine_line, table
 from torch import Tensor
 
 from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
@@ -329,27 +329,6 @@ def peak_mib(per_rank: list[Measurement]) -> float:
 
 def check(per_rank: list[Measurement], key: str) -> float:
     return max(m.checks[key] for m in per_rank)
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def machine_line() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, python {platform.python_version()}, "
-        f"load average at start {load}"
-    )
 
 
 def deepspeed_version() -> str | None:

@@ -58,13 +58,12 @@ logits, communication buffers, allocator slack. Every process that measures memo
 ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves large buffers with mmap and returns them to the OS when freed,
 so freed memory does not stay resident and hide a later allocation. The timed processes of section 1 do not: with
 that setting every large temporary costs fresh page faults, which slowed lctrain's step (FSDP's unsharded
-parameters, the loss chunks recomputed in the backward: more large temporaries) more than the baseline's here.
+parameters, one logits chunk per 1024 tokens: more large temporaries) more than the baseline's here.
 
 Caveats: two cores shared by four ranks in section 2 (their time is not a figure here); RSS counts pages touched,
 not bytes allocated; the tiny model's LM head (vocab 8192 × hidden 128) makes up most of its matmul work, so the
-chunked loss's recomputation of the logits in the backward costs lctrain relatively more than on a real model; a
-micro-batch of B rows is B forward+backward passes in lctrain (one row at a time) and one batched pass in the
-baseline.
+loss's implementation weighs more in the ratio than on a real model; a micro-batch of B rows is B forward+backward
+passes in lctrain (one row at a time) and one batched pass in the baseline.
 """
 
 from __future__ import annotations
@@ -72,11 +71,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.metadata
 import json
 import multiprocessing.connection
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -92,6 +89,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_report import machine_line, table
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
@@ -503,28 +501,6 @@ def round_down(value: int, unit: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Report (parent process)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def machine_line() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, "
-        f"transformers {importlib.metadata.version('transformers')}, python {platform.python_version()}, "
-        f"load average at start {load}"
-    )
 
 
 def mib(value: int) -> str:

@@ -105,15 +105,20 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_loss(metrics_path: Path, out: Path) -> None:
-    """Training loss against step, from ``metrics.jsonl``, as a PNG."""
+    """Training loss against step, from ``metrics.jsonl``, with its running mean, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = _read_jsonl(metrics_path)
+    steps, losses = [r["step"] for r in records], [r["loss"] for r in records]
+    window = max(1, len(losses) // 20)  # the mean of the last `window` steps, for a readable trend
+    trend = [sum(losses[max(0, i + 1 - window) : i + 1]) / min(window, i + 1) for i in range(len(losses))]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.plot(steps, losses, alpha=0.35, label="loss")
+    ax.plot(steps, trend, label=f"mean of {window} steps")
+    ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(metrics_path.parent.name)
