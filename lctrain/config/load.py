@@ -110,6 +110,8 @@ def check_job(cfg: JobConfig, world_size: int, *, num_heads: int, num_kv_heads: 
         raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9, 0.95]")
+    if train.nonfinite not in ("stop", "skip"):
+        raise ValueError(f"train.nonfinite={train.nonfinite!r} must be stop or skip")
     if train.device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"train.device={train.device!r} must be auto, cuda or cpu")
     if cfg.logging.wandb not in ("disabled", "offline", "online"):

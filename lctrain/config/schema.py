@@ -70,6 +70,7 @@ class TrainConfig:
     seed: int = 0  # weight init (random init) and torch's RNG
     run_dir: str = "runs/default"  # config.yaml, metrics.jsonl, loss.png, checkpoints/, hf/
     device: str = "auto"  # auto (cuda if available), cuda or cpu
+    nonfinite: str = "stop"  # a step whose gradient norm is NaN/inf: stop (raise) or skip (no update, logged)
     loss_chunk_tokens: int = 1024  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
 

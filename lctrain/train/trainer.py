@@ -218,15 +218,28 @@ class Trainer:
         return loss
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip by the global gradient norm (over all shards), step AdamW and the schedule; returns the norm."""
+        """Clip by the global gradient norm (over all shards), step AdamW and the schedule; returns the norm.
+
+        A NaN/inf norm (the same on every rank) stops the job, or with ``train.nonfinite=skip`` drops this update
+        (the schedule still advances, so steps and learning rates stay aligned).
+        """
         max_norm = self.cfg.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm is not None else float("inf"), foreach=True
         )
-        self.optimizer.step()
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        elif self.cfg.train.nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {self.step + 1}: the gradient norm is {grad_norm.item()} (a NaN/inf loss or gradient); stopped "
+                f"before updating, so the last checkpoint is intact. Set train.nonfinite=skip to skip such steps"
+            )
+        else:
+            logger.warning("step %d: the gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        return grad_norm
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm."""
