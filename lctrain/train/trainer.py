@@ -94,7 +94,8 @@ class Trainer:
         # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
         par = cfg.parallel
         self.mesh = ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
-        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
+        dp_cp_mesh = flat_mesh(self.mesh, "dp_cp")
+        self.dp_cp_group = dp_cp_mesh.get_group()
         torch.manual_seed(cfg.train.seed)
 
         # 3. data: this rank's dp shard of the rows, cut to its (ring, ulysses) part
@@ -119,7 +120,7 @@ class Trainer:
         apply_activation_checkpointing(self.model.model.layers, par.activation_checkpointing, par.ac_every)
         apply_fsdp(
             self.model,
-            flat_mesh(self.mesh, "dp_cp"),
+            dp_cp_mesh,
             param_dtype=_dtype(par.param_dtype, self.device),
             reduce_dtype=_dtype(par.reduce_dtype, self.device),
         )
@@ -280,8 +281,10 @@ class Trainer:
                     "step_time_s": elapsed,
                 },
             )
-            if line is not None:
-                bar.write(line) if not bar.disable else logger.info(line)
+            if line is not None and bar.disable:
+                logger.info(line)
+            elif line is not None:
+                bar.write(line)
             bar.update(1)
             losses.append(result["loss"])
             every = cfg.checkpoint.every
