@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lctrain.attention.layout import LAYOUTS
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
 from lctrain.parallel.dims import ParallelDims
+from lctrain.parallel.pipeline import check_pipeline
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
@@ -58,14 +59,21 @@ def to_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def check_job(cfg: JobConfig, world_size: int, *, num_heads: int, num_kv_heads: int, vocab_size: int) -> None:
+def check_job(
+    cfg: JobConfig,
+    world_size: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    tied_embeddings: bool,
+    vocab_size: int,
+) -> None:
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
     Call it before any process group work: every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
-    if par.pp != 1:
-        raise ValueError(f"parallel.pp={par.pp}: pipeline parallelism is not supported yet; set parallel.pp=1")
     if par.layout not in LAYOUTS:
         raise ValueError(f"parallel.layout={par.layout!r} must be one of {LAYOUTS}")
     if data.layout != par.layout:
@@ -76,6 +84,21 @@ def check_job(cfg: JobConfig, world_size: int, *, num_heads: int, num_kv_heads: 
     ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).check(
         world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, seq_len=data.seq_len, layout=par.layout
     )
+    if par.pp > 1:
+        check_pipeline(
+            par.pp,
+            par.pp_schedule,
+            par.pp_stages_per_rank,
+            par.pp_split_points,
+            num_layers,
+            data.batch_size * train.grad_accum,
+        )
+        if tied_embeddings:
+            raise ValueError(
+                f"parallel.pp={par.pp} with tied input and output embeddings: the first stage holds the embeddings "
+                f"and the last the LM head, which cannot share one tensor; set parallel.pp=1 (or untie them: "
+                f"model.tie_word_embeddings=false)"
+            )
     if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(
             f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "

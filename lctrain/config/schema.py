@@ -37,7 +37,7 @@ class ModelConfig:
 class ParallelConfig:
     """Degrees of the 4D mesh (their product is the world size), the sequence layout, and memory/precision policy."""
 
-    pp: int = 1  # pipeline stages (pp > 1 is not supported yet)
+    pp: int = 1  # pipeline-parallel ranks (each holds pp_stages_per_rank stages of consecutive layers)
     dp: int = 1  # data parallel: different batches
     ring: int = 1  # ring attention: sequence chunks passed peer to peer (spans nodes)
     ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
@@ -46,6 +46,11 @@ class ParallelConfig:
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
     param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
+    # pp > 1: a step's rows (data.batch_size x train.grad_accum) are the micro-batches of one schedule run
+    # GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1  # 1 (GPipe, 1F1B), >= 2 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), 2 (V)
+    pp_split_points: list[str] = field(default_factory=list)  # first layer of each later stage; [] = balanced
 
 
 @dataclass

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
 
 def apply_fsdp(
-    model: PreTrainedModel,
+    model: PreTrainedModel | nn.Module,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Shard ``model`` in place over the 1-D ``mesh`` (``dp_cp``): one all-gather unit per decoder layer, and the
-    root (embeddings, final norm, LM head).
+    """Shard ``model`` (a Hugging Face model, or one ``PipelineStageModule``) in place over the 1-D ``mesh``
+    (``dp_cp``): one all-gather unit per decoder layer, and the root (embeddings, final norm, LM head).
 
     Gradients are *summed* over the mesh, not averaged: the caller divides the token-summed loss by the global
     number of valid tokens (every rank of ``dp_cp`` and every micro-batch), so the sum is the mean gradient.
@@ -24,6 +25,7 @@ def apply_fsdp(
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = model.model.layers
+    layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else layers
     for index, layer in enumerate(layers):
         # the last layer is all-gathered again at once for the backward: keep it unsharded after the forward
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lctrain.config.schema import OptimConfig
 
@@ -18,6 +21,24 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter], max_norm: float | None, *, pp_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """Clip gradients by their global L2 norm and return it (the same on every rank): over every FSDP shard
+    (DTensor) and, with pipeline stages, over ``pp_group`` (each stage holds different parameters).
+    ``max_norm=None`` only measures."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if pp_group is not None:
+        norm = norm**2
+        dist.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
-from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from tqdm import tqdm
 
 from lctrain.config import JobConfig, check_job, load_config, to_yaml
@@ -36,10 +36,11 @@ from lctrain.models import (
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.parallel.pipeline import apply_pipeline, build_schedule, merge_stages
 from lctrain.train.checkpoint import Checkpointer
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
-from lctrain.train.optim import build_optimizer, build_scheduler
+from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 logger = logging.getLogger("lctrain")
 
@@ -84,6 +85,8 @@ class Trainer:
             world_size,
             num_heads=self.hf_config.num_attention_heads,
             num_kv_heads=self.hf_config.num_key_value_heads,
+            num_layers=self.hf_config.num_hidden_layers,
+            tied_embeddings=self.hf_config.tie_word_embeddings,
             vocab_size=len(self.tokenizer),
         )
         if cfg.model.path is not None:  # fail before any work if the weights are missing
@@ -96,6 +99,7 @@ class Trainer:
         self.mesh = ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
         dp_cp_mesh = flat_mesh(self.mesh, "dp_cp")
         self.dp_cp_group = dp_cp_mesh.get_group()
+        self.pp_group = self.mesh.get_group("pp") if par.pp > 1 else None
         torch.manual_seed(cfg.train.seed)
 
         # 3. data: this rank's dp shard of the rows, cut to its (ring, ulysses) part
@@ -109,26 +113,55 @@ class Trainer:
             ulysses_size=par.ulysses,
         )
 
-        # 4. model, in this order: USP attention -> activation checkpointing -> FSDP -> weights
-        self.model = build_empty_model(self.hf_config)
+        # 4. model, in this order: USP attention -> pipeline stages -> activation checkpointing -> FSDP -> weights.
+        # With pp > 1 the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face
+        # names (merge_stages), for the optimizer, clipping, checkpoints and export.
+        model = build_empty_model(self.hf_config)
+        num_params = sum(p.numel() for p in model.parameters())
         patch_attention(
-            self.model,
+            model,
             ulysses_group=self.mesh.get_group("ulysses"),
             ring_group=self.mesh.get_group("ring"),
             layout=par.layout,
         )
-        apply_activation_checkpointing(self.model.model.layers, par.activation_checkpointing, par.ac_every)
-        apply_fsdp(
-            self.model,
-            dp_cp_mesh,
-            param_dtype=_dtype(par.param_dtype, self.device),
-            reduce_dtype=_dtype(par.reduce_dtype, self.device),
-        )
-        materialize(self.model, source, self.device)
-        self.model.train()
-        # the final hidden states, taken as the base model returns them, feed the chunked loss (no full logits)
+        if par.pp > 1:
+            stages = apply_pipeline(
+                model,
+                self.mesh["pp"],
+                schedule=par.pp_schedule,
+                stages_per_rank=par.pp_stages_per_rank,
+                split_points=par.pp_split_points,
+                loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            )
+        else:
+            stages = [model]
+        for stage in stages:
+            apply_activation_checkpointing(stage.model.layers, par.activation_checkpointing, par.ac_every)
+            apply_fsdp(
+                stage,
+                dp_cp_mesh,
+                param_dtype=_dtype(par.param_dtype, self.device),
+                reduce_dtype=_dtype(par.reduce_dtype, self.device),
+            )
+            materialize(stage, source, self.device)
+            stage.train()
+        self.schedule: _PipelineSchedule | None = None
+        if par.pp > 1:
+            self.model = merge_stages(stages)
+            self.schedule = build_schedule(
+                stages,
+                self.mesh["pp"],
+                schedule=par.pp_schedule,
+                microbatches=cfg.data.batch_size * cfg.train.grad_accum,
+                device=self.device,
+                loss_fn=self._pipeline_loss,
+            )
+        else:
+            self.model = model
+            # the final hidden states, taken as the base model returns them, feed the chunked loss (no full logits)
+            self.model.model.register_forward_hook(self._keep_hidden)
         self._hidden: torch.Tensor | None = None
-        self.model.model.register_forward_hook(self._keep_hidden)
+        self._valid_tokens = torch.ones((), device=self.device)
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -142,7 +175,6 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
-        num_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(self.hf_config, num_params, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(
@@ -159,6 +191,11 @@ class Trainer:
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._hidden = output.last_hidden_state
+
+    def _pipeline_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the last stage computes the token-summed loss itself (inside its FSDP forward, where the LM head is
+        # gathered); the schedule still passes each micro-batch's target, unused here
+        return loss_sum / self._valid_tokens
 
     def _resume(self) -> None:
         resume = self.cfg.checkpoint.resume
@@ -210,6 +247,8 @@ class Trainer:
         valid = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches).to(self.device)
         dist.all_reduce(valid, group=self.dp_cp_group)
         valid = valid.clamp(min=1)
+        if self.schedule is not None:
+            return self._pipeline_forward_backward(micro_batches, valid)
         loss = torch.zeros((), device=self.device)
         for batch in micro_batches:
             for row in range(batch["input_ids"].shape[0]):
@@ -218,17 +257,32 @@ class Trainer:
                 loss += row_loss.detach()
         return loss
 
+    def _pipeline_forward_backward(self, micro_batches: Sequence[Batch], valid: torch.Tensor) -> torch.Tensor:
+        """One schedule run over every row of the step (each row is a pipeline micro-batch); returns this rank's
+        share of the global mean loss (0 off the last stage)."""
+        rows = {key: torch.cat([b[key] for b in micro_batches]) for key in ("input_ids", "position_ids", "labels")}
+        bounds = [row_bounds for batch in micro_batches for row_bounds in batch["cu_seqlens"]]
+        self._valid_tokens = valid
+        losses: list[torch.Tensor] = []
+        labels = rows["labels"].to(self.device)
+        self.schedule.step(
+            rows["input_ids"].to(self.device),
+            position_ids=rows["position_ids"].to(self.device),
+            cu_seqlens=torch.nn.utils.rnn.pad_sequence(bounds, batch_first=True, padding_value=-1),
+            labels=labels,
+            target=labels,
+            losses=losses,
+            return_outputs=False,
+        )
+        return sum((loss.detach() for loss in losses), torch.zeros((), device=self.device))
+
     def optimizer_step(self) -> torch.Tensor:
         """Clip by the global gradient norm (over all shards), step AdamW and the schedule; returns the norm.
 
         A NaN/inf norm (the same on every rank) stops the job, or with ``train.nonfinite=skip`` drops this update
         (the schedule still advances, so steps and learning rates stay aligned).
         """
-        max_norm = self.cfg.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm is not None else float("inf"), foreach=True
-        )
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm, pp_group=self.pp_group)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         elif self.cfg.train.nonfinite == "stop":
@@ -246,7 +300,7 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm."""
         loss = self.forward_backward(micro_batches)
         grad_norm = self.optimizer_step()
-        dist.all_reduce(loss, group=self.dp_cp_group)
+        dist.all_reduce(loss)  # the last stage's shares over dp_cp (other pipeline stages add 0)
         return {"loss": loss.item(), "grad_norm": grad_norm.item()}
 
     def train(self) -> list[float]:

@@ -35,7 +35,62 @@ BAD_JOBS = {
         ["1 x 2 x 2 x 1 = 4", "2 processes", "multiply to the world size"],
     ),
     "zero_degree": (["parallel.ulysses=0"], 1, ["parallel.ulysses=0 must be >= 1"]),
-    "pipeline": (["parallel.pp=2"], 2, ["parallel.pp=2", "set parallel.pp=1"]),
+    "pp_mesh_product": (["parallel.pp=2", "parallel.ring=2"], 2, ["2 x 1 x 2 x 1 = 4", "2 processes"]),
+    "pp_schedule": (
+        ["parallel.pp=2", "parallel.pp_schedule=Zigzag"],
+        2,
+        ["parallel.pp_schedule='Zigzag' must be one of"],
+    ),
+    "pp_more_stages_than_layers": (
+        ["parallel.pp=4", "model.num_layers=3"],
+        4,
+        ["4 pipeline stages (parallel.pp=4 x parallel.pp_stages_per_rank=1)", "only 3 layers", "lower parallel.pp"],
+    ),
+    "pp_interleaved_one_stage": (
+        ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+        2,
+        ["parallel.pp_schedule=Interleaved1F1B interleaves several stages", "set parallel.pp_stages_per_rank >= 2"],
+    ),
+    "pp_single_stage_schedule": (
+        ["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.pp_stages_per_rank=2"],
+        2,
+        ["parallel.pp_schedule=GPipe runs one stage per rank", "parallel.pp_stages_per_rank=2: set it to 1"],
+    ),
+    "pp_v_schedule": (
+        ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=3", "model.num_layers=6"],
+        2,
+        ["ZBVZeroBubble runs exactly 2 stages per rank", "set parallel.pp_stages_per_rank=2"],
+    ),
+    "pp_microbatches_1f1b": (
+        ["parallel.pp=4", "data.batch_size=1", "train.grad_accum=3"],
+        4,
+        ["1F1B needs at least as many micro-batches as stages (4)", "a step has 3", "raise data.batch_size"],
+    ),
+    "pp_microbatches_interleaved": (
+        ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=2", "data.batch_size=5"],
+        2,
+        ["runs micro-batches in rounds of parallel.pp=2", "5 micro-batches", "must be a multiple of 2"],
+    ),
+    "pp_split_points_count": (
+        ["parallel.pp=2", "parallel.pp_split_points=[model.layers.1,model.layers.2]", "data.batch_size=2"],
+        2,
+        ["parallel.pp_split_points has 2 entries but 2 stages need 1", "model.layers.2"],
+    ),
+    "pp_split_points_name": (
+        ["parallel.pp=2", "parallel.pp_split_points=[layers.2]", "data.batch_size=2"],
+        2,
+        ["parallel.pp_split_points entry 'layers.2' is not a decoder layer", "use model.layers.<i> with 0 < i < 4"],
+    ),
+    "pp_split_points_order": (
+        ["parallel.pp=3", "parallel.pp_split_points=[model.layers.2,model.layers.1]", "data.batch_size=3"],
+        3,
+        ["must name increasing layers"],
+    ),
+    "pp_tied_embeddings": (
+        ["parallel.pp=2", "model.tie_word_embeddings=true", "data.batch_size=2"],
+        2,
+        ["parallel.pp=2 with tied input and output embeddings", "model.tie_word_embeddings=false"],
+    ),
     "heads_vs_ulysses": (
         ["model.num_heads=6", "model.num_kv_heads=2", "parallel.ulysses=4"],
         4,
@@ -90,7 +145,15 @@ BAD_JOBS = {
 
 def check(overrides: list[str], world_size: int) -> None:
     cfg = load_config([*SMALL, *overrides])
-    check_job(cfg, world_size, num_heads=cfg.model.num_heads, num_kv_heads=cfg.model.num_kv_heads, vocab_size=VOCAB)
+    check_job(
+        cfg,
+        world_size,
+        num_heads=cfg.model.num_heads,
+        num_kv_heads=cfg.model.num_kv_heads,
+        num_layers=cfg.model.num_layers,
+        tied_embeddings=cfg.model.tie_word_embeddings,
+        vocab_size=VOCAB,
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD_JOBS))
@@ -182,4 +245,12 @@ def test_recipe_starts_with_its_launch_line_and_composes(recipe: Path) -> None:
     assert par.pp * par.dp * par.ring * par.ulysses == world_size, f"{recipe}: the mesh does not fit {world_size}"
     if cfg.model.path is None:  # a random-init model: its sizes are in the config
         heads, kv_heads = cfg.model.num_heads, cfg.model.num_kv_heads
-        check_job(cfg, world_size, num_heads=heads, num_kv_heads=kv_heads, vocab_size=cfg.model.vocab_size or 1)
+        check_job(
+            cfg,
+            world_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            num_layers=cfg.model.num_layers,
+            tied_embeddings=cfg.model.tie_word_embeddings,
+            vocab_size=cfg.model.vocab_size or 1,
+        )
