@@ -21,7 +21,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -140,19 +140,53 @@ def materialize(model: nn.Module, source: TensorSource, device: torch.device) ->
             param.copy_(source(hf_name(name), param.shape))
 
 
-def export_hf(model: nn.Module, config: PretrainedConfig, out_dir: str | Path, tokenizer=None) -> None:
-    """Write a Hugging Face model directory (``config.json`` + ``model.safetensors`` [+ tokenizer]) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Every rank must call it (the shards are gathered); rank 0 writes.
+def export_hf(
+    model: nn.Module,
+    config: PretrainedConfig,
+    out_dir: str | Path,
+    tokenizer=None,
+    *,
+    part: int = 0,
+    num_parts: int = 1,
+) -> None:
+    """Write a Hugging Face model directory (``config.json`` + safetensors weights [+ tokenizer]) that
+    ``AutoModelForCausalLM.from_pretrained`` loads. Every rank must call it (the shards are gathered).
+
+    ``model`` holds FSDP-sharded (DTensor) or plain parameters under Hugging Face names. With pipeline stages each pp
+    rank passes its parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp: the first rank of
+    each part writes ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index
+    ``model.safetensors.index.json``, the sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``.
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    tensors = {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
+    tensors: dict[str, Tensor] = {}
+    writer = True  # the rank at coordinate 0 of the parameters' mesh (dp_cp) keeps the full tensors
+    for name, value in get_model_state_dict(model).items():
+        if isinstance(value, DTensor):
+            writer = not any(value.device_mesh.get_coordinate())
+            value = value.full_tensor()  # a collective: every rank of the mesh takes part, one tensor at a time
+        if writer:
+            tensors[hf_name(name)] = value.detach().cpu().contiguous()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out_dir / WEIGHTS_NAME, metadata={"format": "pt"})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = WEIGHTS_NAME if num_parts == 1 else f"model-{part + 1:05d}-of-{num_parts:05d}.safetensors"
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()  # every part is written before rank 0 indexes them
+    if rank != 0:
+        return
+    if num_parts > 1:
+        weight_map, total_size = {}, 0
+        for index in range(num_parts):
+            name = f"model-{index + 1:05d}-of-{num_parts:05d}.safetensors"
+            with safe_open(out_dir / name, "pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), name))
+            with (out_dir / name).open("rb") as f:  # a safetensors file: 8-byte header length, header, tensor data
+                total_size += (out_dir / name).stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+        index_json = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / f"{WEIGHTS_NAME}.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -15,6 +15,7 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
 ) -> None:
     """Shard ``model`` (a Hugging Face model, or one ``PipelineStageModule``) in place over the 1-D ``mesh``
     (``dp_cp``): one all-gather unit per decoder layer, and the root (embeddings, final norm, LM head).
@@ -22,13 +23,19 @@ def apply_fsdp(
     Gradients are *summed* over the mesh, not averaged: the caller divides the token-summed loss by the global
     number of valid tokens (every rank of ``dp_cp`` and every micro-batch), so the sum is the mean gradient.
     Context-parallel ranks see different tokens of the same rows, so their gradients are partial sums too.
+
+    ``reshard_after_forward=False`` keeps every layer's parameters gathered from its first forward to the end of the
+    backward: for a pipeline stage, which runs many micro-batches' forwards before their backwards (one all-gather
+    per step instead of one per micro-batch), and which the zero-bubble schedules need (their deferred weight
+    gradients land in the gathered parameters).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = model.model.layers
     layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else layers
     for index, layer in enumerate(layers):
         # the last layer is all-gathered again at once for the backward: keep it unsharded after the forward
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
+        reshard = reshard_after_forward and index < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

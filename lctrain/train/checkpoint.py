@@ -2,7 +2,7 @@
 
 Model and optimizer state go through ``torch.distributed.checkpoint`` (each rank writes its shards; loading works
 for any FSDP layout). What differs per rank (data loader position, RNG states) and the small plain state (step,
-scheduler) go to ``rank_XXXXX.pt``, read back with ``weights_only=True``. Everything is written into
+scheduler, the mesh) go to ``rank_XXXXX.pt``, read back with ``weights_only=True``. Everything is written into
 ``step_XXXXXXXX.tmp``; once every rank is done, rank 0 renames it to ``step_XXXXXXXX``. A directory without the
 ``.tmp`` suffix is therefore complete, and a crash mid-save leaves only a ``.tmp`` directory, which is never resumed
 from and is deleted by the next save.
@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -27,6 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# one key per parameter (its Hugging Face name) for the optimizer state and hyperparameters too, so each pipeline
+# stage saves its own keys and any pp degree loads them (nested param_groups would keep only one rank's)
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -58,11 +62,16 @@ class Checkpointer:
                 shutil.rmtree(stale)  # a save that crashed before
             tmp.mkdir(parents=True)
         dist.barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
+        }
         dcp.save(state, checkpoint_id=str(tmp))
         torch.save(extra, tmp / f"rank_{rank:05d}.pt")
         dist.barrier()
         if rank == 0:
+            if final.exists():  # the same step from an earlier run in this directory (checkpoint.resume=none)
+                shutil.rmtree(final)
             tmp.rename(final)
             for old in complete_checkpoints(self.root)[: -self.keep]:
                 shutil.rmtree(old)
@@ -73,22 +82,31 @@ class Checkpointer:
         found = complete_checkpoints(self.root)
         return found[-1] if found else None
 
-    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Load ``path`` into the model and optimizer (any FSDP layout); return this rank's extras."""
-        path = Path(path)
-        if not (path / ".metadata").is_file():
-            raise FileNotFoundError(
-                f"{path} is not a complete checkpoint (no .metadata): pass a step_XXXXXXXX directory, or "
-                f"checkpoint.resume=auto to take the latest complete one"
-            )
-        extra_file = path / f"rank_{dist.get_rank():05d}.pt"
+    def read_extra(self, path: str | Path, rank: int) -> dict[str, Any]:
+        """The extras that ``rank`` saved in the checkpoint ``path``."""
+        path = _complete(path)
+        extra_file = path / f"rank_{rank:05d}.pt"
         if not extra_file.is_file():
-            raise FileNotFoundError(
-                f"{extra_file} is missing: the checkpoint was written by a job with fewer ranks; resume with the "
-                f"same world size"
-            )
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+            raise FileNotFoundError(f"{extra_file} is missing: the checkpoint {path} is incomplete or damaged")
         return torch.load(extra_file, weights_only=True)
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Load ``path`` into the model and optimizer: any FSDP layout and any pipeline split (names are the
+        Hugging Face ones), so the mesh may differ from the one that saved it."""
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
+        }
+        dcp.load(state, checkpoint_id=str(_complete(path)))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
+
+
+def _complete(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no .metadata): pass a step_XXXXXXXX directory, or "
+            f"checkpoint.resume=auto to take the latest complete one"
+        )
+    return path

@@ -142,6 +142,7 @@ class Trainer:
                 dp_cp_mesh,
                 param_dtype=_dtype(par.param_dtype, self.device),
                 reduce_dtype=_dtype(par.reduce_dtype, self.device),
+                reshard_after_forward=par.pp == 1,
             )
             materialize(stage, source, self.device)
             stage.train()
@@ -197,14 +198,35 @@ class Trainer:
         # gathered); the schedule still passes each micro-batch's target, unused here
         return loss_sum / self._valid_tokens
 
+    def _mesh_degrees(self) -> dict[str, int]:
+        par = self.cfg.parallel
+        return {"pp": par.pp, "dp": par.dp, "ring": par.ring, "ulysses": par.ulysses}
+
     def _resume(self) -> None:
+        """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another
+        mesh with the same ``dp`` (pp, ring and ulysses may change), weights and optimizer state are resharded and
+        each rank takes the data position of its dp rank, so the run goes on with the same batches."""
         resume = self.cfg.checkpoint.resume
         if resume == "none":
             return
         path = self.checkpointer.latest() if resume == "auto" else Path(resume)
         if path is None:
             return
-        extra = self.checkpointer.load(path, self.model, self.optimizer)
+        saved, mesh = self.checkpointer.read_extra(path, 0)["mesh"], self._mesh_degrees()
+        if saved == mesh:
+            source_rank = self.rank
+        elif saved["dp"] == mesh["dp"]:
+            # the saving rank at pp 0, ring 0, ulysses 0 of this rank's dp index: it held this dp rank's data state
+            source_rank = self.mesh.get_local_rank("dp") * saved["ring"] * saved["ulysses"]
+            logger.info("checkpoint %s was saved with mesh %s; loading it into mesh %s", path, saved, mesh)
+        else:
+            raise ValueError(
+                f"{path} was saved with parallel.dp={saved['dp']} and this job has parallel.dp={mesh['dp']}: the "
+                f"data position of each dp rank cannot carry over; resume with parallel.dp={saved['dp']} (pp, ring "
+                f"and ulysses may change)"
+            )
+        extra = self.checkpointer.read_extra(path, source_rank)
+        self.checkpointer.load(path, self.model, self.optimizer)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["data"])
@@ -214,6 +236,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         extra = {
             "step": self.step,
+            "mesh": self._mesh_degrees(),
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "rng": torch.get_rng_state(),
@@ -346,7 +369,14 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         if cfg.checkpoint.export_hf:
-            export_hf(self.model, self.hf_config, self.run_dir / "hf", tokenizer=self.tokenizer)
+            export_hf(
+                self.model,
+                self.hf_config,
+                self.run_dir / "hf",
+                tokenizer=self.tokenizer,
+                part=self.mesh.get_local_rank("pp"),
+                num_parts=cfg.parallel.pp,
+            )
             logger.info("Hugging Face model written to %s", self.run_dir / "hf")
         self.metrics.close()
         return losses

@@ -7,8 +7,8 @@ Single process (a gloo group of one over an in-memory store, no port, no spawn).
   without ``.metadata``, other names, or files; oldest first; none for a missing root.
 - ``Checkpointer.save`` writes ``.metadata`` and ``rank_00000.pt`` into the final directory, removes a stale
   ``.tmp`` left by a crash, keeps the newest ``keep`` complete checkpoints and leaves no ``.tmp`` behind.
-- ``Checkpointer.load`` restores model, optimizer and extras exactly (``torch.equal``), and refuses a ``.tmp`` or a
-  missing directory with a message that names the path.
+- ``Checkpointer.load`` and ``read_extra`` restore model, optimizer and extras exactly (``torch.equal``), and
+  refuse a ``.tmp`` or a missing directory with a message that names the path.
 - ``Trainer`` with ``checkpoint.resume=<missing path>`` fails with that message before writing into its run dir.
 """
 
@@ -108,7 +108,8 @@ def test_load_restores_model_optimizer_and_extras(process_group: None, tmp_path:
     extra = {"step": 7, "scheduler": {"last_epoch": 7}, "data": {"epoch": 1, "offset": 3}, "rng": torch.get_rng_state()}
     path = Checkpointer(tmp_path, keep=1).save(7, model, optimizer, extra)
     other, other_optimizer = model_and_optimizer(1)
-    loaded = Checkpointer(tmp_path, keep=1).load(path, other, other_optimizer)
+    Checkpointer(tmp_path, keep=1).load(path, other, other_optimizer)
+    loaded = Checkpointer(tmp_path, keep=1).read_extra(path, 0)
     assert loaded.keys() == extra.keys() and torch.equal(loaded.pop("rng"), extra.pop("rng")) and loaded == extra
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -127,10 +128,14 @@ def test_load_refuses_incomplete_or_missing(process_group: None, tmp_path: Path,
     path = tmp_path / name
     if name.endswith(".tmp"):
         (path / ".metadata").unlink()  # DCP had not finished
-    with pytest.raises(FileNotFoundError) as error:
-        Checkpointer(tmp_path, keep=1).load(path, model, optimizer)
-    assert f"{path} is not a complete checkpoint" in str(error.value)
-    assert "checkpoint.resume=auto" in str(error.value)
+    for read in (
+        lambda: Checkpointer(tmp_path, keep=1).load(path, model, optimizer),
+        lambda: Checkpointer(tmp_path, keep=1).read_extra(path, 0),
+    ):
+        with pytest.raises(FileNotFoundError) as error:
+            read()
+        assert f"{path} is not a complete checkpoint" in str(error.value)
+        assert "checkpoint.resume=auto" in str(error.value)
 
 
 def test_trainer_resume_from_missing_path_names_it(process_group: None, tmp_path: Path) -> None:

@@ -1,0 +1,188 @@
+"""The single-process reference that trainer parity tests compare against, and the helpers that run the trainer.
+
+The reference is the plain model (same random init, sdpa attention) run on each document piece of each full row
+as a sequence of its own (one right-padded batch per step; position ids as the packer gives them: 0 at a document
+start, continuing for a document carried over from the previous row), over the rows that every dp rank's
+``PackedLoader`` yields for every micro-batch of the step. Its loss is the token-summed cross-entropy over all of
+them divided by their valid tokens; then ``torch.nn.utils.clip_grad_norm_``, and AdamW with the trainer's parameter
+groups (``build_optimizer``) and warmup + cosine schedule (``build_scheduler``).
+
+The corpus is a jsonl file of short and long documents (cut from a stdlib source file), so packed rows hold several
+documents and documents continue across rows; the reference asserts both.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lctrain.config import JobConfig, load_config
+from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
+from lctrain.models import build_empty_model, materialize, model_config, random_init_source
+from lctrain.models.hf import hf_name
+from lctrain.train.optim import build_optimizer, build_scheduler
+from lctrain.train.trainer import Trainer
+
+SEQ_LEN = 64
+MAX_GRAD_NORM = 0.5  # below most steps' gradient norms: clipping is active
+
+
+def write_corpus(path: Path, documents: int = 200) -> None:
+    """A jsonl file of documents cut from a stdlib file: mostly short ones (a few to ~30 tokens, several per
+    row), one in five longer than a row (continued in the next one)."""
+    text = Path(textwrap.__file__).read_text()
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(documents):
+            length = rng.randint(250, 800) if rng.random() < 0.2 else rng.randint(1, 100)
+            start = rng.randrange(len(text) - length)
+            piece = text[start : start + length]
+            f.write(json.dumps({"text": piece if piece.strip() else "x"}) + "\n")
+
+
+def job_config(
+    workdir: str,
+    run_dir: str,
+    *,
+    steps: int,
+    num_layers: int = 2,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    parallel: Sequence[str] = (),
+) -> JobConfig:
+    """The tiny fp32 job of the parity tests on ``<workdir>/corpus.jsonl``; ``parallel`` = ``parallel.*``
+    overrides."""
+    return load_config(
+        [
+            "model.hidden_size=64",
+            "model.intermediate_size=128",
+            f"model.num_layers={num_layers}",
+            "model.num_heads=4",
+            "model.num_kv_heads=2",
+            f"data.paths=[{workdir}/corpus.jsonl]",
+            f"data.seq_len={SEQ_LEN}",
+            f"data.batch_size={batch_size}",
+            *parallel,
+            "optim.lr=2e-3",
+            "optim.warmup_steps=5",
+            f"optim.max_grad_norm={MAX_GRAD_NORM}",
+            f"train.steps={steps}",
+            f"train.grad_accum={grad_accum}",
+            "train.loss_chunk_tokens=24",  # several chunks per rank, the last one partial
+            "train.device=cpu",
+            f"train.run_dir={run_dir}",
+            "checkpoint.every=0",
+            "checkpoint.resume=none",
+            "checkpoint.export_hf=false",
+            "logging.plot=false",
+            "logging.progress_bar=false",
+        ]
+    )
+
+
+def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and gradient norms of ``Trainer.train()``, and the full gradients of the first step (with
+    pipeline stages: of every stage, gathered to each rank)."""
+    trainer = Trainer(cfg)
+    grads: dict[str, torch.Tensor] = {}
+    norms: list[float] = []
+    optimizer_step = trainer.optimizer_step
+
+    def capturing_optimizer_step() -> torch.Tensor:
+        if not grads:  # the first step's gradients, before clipping (full_tensor: a collective, every rank calls it)
+            for name, param in trainer.model.named_parameters():
+                grads[hf_name(name)] = param.grad.full_tensor()
+            if trainer.pp_group is not None:
+                stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(trainer.pp_group))]
+                dist.all_gather_object(stages, grads, group=trainer.pp_group)
+                grads.update({name: grad for stage in stages for name, grad in stage.items()})
+        norm = optimizer_step()
+        norms.append(norm.item())
+        return norm
+
+    trainer.optimizer_step = capturing_optimizer_step
+    losses = trainer.train()
+    return losses, norms, grads
+
+
+def world_job(configs: dict) -> dict | None:
+    """Every case of one world size, one after the other on the same process group; rank 0 returns the results."""
+    results = {case: train_case(cfg) for case, cfg in configs.items()}
+    return results if dist.get_rank() == 0 else None
+
+
+def document_pieces(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every document piece of every row of ``batches``, each a sequence of its own, right-padded: input ids,
+    position ids and labels ``[N, L]`` (padding: token 0, position 0, label -100). Causal attention never lets a
+    token see the padding after it, so each piece is computed as if alone."""
+    pieces = [
+        tuple(batch[key][row, a:b] for key in ("input_ids", "position_ids", "labels"))
+        for batch in batches
+        for row, bounds in enumerate(batch["cu_seqlens"])
+        for a, b in zip(bounds.tolist(), bounds[1:].tolist())
+    ]
+    input_ids, position_ids, labels = zip(*pieces)
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (
+        pad(input_ids, batch_first=True),
+        pad(position_ids, batch_first=True),
+        pad(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    )
+
+
+@functools.cache
+def reference(
+    workdir: str, *, steps: int, dp: int, batch_size: int, grad_accum: int, num_layers: int = 2
+) -> tuple[list[float], list[float], dict]:
+    """Losses, pre-clipping gradient norms and first-step gradients of the plain model over the same rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: extra threads only spin, and the machine runs the ranks too
+    try:
+        cfg = job_config(
+            workdir, workdir, steps=steps, num_layers=num_layers, batch_size=batch_size, grad_accum=grad_accum
+        )
+        return _reference(cfg, dp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]:
+    hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(cfg.data.tokenizer)))
+    model = build_empty_model(hf_config)
+    materialize(model, random_init_source(hf_config, cfg.train.seed), torch.device("cpu"))
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    loaders = [iter(PackedLoader(cfg.data, dp_rank=d, dp_size=dp)) for d in range(dp)]
+    losses, norms, grads = [], [], {}
+    cu_seqlens, first_positions = [], []
+    for _ in range(cfg.train.steps):
+        batches = [next(loader) for _ in range(cfg.train.grad_accum) for loader in loaders]
+        cu_seqlens += [bounds for batch in batches for bounds in batch["cu_seqlens"]]
+        first_positions += [batch["position_ids"][:, 0] for batch in batches]
+        input_ids, position_ids, labels = document_pieces(batches)
+        hidden = model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        valid = labels != IGNORE_INDEX
+        logits = model.lm_head(hidden[valid])  # the valid positions only: the full logits would be large
+        loss = F.cross_entropy(logits.float(), labels[valid], reduction="sum") / valid.sum()
+        loss.backward()
+        if not grads:
+            grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    # the data must exercise packing: most rows hold several documents, and some continue a document
+    several = sum(len(bounds) > 2 for bounds in cu_seqlens)
+    assert several >= len(cu_seqlens) // 2, f"only {several} of {len(cu_seqlens)} rows hold several documents"
+    assert (torch.cat(first_positions) > 0).any(), "no row continues a document from the previous row"
+    return losses, norms, grads
