@@ -7,24 +7,25 @@ Run from the repository root::
     python scripts/bench_pipeline.py --quick    # GPipe and 1F1B, m ∈ {2, 4}
     python scripts/bench_pipeline.py --schedules GPipe Interleaved1F1B --microbatches 4 16
 
-A step here is ``Trainer.forward_backward`` over m rows (the pipeline's m micro-batches: the whole schedule, the
-stages' P2P sends and the FSDP gradient reduction; not the optimizer step, which has no bubble). Each configuration
-runs in a fresh spawned gloo group with one thread per process: ``--warmup`` untimed steps, then the median of
-``--steps`` timed ones. The data are synthetic rows of ``--seq`` random tokens, one document each.
+A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
+stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
+runs in a fresh spawned gloo group of 2 processes (one per core, one thread each): ``--warmup`` untimed steps, then
+the medians of ``--steps`` timed ones. The rows are synthetic: ``--seq`` random tokens, one document each.
 
-- ``T1``: the same model and rows at pp=1, one process (one core): all the work, done back to back.
-- ``ideal`` = T1 / p: p = 2 processes (each on its own core) splitting that work with no idle time.
-- ``bubble`` = 1 − ideal / measured: the fraction of a pp rank's step spent not computing (waiting for the other
-  stage, sending, imbalance between the stages).
-- ``textbook`` = (p − 1) / (v·m + p − 1): idle fraction of a balanced pipeline with v stages per rank (GPipe and
-  1F1B: v = 1; interleaved: v = 2); zero-bubble schedules aim below it by filling the bubble with weight gradients.
+- ``measured``: the step's wall time (the ranks start and end together, at barriers).
+- ``busy``: each rank's CPU time in the step (``time.process_time``: its compute, plus the little its gloo threads
+  use to move data; a rank that waits for the other stage sleeps, it does not spin). ``ideal`` = the busier rank's
+  busy time: the step could be no shorter, whatever the schedule. ``bubble`` = 1 − ideal / measured: the fraction
+  of the step the busier rank spent waiting. The other rank's extra idle time is imbalance between the stages.
+- ``textbook`` = (p − 1) / (v·m + p − 1): the idle fraction of a balanced pipeline with v stages per rank (GPipe and
+  1F1B: v = 1; the others here: v = 2). The zero-bubble schedules aim below it by filling the bubble with weight
+  gradients.
 
-The model (Llama, ``--hidden`` wide, ``--layers`` layers, vocabulary 8192) puts the embeddings on the first stage
-and the norm, LM head and loss on the last; ``--split`` names the first layer of the second stage (default: the
-split that balances the two stages' work, measured below). The last stage's LM head and loss cost about as much as
-``head_layers`` decoder layers, printed with the result; balance is never exact, and what is left shows up in the
-bubble column. Caveats: 2 cores, gloo on loopback (a P2P send costs little next to a stage's compute here, unlike
-across nodes), fp32.
+The model (Llama, ``--hidden`` wide, ``--layers`` layers, vocabulary 8192) has the embeddings on the first stage and
+the norm, LM head and loss on the last. The split points balance the stages by parameter count, the LM head
+counting as (vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on
+loopback (a P2P send costs little next to a stage's compute here, unlike across nodes), fp32, a VM whose timings
+vary by about ±15 % between runs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import torch.distributed as dist
 from bench_report import machine_line, table
 
 from lctrain.config import load_config
+from lctrain.data import load_tokenizer
+from lctrain.models import build_empty_model, model_config
 from lctrain.parallel.spawn import run_distributed
 from lctrain.train.trainer import Trainer
 
@@ -75,20 +78,23 @@ def synthetic_batch(rows: int, seq: int, vocab: int) -> dict:
     }
 
 
-def time_steps(overrides: list[str], warmup: int, steps: int) -> float:
-    """In each rank of a spawned group: the median time of ``forward_backward`` over one batch of all the rows."""
+def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
+    """In each rank of a spawned group: the median wall time and CPU time of ``forward_backward`` over one batch of
+    all the rows."""
     trainer = Trainer(load_config(overrides))
     batch = synthetic_batch(trainer.cfg.data.batch_size, trainer.cfg.data.seq_len, trainer.hf_config.vocab_size)
-    times = []
+    wall, cpu = [], []
     for index in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         trainer.forward_backward([batch])
+        busy = time.process_time() - start_cpu
         dist.barrier()
         if index >= warmup:
-            times.append(time.perf_counter() - start)
+            wall.append(time.perf_counter() - start)
+            cpu.append(busy)
         trainer.optimizer.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str]:
@@ -101,11 +107,17 @@ def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str
     return [f"model.layers.{sum(sizes[:index])}" for index in range(1, stages)]
 
 
+def head_layers(args: argparse.Namespace) -> float:
+    """The LM head's parameters in units of one decoder layer's (a rough measure of its forward + backward work)."""
+    cfg = load_config(job_overrides(args, 1, []))
+    model = build_empty_model(model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer))))
+    return model.lm_head.weight.numel() / sum(p.numel() for p in model.model.layers[0].parameters())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--schedules", nargs="+", default=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
-    )
+    schedules = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+    parser.add_argument("--schedules", nargs="+", default=schedules)
     parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
@@ -117,66 +129,46 @@ def main() -> None:
     if args.quick:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp = 2
+    head = head_layers(args)
     print(f"`python scripts/bench_pipeline.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print()
     print(machine_line())
     print()
-
-    single = {
-        m: run_distributed(time_steps, 1, job_overrides(args, m, []), args.warmup, args.steps)[0]
-        for m in args.microbatches
-    }
-    m0 = args.microbatches[0]
-    half = args.layers // 2
-    half_args = argparse.Namespace(**{**vars(args), "layers": half})
-    t_half = run_distributed(time_steps, 1, job_overrides(half_args, m0, []), args.warmup, args.steps)[0]
-    layer_cost = (single[m0] - t_half) / (args.layers - half)
-    head_layers = max(0.0, single[m0] / layer_cost - args.layers)
     print(
-        f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row; at pp=1 a decoder layer costs "
-        f"{layer_cost / m0 * 1e3:.1f} ms per row (forward + backward), the embeddings, LM head and loss "
-        f"{head_layers:.1f} layers' worth."
+        f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts "
+        f"as {head:.1f} layers for the split."
     )
     print()
     rows = []
     for schedule in args.schedules:
         stages_per_rank = 1 if schedule in SINGLE_STAGE else 2
-        split = balanced_split(args.layers, head_layers, pp * stages_per_rank)
+        split = balanced_split(args.layers, head, pp * stages_per_rank)
+        pipeline = [
+            f"parallel.pp={pp}",
+            f"parallel.pp_schedule={schedule}",
+            f"parallel.pp_stages_per_rank={stages_per_rank}",
+            f"parallel.pp_split_points=[{','.join(split)}]",
+        ]
         for m in args.microbatches:
-            pipeline = [
-                f"parallel.pp={pp}",
-                f"parallel.pp_schedule={schedule}",
-                f"parallel.pp_stages_per_rank={stages_per_rank}",
-                f"parallel.pp_split_points=[{','.join(split)}]",
-            ]
-            try:
-                measured = max(
-                    run_distributed(time_steps, pp, job_overrides(args, m, pipeline), args.warmup, args.steps)
-                )
-            except Exception as error:  # a schedule that refuses this m (check_pipeline) is reported, not fatal
-                rows.append([schedule, str(m), "-", "-", "-", "-", f"refused: {str(error).splitlines()[-1][:80]}"])
-                continue
-            ideal = single[m] / pp
+            ranks = run_distributed(time_steps, pp, job_overrides(args, m, pipeline), args.warmup, args.steps)
+            measured = max(wall for wall, _ in ranks)
+            busy = [cpu for _, cpu in ranks]
+            ideal = max(busy)
             textbook = (pp - 1) / (stages_per_rank * m + pp - 1)
             rows.append(
                 [
                     schedule,
+                    " ".join(point.rsplit(".", 1)[1] for point in split),
                     str(m),
-                    f"{single[m] * 1e3:.0f}",
-                    f"{ideal * 1e3:.0f}",
                     f"{measured * 1e3:.0f}",
+                    " / ".join(f"{cpu * 1e3:.0f}" for cpu in busy),
                     f"{1 - ideal / measured:.2f}",
                     f"{textbook:.2f}",
                 ]
             )
-            print(f"{schedule} m={m}: {measured * 1e3:.0f} ms", file=sys.stderr, flush=True)
-    header = ["schedule", "m", "T1 pp=1 (ms)", "ideal T1/2 (ms)", "pp=2 measured (ms)", "bubble", "textbook"]
+            print(f"{schedule} m={m}: {measured * 1e3:.0f} ms, busy {busy}", file=sys.stderr, flush=True)
+    header = ["schedule", "split at layer", "m", "measured (ms)", "busy rank 0 / 1 (ms)", "bubble", "textbook"]
     print(table(header, rows))
-    print()
-    print(
-        "split points (first layer of each later stage):",
-        {s: balanced_split(args.layers, head_layers, pp * (1 if s in SINGLE_STAGE else 2)) for s in args.schedules},
-    )
 
 
 if __name__ == "__main__":

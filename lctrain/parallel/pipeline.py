@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 from transformers import PreTrainedModel
 
 from lctrain.train.loss import chunked_cross_entropy
@@ -244,7 +244,7 @@ def build_schedule(
     microbatches: int,
     device: torch.device,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
-) -> _PipelineSchedule:
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The ``torch.distributed.pipelining`` schedule over this rank's (already sharded) stage modules.
 
     ``loss_fn(loss_sum, labels)`` turns the last stage's output into the loss to backpropagate; gradients are not

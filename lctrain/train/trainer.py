@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from tqdm import tqdm
 
 from lctrain.config import JobConfig, check_job, load_config, to_yaml
@@ -146,7 +146,7 @@ class Trainer:
             )
             materialize(stage, source, self.device)
             stage.train()
-        self.schedule: _PipelineSchedule | None = None
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         if par.pp > 1:
             self.model = merge_stages(stages)
             self.schedule = build_schedule(
