@@ -186,3 +186,22 @@ def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]
     assert several >= len(cu_seqlens) // 2, f"only {several} of {len(cu_seqlens)} rows hold several documents"
     assert (torch.cat(first_positions) > 0).any(), "no row continues a document from the previous row"
     return losses, norms, grads
+
+
+def assert_first_step_matches(result: tuple, expected: tuple) -> None:
+    """The first step's loss within 1e-5 relative and every parameter's full gradient within 1e-5 abs + 1e-4 rel."""
+    (losses, _, grads), (ref_losses, _, ref_grads) = result, expected
+    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
+    assert grads.keys() == ref_grads.keys()  # every parameter (of every pipeline stage), under the HF names
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_curve_matches(result: tuple, expected: tuple, steps: int) -> None:
+    """Every step's loss within 1e-5 relative and pre-clipping gradient norm within 1e-3 relative; clipping acts."""
+    (losses, norms, _), (ref_losses, ref_norms, _) = result, expected
+    assert len(losses) == len(norms) == steps
+    assert max(ref_norms) > MAX_GRAD_NORM, "clipping never acts: lower MAX_GRAD_NORM"
+    as_float64 = functools.partial(torch.tensor, dtype=torch.float64)
+    torch.testing.assert_close(as_float64(losses), as_float64(ref_losses), atol=0, rtol=1e-5)
+    torch.testing.assert_close(as_float64(norms), as_float64(ref_norms), atol=0, rtol=1e-3)

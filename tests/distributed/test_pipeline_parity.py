@@ -22,11 +22,16 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from lctrain.config import JobConfig
 from lctrain.parallel.spawn import run_distributed
-from tests.distributed.reference_training import MAX_GRAD_NORM, job_config, reference, world_job, write_corpus
+from tests.distributed.reference_training import (
+    assert_curve_matches,
+    assert_first_step_matches,
+    job_config,
+    reference,
+    world_job,
+)
 
 STEPS = 10
 MESHES = [(2, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (2, 1, 2, 2), (4, 1, 2, 1)]  # (pp, dp, ring, ulysses)
@@ -91,13 +96,6 @@ def case_id(case: Case) -> str:
     return f"pp{pp}-dp{dp}-ring{ring}-ulysses{ulysses}-{schedule}-v{stages}-ac_{ac}{split}"
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("pipeline_parity")
-    write_corpus(root / "corpus.jsonl")
-    return str(root)
-
-
 @functools.cache
 def results_for(world_size: int, workdir: str) -> dict[Case, tuple]:
     configs = {case: job(case, workdir) for case in CASES if world(case) == world_size}
@@ -112,24 +110,10 @@ def reference_for(case: Case, workdir: str) -> tuple[list[float], list[float], d
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_first_step_matches_single_process_model(case: Case, workdir: str) -> None:
-    losses, _, grads = results_for(world(case), workdir)[case]
-    ref_losses, _, ref_grads = reference_for(case, workdir)
-    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
-    assert grads.keys() == ref_grads.keys()  # every stage's parameters, under the Hugging Face names
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+def test_first_step_matches_single_process_model(case: Case, parity_workdir: str) -> None:
+    assert_first_step_matches(results_for(world(case), parity_workdir)[case], reference_for(case, parity_workdir))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_loss_curve_matches_single_process_model(case: Case, workdir: str) -> None:
-    losses, norms, _ = results_for(world(case), workdir)[case]
-    ref_losses, ref_norms, _ = reference_for(case, workdir)
-    assert len(losses) == len(norms) == STEPS
-    assert max(ref_norms) > MAX_GRAD_NORM, "clipping never acts: lower MAX_GRAD_NORM"
-    torch.testing.assert_close(
-        torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), atol=0, rtol=1e-5
-    )
-    torch.testing.assert_close(
-        torch.tensor(norms, dtype=torch.float64), torch.tensor(ref_norms, dtype=torch.float64), atol=0, rtol=1e-3
-    )
+def test_loss_curve_matches_single_process_model(case: Case, parity_workdir: str) -> None:
+    assert_curve_matches(results_for(world(case), parity_workdir)[case], reference_for(case, parity_workdir), STEPS)
