@@ -300,7 +300,8 @@ class Trainer:
         return sum((loss.detach() for loss in losses), torch.zeros((), device=self.device))
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip by the global gradient norm (over all shards), step AdamW and the schedule; returns the norm.
+        """Clip by the global gradient norm (over all shards and pipeline stages), step AdamW and the schedule;
+        returns the norm.
 
         A NaN/inf norm (the same on every rank) stops the job, or with ``train.nonfinite=skip`` drops this update
         (the schedule still advances, so steps and learning rates stay aligned).
