@@ -37,7 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_report import machine_line, table
+from bench_report import machine_line, one_document_batch, table
 
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
@@ -68,21 +68,12 @@ def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[st
     ]
 
 
-def synthetic_batch(rows: int, seq: int, vocab: int) -> dict:
-    input_ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
-    return {
-        "input_ids": input_ids,
-        "position_ids": torch.arange(seq).expand(rows, seq).clone(),
-        "labels": torch.cat([input_ids[:, 1:], torch.full((rows, 1), -100)], dim=1),
-        "cu_seqlens": [torch.tensor([0, seq], dtype=torch.int32)] * rows,
-    }
-
-
 def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
     """In each rank of a spawned group: the median wall time and CPU time of ``forward_backward`` over one batch of
     all the rows."""
     trainer = Trainer(load_config(overrides))
-    batch = synthetic_batch(trainer.cfg.data.batch_size, trainer.cfg.data.seq_len, trainer.hf_config.vocab_size)
+    shape, generator = (trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), torch.Generator().manual_seed(0)
+    batch = one_document_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator))
     wall, cpu = [], []
     for index in range(warmup + steps):
         dist.barrier()

@@ -89,12 +89,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_report import machine_line, table
+from bench_report import machine_line, one_document_batch, table
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
 from lctrain.config import JobConfig, load_config
-from lctrain.data import IGNORE_INDEX, load_tokenizer
+from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.parallel.spawn import run_distributed
 from lctrain.train.optim import build_optimizer, build_scheduler
@@ -228,20 +228,11 @@ class LctrainSide:
 
     def step(self, rows: Rows) -> tuple[float, float]:
         """One optimizer step; (loss, grad norm)."""
-        input_ids = rows.input_ids
-        batch, seq = input_ids.shape
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        labels[:, :-1] = input_ids[:, 1:]  # shifted on the global row: the last token predicts nothing
 
         def shard(x: Tensor) -> Tensor:
             return shard_sequence(x, dim=1, **self.coords).contiguous()
 
-        micro_batch = {
-            "input_ids": shard(input_ids),
-            "labels": shard(labels),
-            "position_ids": shard(torch.arange(seq).expand(batch, seq)),
-            "cu_seqlens": [torch.tensor([0, seq], dtype=torch.int32) for _ in range(batch)],
-        }
+        micro_batch = one_document_batch(rows.input_ids, shard)
         result = self.trainer.train_step([micro_batch])
         return result["loss"], result["grad_norm"]
 

@@ -92,13 +92,8 @@ def check_job(
             par.pp_split_points,
             num_layers,
             data.batch_size * train.grad_accum,
+            tied_embeddings=tied_embeddings,
         )
-        if tied_embeddings:
-            raise ValueError(
-                f"parallel.pp={par.pp} with tied input and output embeddings: the first stage holds the embeddings "
-                f"and the last the LM head, which cannot share one tensor; set parallel.pp=1 (or untie them: "
-                f"model.tie_word_embeddings=false)"
-            )
     if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(
             f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "

@@ -169,7 +169,7 @@ def export_hf(
         tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once
     out_dir = Path(out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    file = WEIGHTS_NAME if num_parts == 1 else f"model-{part + 1:05d}-of-{num_parts:05d}.safetensors"
+    file = WEIGHTS_NAME if num_parts == 1 else _part_file(part, num_parts)
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
@@ -180,7 +180,7 @@ def export_hf(
     if num_parts > 1:
         weight_map, total_size = {}, 0
         for index in range(num_parts):
-            name = f"model-{index + 1:05d}-of-{num_parts:05d}.safetensors"
+            name = _part_file(index, num_parts)
             with safe_open(out_dir / name, "pt") as f:
                 weight_map.update(dict.fromkeys(f.keys(), name))
             with (out_dir / name).open("rb") as f:  # a safetensors file: 8-byte header length, header, tensor data
@@ -190,3 +190,7 @@ def export_hf(
     config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def _part_file(part: int, num_parts: int) -> str:
+    return f"model-{part + 1:05d}-of-{num_parts:05d}.safetensors"

@@ -36,7 +36,14 @@ LAYER_PREFIX = "model.layers."
 
 
 def check_pipeline(
-    pp: int, schedule: str, stages_per_rank: int, split_points: Sequence[str], num_layers: int, microbatches: int
+    pp: int,
+    schedule: str,
+    stages_per_rank: int,
+    split_points: Sequence[str],
+    num_layers: int,
+    microbatches: int,
+    *,
+    tied_embeddings: bool = False,
 ) -> None:
     """Raise one clear error for a pipeline that cannot run (before any process group work).
 
@@ -79,6 +86,12 @@ def check_pipeline(
             f"parallel.pp_schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: a step's "
             f"{microbatches} micro-batches (data.batch_size x train.grad_accum rows) must be a multiple of "
             f"{rounds}; use a multiple of {pp}"
+        )
+    if tied_embeddings:
+        raise ValueError(
+            f"parallel.pp={pp} with tied input and output embeddings: the first stage holds the embeddings and the "
+            f"last the LM head, which cannot share one tensor; set parallel.pp=1 (or untie them: "
+            f"model.tie_word_embeddings=false)"
         )
 
 
