@@ -6,6 +6,7 @@ run, ``# @package _global_``) on top of the group defaults.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from lctrain.parallel.pipeline import check_pipeline
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
+
+logger = logging.getLogger("lctrain")
 
 
 def load_config(overrides: Sequence[str] = ()) -> JobConfig:
@@ -68,10 +71,12 @@ def check_job(
     num_layers: int,
     tied_embeddings: bool,
     vocab_size: int,
+    local_world_size: int | None = None,
 ) -> None:
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
-    Call it before any process group work: every rank raises the same error, nothing has been written.
+    ``local_world_size`` is the processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it
+    before any process group work: every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
     if par.layout not in LAYOUTS:
@@ -81,9 +86,19 @@ def check_job(
             f"data.layout={data.layout!r} differs from parallel.layout={par.layout!r}: the loader must shard rows "
             f"as attention expects them; leave data.layout unset (it follows parallel.layout)"
         )
-    ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).check(
-        world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, seq_len=data.seq_len, layout=par.layout
-    )
+    dims = ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses)
+    dims.check(world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, seq_len=data.seq_len, layout=par.layout)
+    if par.ulysses_across_nodes not in ("error", "warn"):
+        raise ValueError(f"parallel.ulysses_across_nodes={par.ulysses_across_nodes!r} must be error or warn")
+    if not dims.ulysses_inside_nodes(world_size, local_world_size or world_size):
+        message = (
+            f"parallel.ulysses={par.ulysses} does not divide the {local_world_size} processes per node, so a Ulysses "
+            f"group spans two nodes and its all-to-all crosses the inter-node network: choose a ulysses degree that "
+            f"divides {local_world_size} and move the rest to parallel.ring (or set parallel.ulysses_across_nodes=warn)"
+        )
+        if par.ulysses_across_nodes == "error":
+            raise ValueError(message)
+        logger.warning(message)
     if par.pp > 1:
         check_pipeline(
             par.pp,
@@ -122,6 +137,8 @@ def check_job(
     for name, value in positive.items():
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
+    if train.timeout_s <= 0:
+        raise ValueError(f"train.timeout_s={train.timeout_s} must be > 0 (seconds a collective may wait)")
     if cfg.checkpoint.every < 0:
         raise ValueError(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

@@ -41,6 +41,7 @@ class ParallelConfig:
     dp: int = 1  # data parallel: different batches
     ring: int = 1  # ring attention: sequence chunks passed peer to peer (spans nodes)
     ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
+    ulysses_across_nodes: str = "error"  # a Ulysses group spanning two nodes: error (refuse the mesh) or warn
     layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
     activation_checkpointing: str = "none"  # none, full (every decoder layer) or selective (every ac_every-th)
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
@@ -78,6 +79,7 @@ class TrainConfig:
     nonfinite: str = "stop"  # a step whose gradient norm is NaN/inf: stop (raise) or skip (no update, logged)
     loss_chunk_tokens: int = 1024  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
+    timeout_s: float = 600.0  # a collective waiting longer than this for other ranks stops the job with an error
 
 
 @dataclass

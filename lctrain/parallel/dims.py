@@ -67,6 +67,11 @@ class ParallelDims:
                     f"{divisor}"
                 )
 
+    def ulysses_inside_nodes(self, world_size: int, local_world_size: int) -> bool:
+        """Whether every Ulysses group lies inside one node of ``local_world_size`` consecutive ranks (launchers
+        number a node's ranks consecutively, and a Ulysses group is ``ulysses`` adjacent ranks)."""
+        return local_world_size == world_size or local_world_size % self.ulysses == 0
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The 4D mesh with dims ``AXES`` plus the flattened ``cp`` and ``dp_cp`` sub-meshes (module docstring).
 

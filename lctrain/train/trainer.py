@@ -7,8 +7,11 @@ Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``con
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
+import re
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -37,7 +40,7 @@ from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import apply_pipeline, build_schedule, merge_stages
-from lctrain.train.checkpoint import Checkpointer
+from lctrain.train.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -88,6 +91,7 @@ class Trainer:
             num_layers=self.hf_config.num_hidden_layers,
             tied_embeddings=self.hf_config.tie_word_embeddings,
             vocab_size=len(self.tokenizer),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         )
         if cfg.model.path is not None:  # fail before any work if the weights are missing
             source = safetensors_source(cfg.model.path)
@@ -383,8 +387,9 @@ class Trainer:
         return losses
 
 
-def init_distributed(device: torch.device) -> None:
-    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run."""
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run.
+    A collective that waits ``timeout_s`` for the other ranks raises instead of hanging."""
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -392,22 +397,48 @@ def init_distributed(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         device_id = device
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device_id)
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(
+            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=device_id, timeout=timeout
+        )
+
+
+class Terminated(Exception):
+    """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"received {signal.Signals(signum).name}")
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """A collective or transfer failed: a peer process died (its connections closed), a peer hung past
+    ``train.timeout_s``, or the network failed. gloo raises these as plain ``RuntimeError`` naming gloo."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def _first_sentence(error: BaseException) -> str:
+    """``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1970. This is ...`` ->
+    ``Connection closed by peer [127.0.0.1]:1970``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    return text.split(". ")[0].splitlines()[0] if text else type(error).__name__
 
 
 def main(overrides: Sequence[str]) -> None:
     """The ``train`` command. A bad config or a missing file ends the job with one line per rank and exit status 1,
-    before anything is written."""
+    before anything is written. When another rank fails (or SIGTERM arrives), every surviving rank ends with exit
+    status 1 and one line naming the last complete checkpoint that ``checkpoint.resume=auto`` continues from."""
     try:
         cfg = load_config(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"lctrain: bad config: {error}", file=sys.stderr)
         raise SystemExit(1) from None
-    init_distributed(resolve_device(cfg.train.device))
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
     setup_logging(dist.get_rank())
     try:
         try:
@@ -416,5 +447,18 @@ def main(overrides: Sequence[str]) -> None:
             logger.error("lctrain: %s", error)  # every rank: the launcher may stop the others as soon as one exits
             raise SystemExit(1) from None
         trainer.train()
+    except Exception as error:
+        if not (isinstance(error, Terminated) or is_communication_failure(error)):
+            raise
+        checkpoints = complete_checkpoints(Path(cfg.train.run_dir) / "checkpoints")
+        logger.error(
+            "lctrain: rank %d stopped: %s. Another rank has failed (see the first failure in the launcher's report) "
+            "or the network did. Last complete checkpoint: %s; relaunch the same command (checkpoint.resume=auto) "
+            "to continue from it.",
+            dist.get_rank(),
+            _first_sentence(error),
+            checkpoints[-1] if checkpoints else "none",
+        )
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()

@@ -1,14 +1,15 @@
-"""A training job killed with SIGKILL and relaunched with ``checkpoint.resume=auto`` continues exactly where its last
-checkpoint left it.
+"""A training job one of whose ranks is killed with SIGKILL stops cleanly, and relaunched with
+``checkpoint.resume=auto`` it continues exactly where its last checkpoint left it.
 
 Three real ``torchrun`` launches on a small jsonl corpus (``tests/corpus.py``), world 2 as ``parallel.dp=2`` (two
 data-parallel ranks, each with its own data loader position, FSDP-sharded parameters and optimizer state),
 ``train.grad_accum=2``, 20 steps, a checkpoint every 10 steps:
 
 1. an uninterrupted job (the reference), run alongside job 2;
-2. the same job in another run directory, SIGKILLed (torchrun's process group and each worker's own session:
-   torchrun starts its workers in new sessions) as soon as ``checkpoints/step_00000010`` appears. The test fails if
-   the job finished first; it checks that no step-20 checkpoint and no ``hf/`` export were written;
+2. the same job in another run directory, whose rank 1 is SIGKILLed as soon as ``checkpoints/step_00000010``
+   appears. The test fails if the job finished first. Checked: torchrun ends with status 1 (within
+   ``train.timeout_s`` + 60 s), naming the killed rank; rank 0 stops with lctrain's one-line message naming
+   ``step_00000010`` and ``checkpoint.resume=auto``; no step-20 checkpoint and no ``hf/`` export were written;
 3. a relaunch of job 2 with ``checkpoint.resume=auto``, after planting ``checkpoints/step_00000015.tmp`` (with a
    ``.metadata`` file: a save that crashed before its rename), which must not be resumed from.
 
@@ -41,6 +42,7 @@ from tests.corpus import corpus_overrides, write_corpus
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 EVERY = 10
+COLLECTIVE_TIMEOUT_S = 60  # train.timeout_s: how long a rank may wait for a dead or hung peer
 OVERRIDES = [
     "model.hidden_size=64",
     "model.intermediate_size=128",
@@ -56,6 +58,7 @@ OVERRIDES = [
     "optim.warmup_steps=5",
     "logging.progress_bar=false",
     "logging.plot=false",
+    f"train.timeout_s={COLLECTIVE_TIMEOUT_S}",
 ]
 TIMEOUT_S = 300
 
@@ -113,10 +116,12 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def kill_after_checkpoint(run_dir: Path) -> None:
-    """Run the job and SIGKILL it as soon as its step-10 checkpoint is complete (renamed from ``.tmp``)."""
+def kill_rank_after_checkpoint(run_dir: Path) -> str:
+    """Run the job and SIGKILL its rank 1 as soon as the step-10 checkpoint is complete (renamed from ``.tmp``);
+    returns the job's log once torchrun has ended (the surviving rank stops with lctrain's message)."""
     checkpoint = run_dir / "checkpoints" / f"step_{EVERY:08d}"
-    proc = launch(run_dir, run_dir.parent / "killed.log")
+    log = run_dir.parent / "killed.log"
+    proc = launch(run_dir, log)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not checkpoint.is_dir():
@@ -125,11 +130,17 @@ def kill_after_checkpoint(run_dir: Path) -> None:
             if time.monotonic() > deadline:
                 pytest.fail(f"no step-{EVERY} checkpoint after {TIMEOUT_S} s")
             time.sleep(0.005)
-        if proc.poll() is not None:
+        workers = {int(w.environ()["RANK"]): w for w in psutil.Process(proc.pid).children(recursive=True)}
+        if proc.poll() is not None or len(workers) != 2:
             pytest.fail(f"the job exited (rc {proc.returncode}) before it could be killed: make its steps slower")
+        workers[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=COLLECTIVE_TIMEOUT_S + 60)
+        print(f"the job ended {time.monotonic() - killed_at:.1f} s after rank 1 was killed")
     finally:
         kill_job(proc)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode == 1  # torchrun: a worker failed
+    return log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +150,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     reference, resumed = root / "reference", root / "resumed"
     reference_job = launch(reference, root / "reference.log")  # runs alongside the job that is killed
     try:
-        kill_after_checkpoint(resumed)
+        killed_log = kill_rank_after_checkpoint(resumed)
     except BaseException:
         kill_job(reference_job)
         raise
@@ -161,6 +172,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "killed_hf": killed_hf,
         "killed_lines": killed_lines,
         "log": log,
+        "killed_log": killed_log,
     }
 
 
@@ -169,6 +181,13 @@ def test_job_was_killed_between_checkpoints(runs: dict[str, Any]) -> None:
     assert steps == list(range(1, len(steps) + 1)) and EVERY <= len(steps) < STEPS, steps
     assert runs["killed_dirs"] == [f"step_{EVERY:08d}"]
     assert not runs["killed_hf"]
+
+
+def test_survivor_stops_with_the_checkpoint_to_resume_from(runs: dict[str, Any]) -> None:
+    checkpoint = runs["resumed"] / "checkpoints" / f"step_{EVERY:08d}"
+    message = f"Last complete checkpoint: {checkpoint}; relaunch the same command (checkpoint.resume=auto)"
+    assert "lctrain: rank 0 stopped: " in runs["killed_log"] and message in runs["killed_log"], runs["killed_log"]
+    assert "exitcode  : -9" in runs["killed_log"]  # torchrun names the killed rank as the first failure
 
 
 def test_relaunch_resumes_from_last_complete_checkpoint(runs: dict[str, Any]) -> None:

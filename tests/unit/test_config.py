@@ -140,10 +140,16 @@ BAD_JOBS = {
     "betas": (["optim.betas=[0.9]"], 1, ["optim.betas=[0.9] must be two numbers"]),
     "device": (["train.device=tpu"], 1, ["train.device='tpu' must be auto, cuda or cpu"]),
     "wandb": (["logging.wandb=maybe"], 1, ["logging.wandb='maybe' must be disabled, offline or online"]),
+    "timeout": (["train.timeout_s=0"], 1, ["train.timeout_s=0.0 must be > 0"]),
+    "ulysses_across_nodes": (
+        ["parallel.ulysses_across_nodes=allow"],
+        1,
+        ["parallel.ulysses_across_nodes='allow' must be error or warn"],
+    ),
 }
 
 
-def check(overrides: list[str], world_size: int) -> None:
+def check(overrides: list[str], world_size: int, local_world_size: int | None = None) -> None:
     cfg = load_config([*SMALL, *overrides])
     check_job(
         cfg,
@@ -153,6 +159,7 @@ def check(overrides: list[str], world_size: int) -> None:
         num_layers=cfg.model.num_layers,
         tied_embeddings=cfg.model.tie_word_embeddings,
         vocab_size=VOCAB,
+        local_world_size=local_world_size,
     )
 
 
@@ -177,6 +184,45 @@ def test_bad_job_names_setting_and_fix(case: str) -> None:
 )
 def test_good_job_passes(overrides: list[str], world_size: int) -> None:
     check(overrides, world_size)
+
+
+@pytest.mark.parametrize(
+    "degrees,world_size,per_node",
+    [
+        (["parallel.ring=2", "parallel.ulysses=4", "model.num_heads=8"], 8, 4),  # a Ulysses group per node
+        (["parallel.ring=4", "parallel.ulysses=2"], 8, 4),  # two Ulysses groups per node
+        (["parallel.ring=2", "parallel.ulysses=4", "model.num_heads=8"], 8, 8),  # one node
+        (["parallel.ulysses=4", "model.num_heads=8", "model.num_kv_heads=4"], 4, 4),
+    ],
+)
+def test_ulysses_groups_inside_nodes_pass(degrees: list[str], world_size: int, per_node: int) -> None:
+    check(degrees, world_size, per_node)
+
+
+@pytest.mark.parametrize(
+    "degrees,world_size,per_node",
+    [
+        (["parallel.ring=2", "parallel.ulysses=4", "model.num_heads=8"], 8, 2),  # 4 ranks over two 2-rank nodes
+        (["parallel.ulysses=2", "parallel.ring=3", "data.seq_len=120"], 6, 3),  # ranks 2, 3 straddle two nodes
+    ],
+)
+def test_ulysses_group_across_nodes_is_refused_or_warned(
+    degrees: list[str], world_size: int, per_node: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    ulysses = next(d for d in degrees if d.startswith("parallel.ulysses=")).split("=")[1]
+    expected = [
+        f"parallel.ulysses={ulysses} does not divide the {per_node} processes per node",
+        "spans two nodes",
+        f"choose a ulysses degree that divides {per_node} and move the rest to parallel.ring",
+        "parallel.ulysses_across_nodes=warn",
+    ]
+    with pytest.raises(ValueError) as error:
+        check(degrees, world_size, per_node)
+    for text in expected:
+        assert text in str(error.value), f"{text!r} not in {str(error.value)!r}"
+    with caplog.at_level("WARNING", logger="lctrain"):
+        check([*degrees, "parallel.ulysses_across_nodes=warn"], world_size, per_node)
+    assert any(expected[0] in record.getMessage() for record in caplog.records)
 
 
 def test_data_layout_follows_parallel_layout() -> None:
