@@ -450,13 +450,17 @@ def main(overrides: Sequence[str]) -> None:
     except Exception as error:
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise
+        if isinstance(error, Terminated):
+            cause = "the launcher stopped this rank (another rank failed, or the job was cancelled or preempted)"
+        else:
+            cause = "another rank has failed (see the first failure in the launcher's report) or the network did"
         checkpoints = complete_checkpoints(Path(cfg.train.run_dir) / "checkpoints")
         logger.error(
-            "lctrain: rank %d stopped: %s. Another rank has failed (see the first failure in the launcher's report) "
-            "or the network did. Last complete checkpoint: %s; relaunch the same command (checkpoint.resume=auto) "
-            "to continue from it.",
+            "lctrain: rank %d stopped: %s. Probably %s. Last complete checkpoint: %s; relaunch the same command "
+            "(checkpoint.resume=auto) to continue from it.",
             dist.get_rank(),
             _first_sentence(error),
+            cause,
             checkpoints[-1] if checkpoints else "none",
         )
         raise SystemExit(1) from None

@@ -247,3 +247,28 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path: Path) -> None:
     assert "checkpoint.resume=auto" in text
     assert waited >= timeout_s - 1, waited  # it waited for the hung rank as configured, not less
     print(f"rank 0 ended {waited:.1f} s after rank 1 hung (train.timeout_s={timeout_s})")
+
+
+def test_sigterm_stops_every_rank_with_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    """What ``scancel`` or a preemption does: SIGTERM to torchrun, which passes it on to its workers."""
+    corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, *corpus, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=2", "train.steps=100000"]
+    overrides += ["checkpoint.every=2", f"train.run_dir={run_dir}"]
+    log = tmp_path / "job.log"
+    proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1"}, overrides)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step_00000002").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert proc.returncode != 0
+    stopped = re.findall(r"lctrain: rank (\d) stopped: ([^.]*)\. .*Last complete checkpoint: (\S+);", text)
+    assert sorted(rank for rank, _, _ in stopped) == ["0", "1"], text[-4000:]
+    assert "received SIGTERM" in {reason for _, reason, _ in stopped}
+    assert all(Path(path).parent == run_dir / "checkpoints" for _, _, path in stopped)
