@@ -1,0 +1,55 @@
+"""The docs stay true to the code where a test can tell.
+
+- ``docs/faults.md``: every row of its tables names at least one test as ``tests/<file>.py::<test function>``, and
+  every test named there is defined in that file (so the table cannot cite a test that was renamed or removed).
+- ``README.md`` and ``docs/*.md`` refer only to files and directories that exist (``docs/x.md``, ``scripts/...``,
+  ``recipes/...``, ``docker/...``, ``lctrain/...``, ``tests/...`` written in backquotes).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+PATH_REFERENCE = re.compile(r"`((?:docs|scripts|recipes|docker|lctrain|tests|configs)/[\w./-]*\w)`")
+
+
+def table_rows(text: str) -> list[str]:
+    """The body rows of the markdown tables in ``text`` (header and separator rows left out)."""
+    lines = text.splitlines()
+
+    def separator(line: str) -> bool:
+        return line.startswith("|") and set(line) <= set("|-: ")
+
+    def header(i: int) -> bool:
+        return i + 1 < len(lines) and separator(lines[i + 1])
+
+    return [line for i, line in enumerate(lines) if line.startswith("|") and not separator(line) and not header(i)]
+
+
+def test_every_fault_row_is_backed_by_an_existing_test() -> None:
+    rows = table_rows((REPO / "docs" / "faults.md").read_text())
+    assert len(rows) >= 15
+    for row in rows:
+        references = TEST_REFERENCE.findall(row)
+        assert references, f"docs/faults.md: a row names no test: {row[:100]}"
+        for file, name in references:
+            source = (REPO / file).read_text() if (REPO / file).is_file() else ""
+            assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"docs/faults.md names {file}::{name}"
+
+
+def test_table_rows_skips_headers() -> None:
+    text = "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\n| c |\n|---|\n| 5 |\n"
+    assert table_rows(text) == ["| 1 | 2 |", "| 3 | 4 |", "| 5 |"]
+
+
+@pytest.mark.parametrize(
+    "doc", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
+)
+def test_referenced_paths_exist(doc: str) -> None:
+    missing = [path for path in PATH_REFERENCE.findall((REPO / doc).read_text()) if not (REPO / path).exists()]
+    assert not missing, f"{doc} refers to missing paths: {missing}"
