@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from tests.corpus import corpus_overrides, write_corpus
+from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -162,24 +163,8 @@ def wait_ok(proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     try:
         proc.wait(timeout=timeout)
     finally:
-        stop(proc)
+        kill_job(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch and its workers (torchrun starts them in sessions of their own); no-op once it has ended."""
-    if proc.poll() is not None:
-        return
-    try:
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        workers = []
-    for pid in [proc.pid, *(worker.pid for worker in workers)]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def metrics(run_dir: Path) -> list[tuple[float, float]]:
@@ -200,7 +185,7 @@ def test_two_nodes_on_loopback_train_as_one_job(tmp_path: Path) -> None:
             wait_ok(node, log)
     finally:
         for node in nodes:
-            stop(node)
+            kill_job(node)
     text = "".join(log.read_text() for log in logs)
     assert "mesh pp=1 dp=1 ring=2 ulysses=2" in text  # one job of 4 ranks, not two of 2
 
@@ -229,17 +214,14 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
     proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1"}, overrides)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step_00000002").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.01)
-        workers = {int(w.environ()["RANK"]): w for w in psutil.Process(proc.pid).children(recursive=True)}
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
+        workers = workers_by_rank(proc)
         workers[1].send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         gone, _ = psutil.wait_procs([workers[0]], timeout=timeout_s + 30)
         waited = time.monotonic() - stopped_at
     finally:
-        stop(proc)
+        kill_job(proc)
     assert gone, f"rank 0 still running {timeout_s + 30} s after rank 1 hung"
     text = log.read_text()
     assert "lctrain: rank 0 stopped: Timed out waiting" in text, text[-4000:]
@@ -258,14 +240,11 @@ def test_sigterm_stops_every_rank_with_the_checkpoint_to_resume_from(tmp_path: P
     log = tmp_path / "job.log"
     proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1"}, overrides)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step_00000002").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.01)
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
-        stop(proc)
+        kill_job(proc)
     text = log.read_text()
     assert proc.returncode != 0
     stopped = re.findall(r"lctrain: rank (\d) stopped: ([^.]*)\. .*Last complete checkpoint: (\S+);", text)

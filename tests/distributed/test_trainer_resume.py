@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.corpus import corpus_overrides, write_corpus
+from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -85,33 +85,6 @@ def finish(proc: subprocess.Popen, log: Path) -> str:
     return text
 
 
-def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun's process group and each worker's (the workers run in sessions of their own); wait until all
-    are dead. A no-op for a job that already exited."""
-    if proc.poll() is not None:
-        return
-    try:
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        workers = []
-    for pgid in [proc.pid, *(worker.pid for worker in workers)]:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    deadline = time.monotonic() + 30
-    for worker in workers:  # reparented now: gone, or a zombie its new parent has not reaped yet
-        while True:
-            try:
-                if worker.status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            assert time.monotonic() < deadline, f"worker {worker.pid} survived SIGKILL"
-            time.sleep(0.01)
-
-
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -123,14 +96,8 @@ def kill_rank_after_checkpoint(run_dir: Path) -> str:
     log = run_dir.parent / "killed.log"
     proc = launch(run_dir, log)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not checkpoint.is_dir():
-            if proc.poll() is not None:
-                pytest.fail(f"the job exited (rc {proc.returncode}) before its step-{EVERY} checkpoint appeared")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no step-{EVERY} checkpoint after {TIMEOUT_S} s")
-            time.sleep(0.005)
-        workers = {int(w.environ()["RANK"]): w for w in psutil.Process(proc.pid).children(recursive=True)}
+        wait_for_checkpoint(proc, checkpoint, log, TIMEOUT_S)
+        workers = workers_by_rank(proc)
         if proc.poll() is not None or len(workers) != 2:
             pytest.fail(f"the job exited (rc {proc.returncode}) before it could be killed: make its steps slower")
         workers[1].send_signal(signal.SIGKILL)

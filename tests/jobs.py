@@ -1,0 +1,56 @@
+"""Watching and stopping real ``torchrun`` jobs started with ``subprocess.Popen(..., start_new_session=True)``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, checkpoint: Path, log: Path, timeout: float = 300) -> None:
+    """Return as soon as the checkpoint directory exists (complete: renamed from ``.tmp``); fail if the job ends
+    first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not checkpoint.is_dir():
+        if proc.poll() is not None:
+            pytest.fail(f"the job exited (rc {proc.returncode}) before {checkpoint.name}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {checkpoint.name} after {timeout} s")
+        time.sleep(0.005)
+
+
+def workers_by_rank(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """torchrun's worker processes, by their ``RANK``."""
+    return {int(w.environ()["RANK"]): w for w in psutil.Process(proc.pid).children(recursive=True)}
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's process group and each worker's (the workers run in sessions of their own); wait until all
+    are dead. A no-op for a job that already exited."""
+    if proc.poll() is not None:
+        return
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    for pgid in [proc.pid, *(worker.pid for worker in workers)]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 30
+    for worker in workers:  # reparented now: gone, or a zombie its new parent has not reaped yet
+        while True:
+            try:
+                if worker.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            assert time.monotonic() < deadline, f"worker {worker.pid} survived SIGKILL"
+            time.sleep(0.01)
