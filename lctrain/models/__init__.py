@@ -7,6 +7,7 @@ from lctrain.models.hf import (
     model_config,
     random_init_source,
     safetensors_source,
+    set_rope,
 )
 from lctrain.models.patch import patch_attention
 
@@ -18,4 +19,5 @@ __all__ = [
     "patch_attention",
     "random_init_source",
     "safetensors_source",
+    "set_rope",
 ]

@@ -29,6 +29,8 @@ from lctrain.config.schema import ModelConfig
 
 TensorSource = Callable[[str, torch.Size], Tensor]
 WEIGHTS_NAME = "model.safetensors"
+RANDOM_INIT_CONTEXT = 131072  # max_position_embeddings of a randomly initialised model (RoPE has no length limit)
+RANDOM_INIT_ROPE_THETA = 10000.0
 # Wrappers applied by activation checkpointing and FSDP insert this into parameter names; checkpoints use HF names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
 
@@ -58,16 +60,36 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
             num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads,
             vocab_size=cfg.vocab_size or vocab_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_theta=cfg.rope_theta,
+            max_position_embeddings=RANDOM_INIT_CONTEXT,
+            rope_theta=RANDOM_INIT_ROPE_THETA,
             tie_word_embeddings=cfg.tie_word_embeddings,
             initializer_range=cfg.init_std,
             attention_dropout=0.0,
         )
+    set_rope(config, cfg)
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # USP attention is full causal attention (Mistral/Qwen2 configs may set one)
     config.use_cache = False
     return config
+
+
+def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
+    """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set) to the
+    transformers config, in place: its ``rope_parameters`` are what the model computes RoPE from and what the
+    exported ``config.json`` holds, so the export loads and generates with the same positions in transformers."""
+    if cfg.max_position_embeddings is not None:
+        config.max_position_embeddings = cfg.max_position_embeddings
+    rope = dict(config.rope_parameters)
+    if cfg.rope_theta is not None:
+        rope["rope_theta"] = cfg.rope_theta
+    scaling = cfg.rope_scaling
+    if scaling.type is not None:
+        rope = {"rope_theta": rope["rope_theta"], "rope_type": scaling.type, "factor": scaling.factor}
+        if scaling.original_max_position_embeddings is not None:
+            rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
+        if scaling.type == "llama3":
+            rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
+    config.rope_parameters = rope
 
 
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -175,21 +197,27 @@ def export_hf(
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()  # every part is written before rank 0 indexes them
-    if rank != 0:
-        return
-    if num_parts > 1:
-        weight_map, total_size = {}, 0
-        for index in range(num_parts):
-            name = _part_file(index, num_parts)
-            with safe_open(out_dir / name, "pt") as f:
-                weight_map.update(dict.fromkeys(f.keys(), name))
-            with (out_dir / name).open("rb") as f:  # a safetensors file: 8-byte header length, header, tensor data
-                total_size += (out_dir / name).stat().st_size - 8 - int.from_bytes(f.read(8), "little")
-        index_json = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / f"{WEIGHTS_NAME}.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
-    config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+    if rank == 0:
+        if num_parts > 1:
+            _write_index(out_dir, num_parts)
+        config.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()  # the directory is complete on every rank when it returns (a next stage reads it at once)
+
+
+def _write_index(out_dir: Path, num_parts: int) -> None:
+    """``model.safetensors.index.json`` for the ``num_parts`` part files in ``out_dir``."""
+    weight_map, total_size = {}, 0
+    for index in range(num_parts):
+        name = _part_file(index, num_parts)
+        with safe_open(out_dir / name, "pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), name))
+        with (out_dir / name).open("rb") as f:  # a safetensors file: 8-byte header length, header, tensor data
+            total_size += (out_dir / name).stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    index_json = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / f"{WEIGHTS_NAME}.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
 
 
 def _part_file(part: int, num_parts: int) -> str:
