@@ -1,0 +1,232 @@
+"""Check ``lctrain plan``'s memory estimate against peaks measured on this machine (CPU, fp32, gloo).
+
+Run from the repository root::
+
+    python scripts/validate_planner.py            # every case below, 3-8 minutes on 2 shared cores
+    python scripts/validate_planner.py --quick    # the one-process cases only, about 2 minutes
+    python scripts/validate_planner.py --save m.json; python scripts/validate_planner.py --load m.json  # re-score
+
+For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this file as the worker
+(``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
+to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
+instead of keeping the high-water mark of a heap). The worker trains the tiny model of ``recipes/tiny_cpu.yaml`` on
+a small generated jsonl corpus (``tests/corpus.py``), case after case, each a fresh ``Trainer`` on the same
+process group:
+
+1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
+   leftovers: the baseline, which the planner does not model);
+2. one training step (AdamW's states now exist, as in every later step);
+3. the kernel's high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and a second step runs;
+4. measured = ``VmHWM`` after that step − the baseline: everything the training step holds at its peak, the model's
+   sharded states included. The largest over ranks is compared with ``lctrain.planner.estimate_memory`` (the
+   largest over pipeline stages).
+
+A warm-up case runs first in every job (imports and kernels that load lazily would otherwise count in the first
+case). The table gives the estimate term by term, the measurement, and the relative error (estimate − measured) /
+measured; and the same on the whole resident set (baseline + peak), which is what ``peak_mem_gib`` in
+``metrics.jsonl`` reports on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+# (world size, pp, dp, ring, ulysses, activation checkpointing, seq_len, rows per step, loss chunk tokens)
+CASES = [
+    (1, 1, 1, 1, 1, "none", 2048, 1, 1024),
+    (1, 1, 1, 1, 1, "none", 4096, 1, 1024),
+    (1, 1, 1, 1, 1, "none", 8192, 1, 1024),
+    (1, 1, 1, 1, 1, "none", 8192, 1, 64),  # a small loss chunk: the peak moves into the backward
+    (1, 1, 1, 1, 1, "full", 8192, 1, 1024),
+    (1, 1, 1, 1, 1, "none", 4096, 1, 4096),
+    (2, 1, 1, 2, 1, "none", 8192, 1, 1024),
+    (2, 1, 1, 1, 2, "none", 8192, 1, 1024),
+    (2, 1, 1, 2, 1, "full", 8192, 1, 256),  # the ring's K/V and dK/dV buffers in the backward
+    (2, 1, 1, 1, 2, "full", 8192, 1, 256),  # the all-to-all buffers in the backward
+    (2, 1, 2, 1, 1, "none", 4096, 1, 1024),
+    (2, 2, 1, 1, 1, "none", 4096, 2, 1024),
+    (4, 1, 1, 2, 2, "none", 8192, 1, 1024),
+    (4, 1, 1, 4, 1, "none", 8192, 1, 1024),
+    (4, 1, 1, 2, 2, "full", 8192, 1, 256),
+]
+
+
+def overrides(case: list, corpus: str, run_dir: str) -> list[str]:
+    _, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
+    return [
+        "recipe=tiny_cpu",
+        f"parallel.pp={pp}",
+        f"parallel.dp={dp}",
+        f"parallel.ring={ring}",
+        f"parallel.ulysses={ulysses}",
+        f"parallel.activation_checkpointing={ac}",
+        f"data.seq_len={seq_len}",
+        f"data.batch_size={rows}",
+        f"train.loss_chunk_tokens={chunk}",
+        f"data.paths=['{corpus}']",
+        "train.device=cpu",
+        "train.steps=2",
+        "checkpoint.resume=none",
+        "checkpoint.export_hf=false",
+        "logging.plot=false",
+        "logging.progress_bar=false",
+        f"train.run_dir={run_dir}",
+    ]
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` figure, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def worker(cases: list[list], corpus: str, out: str, scratch: str) -> None:
+    """Runs under torchrun: measure every case, rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.config import load_config
+    from lctrain.train.trainer import Trainer, init_distributed
+
+    init_distributed(torch.device("cpu"), timeout_s=1800)
+    rank = dist.get_rank()
+    results = []
+    warmup = [cases[0][0], *cases[0][1:6], 256, *cases[0][7:]]
+    for index, case in enumerate([warmup, *cases]):
+        cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}"))
+        gc.collect()
+        baseline = _status("VmRSS")
+        trainer = Trainer(cfg)
+        batches = iter(trainer.loader)
+        rows = [next(batches) for _ in range(2)]
+        trainer.train_step(rows[:1])
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        start = time.perf_counter()
+        trainer.train_step(rows[1:])
+        peak, seconds = _status("VmHWM"), time.perf_counter() - start
+        del trainer, batches, rows
+        gc.collect()
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"baseline": baseline, "peak": peak})
+        if rank == 0 and index > 0:
+            results.append({"case": case, "ranks": per_rank, "step_s": seconds})
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def estimate(case: list) -> dict:
+    from lctrain.planner import GIB, NAMED_MODELS, Layout, Workload, estimate_memory
+
+    world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
+    layout = Layout(pp, dp, ring, ulysses, ac)
+    work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=4, loss_chunk_tokens=chunk, device="cpu")
+    memory = estimate_memory(NAMED_MODELS["tiny"], layout, work)
+    return {k: v * GIB / MIB for k, v in memory.gib().items() if isinstance(v, float)} | {"phase": memory.phase}
+
+
+def run(world: int, cases: list[list], corpus: Path, scratch: Path) -> list[dict]:
+    out = scratch / f"world{world}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    command += [__file__, "--worker", json.dumps(cases), str(corpus), str(out), str(scratch)]
+    log = scratch / f"world{world}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(command, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.exit(f"world size {world} failed (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def report(results: list[dict], seconds: float, command: str) -> str:
+    lines = [
+        f"command: {command}",
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+        f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        "model: tiny (recipes/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, gloo, one thread "
+        "per rank; memory in MiB per rank (the largest rank)",
+        "",
+        "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
+        "recompute + backward + loss (phase) | estimate | measured | error | baseline | total error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    errors, total_errors = [], []
+    for result in results:
+        case = result["case"]
+        world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
+        est = estimate(case)
+        worst = max(result["ranks"], key=lambda r: r["peak"] - r["baseline"])
+        measured = (worst["peak"] - worst["baseline"]) / MIB
+        baseline = worst["baseline"] / MIB
+        error = (est["total"] - measured) / measured
+        total_error = (est["total"] - measured) / (measured + baseline)
+        errors.append(abs(error))
+        total_errors.append(abs(total_error))
+        terms = " + ".join(f"{est[k]:.1f}" for k in ("states", "gathered", "activations", "recompute", "backward"))
+        lines.append(
+            f"| {world} | {pp} | {dp} | {ring} | {ulysses} | {ac} | {seq_len} | {rows} | {chunk} | {terms} + "
+            f"{est['loss']:.1f} ({est['phase']}) | {est['total']:.1f} | {measured:.1f} | {error:+.1%} | "
+            f"{baseline:.0f} | {total_error:+.1%} |"
+        )
+    lines += [
+        "",
+        f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} (of the measured step peak); on the "
+        f"whole resident set mean {sum(total_errors) / len(total_errors):.1%}, max {max(total_errors):.1%}",
+        f"total wall time {seconds:.0f} s",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        cases, corpus, out, scratch = sys.argv[2:6]
+        worker(json.loads(cases), corpus, out, scratch)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only the one-process cases")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to run")
+    parser.add_argument("--save", metavar="JSON", help="also write the raw measurements here")
+    parser.add_argument("--load", metavar="JSON", help="report saved measurements against the current estimate")
+    args = parser.parse_args()
+    if args.load:
+        saved = json.loads(Path(args.load).read_text())
+        print(report(saved["results"], saved["seconds"], saved["command"]))
+        return
+    sys.path.insert(0, str(REPO))
+    from tests.corpus import write_corpus
+
+    worlds = [1] if args.quick else args.worlds
+    start = time.perf_counter()
+    command = "python scripts/validate_planner.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="validate_planner_") as tmp:
+        scratch = Path(tmp)
+        corpus = write_corpus(scratch / "corpus.jsonl", documents=2000)
+        results = []
+        for world in worlds:
+            cases = [list(case) for case in CASES if case[0] == world]
+            if cases:
+                results += run(world, cases, corpus, scratch)
+                print(f"world size {world}: {len(cases)} cases done ({time.perf_counter() - start:.0f} s)", flush=True)
+    seconds = time.perf_counter() - start
+    if args.save:
+        Path(args.save).write_text(json.dumps({"results": results, "seconds": seconds, "command": command.strip()}))
+    print(report(results, seconds, command.strip()))
+
+
+if __name__ == "__main__":
+    main()
