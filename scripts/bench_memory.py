@@ -1,0 +1,589 @@
+"""Memory per rank against sequence length with every memory saver on, and the longest context this machine trains
+in one step against the plain Hugging Face baseline.
+
+Run from the repository root::
+
+    python scripts/bench_memory.py                    # both sections (15-25 minutes on 2 shared cores)
+    python scripts/bench_memory.py --only scaling --per-rank 1024,2048 --ranks 1,2
+    python scripts/bench_memory.py --json out.json    # also write the raw measurements
+    python scripts/bench_memory.py --from-json a.json --from-json b.json   # report (merged), nothing run
+
+The model is the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
+(``--override`` defaults: width 256, MLP 1024, 4 layers, 4 heads / 2 KV heads, vocabulary 8192), fp32, one
+document per row of random tokens. Every configuration trains one step (forward, backward, clipping, AdamW) after
+one warm-up step at 64·ring·ulysses tokens, in a spawned gloo group with one thread per rank.
+
+lctrain = ``Trainer.train_step`` with all the memory savers: sequence sharded over P ranks (P=1: one rank; 2: ring 2;
+4: ring 2 × Ulysses 2; 8: ring 4 × Ulysses 2), activation checkpointing ``full``, activation offload (a no-op on a
+CPU device: the activations are already in host memory), the chunked MLP (``--mlp-chunk-tokens``) and the chunked
+loss (``--loss-chunk-tokens``). Baseline = one process, the same model in plain transformers (sdpa attention), no
+checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: ``bench_trainer.BaselineSide``.
+
+1. Scaling: for each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or
+   above the MLP and loss chunks, so the chunked tensors no longer grow with S) in one process group, shortest
+   first. The step peak per rank (max over ranks) is fitted with a line against S/P (least squares): if memory per
+   rank is O(S/P), the lines of all P coincide (same slope per local token, same intercept), and the slope per
+   *global* token halves as P doubles.
+2. Longest context at ``--budget-gib`` (default 20 GiB) for all processes together. From the fits: total(S) = Σ
+   over ranks of the memory before the step (PSS, below) + P × (intercept + slope × S/P) for lctrain at P =
+   ``--longest-ranks``, and the same at P=1 for the baseline (fitted at ``--baseline-seqs``); each side's longest S
+   is where its line meets the budget. Running those lengths is out of reach here (a step's attention work grows
+   as S², and the budget is above what a shared 24 GiB machine can safely give one job), so the prediction is
+   checked by extrapolation instead: ``--verify-lctrain`` / ``--verify-baseline`` lengths, beyond the fitted
+   ones, run last in the same processes (not used by the fits) and their measured totals are compared with the
+   line's. A watchdog on every rank ends a run whose step passes its share of ``--safe-gib`` (default 16 GiB for
+   all ranks, lowered to what the machine has available minus 2 GiB).
+
+Memory. On CPU there is no ``torch.cuda.max_memory_allocated``: the figure is the process's resident set (what the
+OOM killer counts). Before each measured step the high-water mark VmHWM is reset (``5`` to
+``/proc/self/clear_refs``); the step peak is VmHWM − VmRSS before the step: what the step adds on top of the
+runtime, the parameters and the AdamW states (gradients, activations, logits, communication buffers, allocator
+slack). Every process runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large buffers go back to the OS and
+one phase cannot hide another's memory. torch's profiler (``profile_memory=True``) was not used: it records
+allocations by torch's allocator per operator, not a high-water mark of the process, and misses gloo's buffers and
+the allocator's slack. For the machine total, the memory before the step is each process's PSS (proportional set
+size: shared library pages split between the processes that map them), so the sum over ranks is what the ranks
+use together; the step peaks are private memory and add up (an upper bound: the ranks' peaks need not coincide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+from bench_report import machine_line, table
+from bench_trainer import (
+    BudgetWatchdog,
+    Rows,
+    build_side,
+    job_config,
+    log,
+    malloc_env,
+    peak_since_reset,
+    reset_peak,
+)
+
+from lctrain.parallel.spawn import run_distributed
+
+MIB, GIB = 2**20, 2**30
+SECTIONS = ("scaling", "longest")
+SIDES = ("lctrain", "baseline")
+MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # ranks -> (ring, ulysses)
+MODEL = (
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "model.num_layers=4",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+)
+PLOT = Path(__file__).resolve().parents[1] / "docs" / "memory_per_rank.png"
+
+
+def _status_kib(path: str, key: str) -> int:
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size: its private pages plus its share of pages it maps with others."""
+    return _status_kib("/proc/self/smaps_rollup", "Pss") * 1024
+
+
+def available_bytes() -> int:
+    return _status_kib("/proc/meminfo", "MemAvailable") * 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inside the ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def measure(
+    side: str, overrides: tuple[str, ...], seqs: list[int], warmup_seq: int, run_dir: str, guard: int, marker_dir: str
+) -> list[dict]:
+    """On each rank: build the side, one warm-up step at ``warmup_seq``, then one measured step per length of
+    ``seqs`` (in order); a step whose growth passes ``guard`` bytes ends the process (``BudgetWatchdog``)."""
+    runner = build_side(side, job_config(overrides, seq=warmup_seq, batch=1, run_dir=run_dir))
+    runner.step(Rows.synthetic(runner.vocab_size, 1, warmup_seq, seed=1))
+    results = []
+    for seq in seqs:
+        rows = Rows.synthetic(runner.vocab_size, 1, seq, seed=0)
+        dist.barrier()
+        rss_before = reset_peak()
+        pss_before = pss_bytes()
+        marker = Path(marker_dir) / f"rank{dist.get_rank()}.json"
+        with BudgetWatchdog(rss_before, guard, marker):
+            start = time.perf_counter()
+            loss, _ = runner.step(rows)
+            seconds = time.perf_counter() - start
+        growth = peak_since_reset() - rss_before
+        results.append(
+            {"seq": seq, "growth": growth, "rss_before": rss_before, "pss_before": pss_before, "seconds": seconds}
+        )
+        with (Path(marker_dir) / f"rank{dist.get_rank()}.jsonl").open("a") as f:  # kept if a later step is stopped
+            f.write(json.dumps(results[-1]) + "\n")
+        if dist.get_rank() == 0:
+            log(f"    S={seq:,}: rank 0 step peak {growth / MIB:,.0f} MiB, {seconds:.1f} s, loss {loss:.4f}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    """One measured step: per-rank step peaks and the memory before it."""
+
+    side: str
+    ranks: int
+    seq: int
+    growth: list[int]  # bytes, per rank
+    pss_before: list[int]  # bytes, per rank
+    rss_before: list[int]  # bytes, per rank
+    seconds: float  # slowest rank
+    fitted: bool = True  # False: a verification run, not used by the fits
+
+    @property
+    def per_rank_tokens(self) -> int:
+        return self.seq // self.ranks
+
+    @property
+    def peak(self) -> int:
+        return max(self.growth)
+
+    @property
+    def total(self) -> int:
+        """Bytes of all ranks together at the step's peak (PSS before + step peak, summed over ranks)."""
+        return sum(self.pss_before) + sum(self.growth)
+
+
+def overrides_for(side: str, ranks: int, args: argparse.Namespace) -> tuple[str, ...]:
+    base = (*MODEL, *args.override)
+    if side == "baseline":
+        return (*base, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=1")
+    ring, ulysses = MESHES[ranks]
+    return (
+        *base,
+        f"parallel.ring={ring}",
+        f"parallel.ulysses={ulysses}",
+        "parallel.dp=1",
+        "parallel.activation_checkpointing=full",
+        "parallel.activation_offload=true",
+        f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}",
+        f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
+    )
+
+
+def run_points(
+    side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace, run_dir: str, *, fitted: Sequence[bool]
+) -> list[Point]:
+    ring, ulysses = MESHES[ranks] if side == "lctrain" else (1, 1)
+    log(f"  {side}, {ranks} rank(s) (ring {ring} × ulysses {ulysses}): S = {', '.join(f'{s:,}' for s in seqs)}")
+    warmup = 2 * ring * ulysses * 32
+    guard = int(args.safe_gib * GIB / ranks)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as marker_dir, malloc_env(for_memory=True):
+        try:
+            per_rank = run_distributed(
+                measure, ranks, side, overrides_for(side, ranks, args), list(seqs), warmup, run_dir, guard, marker_dir
+            )
+        except Exception:
+            markers = sorted(Path(marker_dir).glob("rank*.json"))
+            if not markers:
+                raise
+            growth = max(json.loads(m.read_text())["growth"] for m in markers)
+            logs = [Path(marker_dir) / f"rank{r}.jsonl" for r in range(ranks)]
+            per_rank = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
+            done = min(len(r) for r in per_rank)
+            log(
+                f"  stopped at S={seqs[done]:,}: a rank's step passed its {guard / MIB:,.0f} MiB share of --safe-gib "
+                f"({growth / MIB:,.0f} MiB); the {done} shorter lengths are kept"
+            )
+            seqs = seqs[:done]
+    log(f"  ({time.perf_counter() - started:.0f} s)")
+    return [
+        Point(
+            side,
+            ranks,
+            seq,
+            [r[i]["growth"] for r in per_rank],
+            [r[i]["pss_before"] for r in per_rank],
+            [r[i]["rss_before"] for r in per_rank],
+            max(r[i]["seconds"] for r in per_rank),
+            fitted[i],
+        )
+        for i, seq in enumerate(seqs)
+    ]
+
+
+def fittable(points: Sequence[Point]) -> bool:
+    return len({p.per_rank_tokens for p in points}) >= 2
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Step peak per rank = intercept + slope × (tokens per rank), least squares over the fitted points."""
+
+    slope: float  # bytes per token of this rank
+    intercept: float  # bytes
+    max_residual: float  # bytes
+
+    @staticmethod
+    def of(points: Sequence[Point]) -> Fit:
+        x = np.array([p.per_rank_tokens for p in points], dtype=float)
+        y = np.array([p.peak for p in points], dtype=float)
+        slope, intercept = np.polyfit(x, y, 1)
+        return Fit(float(slope), float(intercept), float(np.abs(y - (intercept + slope * x)).max()))
+
+    def peak(self, per_rank_tokens: float) -> float:
+        return self.intercept + self.slope * per_rank_tokens
+
+
+def fitted(points: Sequence[Point], side: str, min_per_rank: int, ranks: int | None = None) -> list[Point]:
+    """The points a fit uses: not check runs, of every P or only ``ranks``; for lctrain at least ``min_per_rank``
+    tokens per rank (below, its step peak sits on a floor that does not depend on S; the baseline has none)."""
+    least = min_per_rank if side == "lctrain" else 0
+    return [
+        p for p in points if p.side == side and p.fitted and p.per_rank_tokens >= least and ranks in (None, p.ranks)
+    ]
+
+
+def line_points(points: Sequence[Point], side: str, min_per_rank: int, ranks: int = 2) -> list[Point]:
+    """The points of a side's line: the baseline's; lctrain's of every P ≥ 2 together (their ring and Ulysses
+    buffers grow with S/P too; one rank has none and sits lower) or, for ``ranks`` = 1, of P = 1."""
+    own = fitted(points, side, min_per_rank)
+    return own if side == "baseline" else [p for p in own if (p.ranks >= 2) == (ranks >= 2)]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A side's predicted total over ranks at length S: Σ PSS before the step (its longest measured run at P) +
+    P × the per-rank line at S/P."""
+
+    ranks: int
+    fit: Fit
+    before: int  # bytes
+
+    @staticmethod
+    def of(points: Sequence[Point], side: str, ranks: int, min_per_rank: int) -> Model:
+        own = [p for p in points if p.side == side and p.ranks == ranks]
+        line = line_points(points, side, min_per_rank, ranks)
+        return Model(ranks, Fit.of(line), sum(max(own, key=lambda p: p.seq).pss_before))
+
+    def total(self, seq: float) -> float:
+        return self.before + self.ranks * self.fit.peak(seq / self.ranks)
+
+    def longest(self, budget: float, unit: int) -> int:
+        """The longest multiple of ``unit`` whose predicted total stays within ``budget`` bytes."""
+        if self.fit.slope <= 0:
+            raise SystemExit("memory does not grow with S over the fitted lengths: measure longer ones")
+        seq = (budget - self.before - self.ranks * self.fit.intercept) / self.fit.slope  # P·b·(S/P) = b·S
+        return int(seq // unit * unit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def mib(value: float) -> str:
+    return f"{value / MIB:,.0f}"
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:,.2f}"
+
+
+def mesh_label(side: str, ranks: int) -> str:
+    if side == "baseline":
+        return "HF baseline, 1 process"
+    ring, ulysses = MESHES[ranks]
+    return f"lctrain, ring {ring} × ulysses {ulysses}"
+
+
+def groups(points: Sequence[Point]) -> list[tuple[str, int]]:
+    return sorted({(p.side, p.ranks) for p in points}, key=lambda g: (g[0] != "lctrain", g[1]))
+
+
+def scaling_report(points: list[Point], min_per_rank: int) -> str:
+    used = {id(p) for side in SIDES for p in fitted(points, side, min_per_rank)}
+    rows = []
+    for p in sorted(points, key=lambda p: (p.side != "lctrain", p.ranks, p.seq)):
+        role = "fitted" if id(p) in used else ("check" if not p.fitted else "floor")
+        rows.append(
+            [
+                mesh_label(p.side, p.ranks),
+                str(p.ranks),
+                f"{p.seq:,}",
+                f"{p.per_rank_tokens:,}",
+                f"**{mib(p.peak)}**",
+                f"{mib(min(p.growth))} … {mib(p.peak)}",
+                mib(max(p.rss_before)),
+                gib(p.total),
+                f"{p.seconds:.1f}",
+                role,
+            ]
+        )
+    header = [
+        "side",
+        "P",
+        "S",
+        "S/P",
+        "step peak/rank (MiB, max)",
+        "min … max over ranks",
+        "RSS before (MiB)",
+        "total, all ranks (GiB)",
+        "step (s)",
+        "use",
+    ]
+    out = [table(header, rows), ""]
+    fit_rows = []
+
+    def fit_row(label: str, ranks: str, own: list[Point], per_global: str) -> None:
+        fit = Fit.of(own)
+        lengths = ", ".join(f"{n:,}" for n in sorted({p.per_rank_tokens for p in own}))
+        fit_rows.append(
+            [
+                label,
+                ranks,
+                lengths,
+                f"{fit.slope / 1024:.2f}",
+                per_global,
+                mib(fit.intercept),
+                f"{fit.max_residual / MIB:.1f}",
+            ]
+        )
+
+    for side, ranks in groups(points):
+        own = fitted(points, side, min_per_rank, ranks)
+        if fittable(own):
+            fit = Fit.of(own)
+            fit_row(mesh_label(side, ranks), str(ranks), own, f"{fit.slope / ranks / 1024:.2f}")
+    pooled = line_points(points, "lctrain", min_per_rank)
+    if len({p.ranks for p in pooled}) > 1 and fittable(pooled):
+        fit_row(
+            "**lctrain, every P ≥ 2 together**",
+            ", ".join(str(n) for n in sorted({p.ranks for p in pooled})),
+            pooled,
+            "—",
+        )
+    header = [
+        "fit: step peak per rank = a + b·(S/P)",
+        "P",
+        "fitted S/P",
+        "b: KiB per token of the rank",
+        "b/P: KiB per token of the sequence",
+        "a (MiB)",
+        "max residual (MiB)",
+    ]
+    out.append(table(header, fit_rows))
+    return "\n".join(out)
+
+
+def longest_report(points: list[Point], args: argparse.Namespace) -> str:
+    budget, ranks = args.budget_gib * GIB, args.longest_ranks
+    unit = 2 * MESHES[ranks][0] * MESHES[ranks][1] * 64
+    models = {
+        "lctrain": Model.of(points, "lctrain", ranks, args.fit_min_per_rank),
+        "baseline": Model.of(points, "baseline", 1, args.fit_min_per_rank),
+    }
+    limits = {side: model.longest(budget, unit) for side, model in models.items()}
+    rows = []
+    for side, model in models.items():
+        n = model.ranks
+        rows.append(
+            [
+                mesh_label(side, n),
+                f"{gib(model.before)} GiB + {n} × ({mib(model.fit.intercept)} MiB + "
+                f"{model.fit.slope / 1024:.2f} KiB × S/{n})",
+                gib(model.total(limits[side])),
+                f"**{limits[side]:,}**",
+            ]
+        )
+    header = [
+        "side",
+        "total(S) = Σ PSS before + P × step peak per rank",
+        "total at that S (GiB)",
+        "longest S (predicted)",
+    ]
+    out = [
+        table(header, rows),
+        "",
+        f"Ratio lctrain / baseline at {args.budget_gib:g} GiB for all processes: "
+        f"**{limits['lctrain'] / limits['baseline']:.1f}×** ({limits['lctrain']:,} vs {limits['baseline']:,} tokens, "
+        f"both predicted).",
+    ]
+    checks = [p for p in points if not p.fitted and p.side in models and (p.side == "baseline" or p.ranks == ranks)]
+    if checks:
+        rows = []
+        for p in checks:
+            predicted = models[p.side].total(p.seq)
+            rows.append(
+                [
+                    mesh_label(p.side, p.ranks),
+                    f"{p.seq:,}",
+                    f"{max(q.per_rank_tokens for q in fitted(points, p.side, args.fit_min_per_rank)):,}",
+                    gib(predicted),
+                    gib(p.total),
+                    f"{(p.total - predicted) / predicted:+.1%}",
+                    f"{p.seconds:.0f}",
+                ]
+            )
+        header = [
+            "check run (not fitted)",
+            "S",
+            "longest fitted S/P",
+            "predicted total (GiB)",
+            "measured (GiB)",
+            "error",
+            "step (s)",
+        ]
+        out += ["", table(header, rows)]
+    return "\n".join(out)
+
+
+def plot(points: list[Point], path: Path, min_per_rank: int) -> None:
+    """Left: lctrain's step peak per rank against S/P for every P, and the line fitted to P ≥ 2 (linear axes).
+    Right: the same points and the baseline against S (log axes): at fixed S, each doubling of P halves the rank's
+    S-dependent memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for side, ranks in groups(points):
+        own = sorted((p for p in points if p.side == side and p.ranks == ranks), key=lambda p: p.seq)
+        style = {"linestyle": "--" if side == "baseline" else "-", "marker": "o", "label": f"{mesh_label(side, ranks)}"}
+        if side == "lctrain":
+            left.plot([p.per_rank_tokens for p in own], [p.peak / MIB for p in own], **style)
+        right.plot([p.seq for p in own], [p.peak / MIB for p in own], **style)
+    pooled = line_points(points, "lctrain", min_per_rank)
+    if fittable(pooled):
+        fit = Fit.of(pooled)
+        x = np.array([min_per_rank / 2, max(p.per_rank_tokens for p in points if p.side == "lctrain")])
+        left.plot(x, fit.peak(x) / MIB, ":", color="black", label="one line fitted to every P ≥ 2")
+    left.set_xlabel("tokens per rank S/P")
+    left.set_title("lctrain, all savers: step peak per rank vs S/P")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    right.set_xlabel("sequence length S")
+    right.set_title("step peak per rank vs S (and the plain HF baseline)")
+    for ax in (left, right):
+        ax.set_ylabel("step peak per rank (MiB, max over ranks)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="job override (both sides)"
+    )
+    parser.add_argument("--ranks", type=ints, default=[1, 2, 4, 8], help="P values of the scaling section")
+    parser.add_argument(
+        "--per-rank", type=ints, default=[512, 1024, 2048, 4096, 8192], help="S/P values (tokens per rank)"
+    )
+    parser.add_argument("--max-fitted-seq", type=int, default=16384, help="skip longer S·P (step time grows as S²)")
+    parser.add_argument(
+        "--fit-min-per-rank", type=int, default=2048, help="fit only S/P ≥ this (below: a floor independent of S)"
+    )
+    parser.add_argument("--baseline-seqs", type=ints, default=[1024, 2048, 4096, 8192], help="baseline lengths")
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=256, help="parallel.mlp_chunk_tokens of lctrain")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=256, help="train.loss_chunk_tokens of lctrain")
+    parser.add_argument("--budget-gib", type=float, default=20.0, help="memory of all processes for the longest S")
+    parser.add_argument("--longest-ranks", type=int, default=8, choices=sorted(MESHES), help="lctrain's P there")
+    parser.add_argument("--verify-lctrain", type=ints, default=[32768], help="lengths to run and compare (lctrain)")
+    parser.add_argument("--verify-baseline", type=ints, default=[16384], help="lengths to run and compare (baseline)")
+    parser.add_argument("--safe-gib", type=float, default=16.0, help="stop any run whose ranks pass this together")
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    parser.add_argument(
+        "--from-json", type=Path, action="append", default=[], help="report these measurements (repeatable: merged)"
+    )
+    parser.add_argument("--plot", type=Path, default=PLOT, help="the PNG of memory per rank vs S/P")
+    args = parser.parse_args()
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if set(args.only) - set(SECTIONS) or set(args.ranks) - set(MESHES):
+        parser.error(f"sections from {SECTIONS}, ranks from {sorted(MESHES)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    command = shlex.join(["python", *sys.argv])
+    if args.from_json:
+        saved = [json.loads(path.read_text()) for path in args.from_json]
+        points = [Point(**p) for run in saved for p in run["points"]]
+        machine = " / ".join(dict.fromkeys(run["machine"] for run in saved))
+        command = "`, then `".join(run["command"] for run in saved)
+        wall = sum(run["wall_s"] for run in saved)
+    else:
+        machine = machine_line()
+        points: list[Point] = []
+        # a watchdog ends any run whose ranks pass --safe-gib together (each rank: its share), or what is free now
+        args.safe_gib = min(args.safe_gib, (available_bytes() - 2 * GIB) / GIB)
+        longest = "longest" in args.only
+        with tempfile.TemporaryDirectory(prefix="bench_memory_") as run_dir:
+            log(f"one step per length, all savers on; at most {args.safe_gib:.1f} GiB for all ranks")
+            for n in sorted(set(args.ranks) | ({args.longest_ranks} if longest else set())):
+                extra = args.verify_lctrain if longest and n == args.longest_ranks else []
+                seqs = [n * s for s in args.per_rank if n * s <= args.max_fitted_seq] + extra
+                points += run_points("lctrain", n, seqs, args, run_dir, fitted=[s not in extra for s in seqs])
+            extra = args.verify_baseline if longest else []
+            seqs = args.baseline_seqs + extra
+            if seqs:
+                points += run_points("baseline", 1, seqs, args, run_dir, fitted=[s not in extra for s in seqs])
+        wall = time.perf_counter() - started
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {"machine": machine, "command": command, "wall_s": wall, "points": [asdict(p) for p in points]}
+                )
+            )
+    print("# Memory per rank vs sequence length\n")
+    print(f"- command: `{command}`")
+    print(f"- machine: {machine}")
+    print(f"- model: Llama {' '.join(MODEL + tuple(args.override))}, vocab 8192, fp32; one step after a warm-up step")
+    print(
+        f"- lctrain: activation checkpointing full + offload (no-op on CPU) + MLP chunks of {args.mlp_chunk_tokens} "
+        f"+ loss chunks of {args.loss_chunk_tokens} tokens; baseline: plain transformers, sdpa, full logits"
+    )
+    print(f"- total wall time {wall:.0f} s\n")
+    print(scaling_report(points, args.fit_min_per_rank))
+    if any(p.side == "baseline" for p in points) and any(p.ranks == args.longest_ranks for p in points):
+        print("\n## Longest context\n")
+        print(longest_report(points, args))
+    if args.plot:
+        plot(points, args.plot, args.fit_min_per_rank)
+        print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
