@@ -1,6 +1,6 @@
 """Configuration: the typed schema, Hydra composition of ``configs/`` + ``recipes/``, and cross-field checks."""
 
-from lctrain.config.load import CONFIG_DIR, check_job, load_config, to_yaml
+from lctrain.config.load import CONFIG_DIR, check_job, check_model_job, load_config, to_yaml
 from lctrain.config.schema import (
     CheckpointConfig,
     JobConfig,
@@ -21,6 +21,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "check_job",
+    "check_model_job",
     "load_config",
     "to_yaml",
 ]

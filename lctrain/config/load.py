@@ -7,8 +7,10 @@ run, ``# @package _global_``) on top of the group defaults.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -22,6 +24,7 @@ from lctrain.parallel.pipeline import check_pipeline
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 logger = logging.getLogger("lctrain")
 
@@ -72,10 +75,12 @@ def check_job(
     tied_embeddings: bool,
     vocab_size: int,
     local_world_size: int | None = None,
+    max_position_embeddings: int | None = None,
 ) -> None:
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
-    ``local_world_size`` is the processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it
+    ``max_position_embeddings`` is the model config's (after ``model.*`` overrides). ``local_world_size`` is the
+    processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it
     before any process group work: every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
@@ -109,6 +114,7 @@ def check_job(
             data.batch_size * train.grad_accum,
             tied_embeddings=tied_embeddings,
         )
+    check_rope(cfg, max_position_embeddings)
     if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(
             f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "
@@ -116,6 +122,14 @@ def check_job(
         )
     if par.ac_every < 1:
         raise ValueError(f"parallel.ac_every={par.ac_every} must be >= 1")
+    if par.activation_offload and par.activation_checkpointing == "none":
+        raise ValueError(
+            "parallel.activation_offload=true moves the inputs that checkpointed layers keep to host memory, but "
+            "parallel.activation_checkpointing=none checkpoints no layer: set parallel.activation_checkpointing=full "
+            "(or selective), or parallel.activation_offload=false"
+        )
+    if par.mlp_chunk_tokens < 0:
+        raise ValueError(f"parallel.mlp_chunk_tokens={par.mlp_chunk_tokens} must be >= 0 (0 = no chunking)")
     for name in ("param_dtype", "reduce_dtype"):
         if getattr(par, name) not in DTYPES:
             raise ValueError(f"parallel.{name}={getattr(par, name)!r} must be one of {DTYPES}")
@@ -151,3 +165,48 @@ def check_job(
         raise ValueError(f"train.device={train.device!r} must be auto, cuda or cpu")
     if cfg.logging.wandb not in ("disabled", "offline", "online"):
         raise ValueError(f"logging.wandb={cfg.logging.wandb!r} must be disabled, offline or online")
+
+
+def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:
+    """``check_job`` with the sizes of the transformers ``config`` the job builds (after its ``model.*`` settings)
+    and the processes per node from torchrun's environment (``LOCAL_WORLD_SIZE``)."""
+    check_job(
+        cfg,
+        world_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        num_layers=config.num_hidden_layers,
+        tied_embeddings=config.tie_word_embeddings,
+        vocab_size=vocab_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+def check_rope(cfg: JobConfig, max_position_embeddings: int | None) -> None:
+    """The RoPE scaling settings: a type transformers supports for Llama, its required fields, and no dynamic
+    scaling that context-parallel ranks would compute differently."""
+    scaling = cfg.model.rope_scaling
+    if scaling.type is None:
+        return
+    if scaling.type not in ROPE_TYPES:
+        raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_TYPES} (or null)")
+    if scaling.factor < 1:
+        raise ValueError(
+            f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the checkpoint "
+            f"was trained at (e.g. 16 for 8K -> 128K)"
+        )
+    if scaling.type in ("yarn", "llama3") and scaling.original_max_position_embeddings is None:
+        raise ValueError(
+            f"model.rope_scaling.type={scaling.type} needs model.rope_scaling.original_max_position_embeddings: set it "
+            f"to the context the checkpoint was trained at (e.g. 8192)"
+        )
+    cp = cfg.parallel.ring * cfg.parallel.ulysses
+    if scaling.type == "dynamic" and cp > 1 and (max_position_embeddings or 0) < cfg.data.seq_len:
+        raise ValueError(
+            f"model.rope_scaling.type=dynamic rescales RoPE by the largest position each rank sees, which differs "
+            f"between the {cp} context-parallel ranks once data.seq_len={cfg.data.seq_len} exceeds "
+            f"max_position_embeddings={max_position_embeddings}: set model.max_position_embeddings >= "
+            f"{cfg.data.seq_len} (training then uses the base frequencies and inference scales beyond), or use "
+            f"linear, yarn or llama3"
+        )

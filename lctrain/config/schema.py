@@ -8,11 +8,24 @@ command line (``optim.lr=1e-3``). Each component receives only its own section.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lctrain.data import DataConfig
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE scaling for context extension, written into the model's config (transformers' ``rope_parameters``) and
+    so into the exported checkpoint. ``type: null`` keeps the checkpoint's own."""
+
+    type: str | None = None  # linear, dynamic, yarn or llama3; None = unchanged
+    factor: float = 1.0  # the extension: new context / original_max_position_embeddings
+    original_max_position_embeddings: int | None = None  # yarn, llama3: the context the checkpoint was trained at
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
 
 
 @dataclass
@@ -27,8 +40,11 @@ class ModelConfig:
     num_heads: int = 8  # attention (query) heads; must be divisible by parallel.ulysses
     num_kv_heads: int = 4  # key/value heads (GQA); divides or is divided by parallel.ulysses
     vocab_size: int | None = None  # None = the tokenizer's vocabulary size
-    max_position_embeddings: int = 131072  # written into the config; RoPE itself has no length limit
-    rope_theta: float = 10000.0  # RoPE base (random init)
+    # the context length the config declares (dynamic and yarn RoPE scale from it); None = the checkpoint's, or
+    # 131072 for random init
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None  # RoPE base; None = the checkpoint's, or 10000 for random init
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
     init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
 
@@ -45,6 +61,8 @@ class ParallelConfig:
     layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
     activation_checkpointing: str = "none"  # none, full (every decoder layer) or selective (every ac_every-th)
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
+    activation_offload: bool = False  # checkpointed layers keep their input in host memory (needs checkpointing)
+    mlp_chunk_tokens: int = 0  # MLP over this many tokens at a time, each chunk recomputed in backward; 0 = off
     param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
     # pp > 1: a step's rows (data.batch_size x train.grad_accum) are the micro-batches of one schedule run
@@ -80,6 +98,10 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
     timeout_s: float = 600.0  # a collective waiting longer than this for other ranks stops the job with an error
+    # progressive training: stages run one after another, each a mapping of settings over this job
+    # ({data.seq_len: 32768, train.steps: 200, parallel.ring: 4}), in <run_dir>/stage_<k>, each starting from the
+    # previous stage's exported weights; [] = one run
+    stages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +126,21 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """``python -m lctrain eval``: passkey retrieval and perplexity of model.path on the job's mesh."""
+
+    tasks: list[str] = field(default_factory=lambda: ["passkey", "perplexity"])  # passkey and/or perplexity
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # passkey sample lengths (tokens)
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depths, 0 = start
+    samples: int = 5  # passkey samples (different keys) per (length, depth) cell
+    digits: int = 5  # digits of each pass key
+    seed: int = 0  # seed of the pass keys
+    perplexity_lengths: list[int] = field(default_factory=list)  # row lengths for perplexity; [] = eval.lengths
+    perplexity_rows: int = 4  # packed rows of data.* documents per perplexity length
+    out_dir: str | None = None  # where the results go; None = <train.run_dir>/eval
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -112,3 +149,4 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

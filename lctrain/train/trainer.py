@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from tqdm import tqdm
 
-from lctrain.config import JobConfig, check_job, load_config, to_yaml
+from lctrain.config import JobConfig, check_model_job, load_config, to_yaml
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import (
     build_empty_model,
@@ -36,6 +36,7 @@ from lctrain.models import (
     random_init_source,
     safetensors_source,
 )
+from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
@@ -44,6 +45,7 @@ from lctrain.train.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from lctrain.train.stages import pending_stages
 
 logger = logging.getLogger("lctrain")
 
@@ -83,16 +85,7 @@ class Trainer:
                 f"the tokenizer (data.tokenizer={cfg.data.tokenizer}) has {len(self.tokenizer)} tokens but the model "
                 f"{cfg.model.path} only {self.hf_config.vocab_size} embeddings: use the model's own tokenizer"
             )
-        check_job(
-            cfg,
-            world_size,
-            num_heads=self.hf_config.num_attention_heads,
-            num_kv_heads=self.hf_config.num_key_value_heads,
-            num_layers=self.hf_config.num_hidden_layers,
-            tied_embeddings=self.hf_config.tie_word_embeddings,
-            vocab_size=len(self.tokenizer),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        )
+        check_model_job(cfg, world_size, self.hf_config, len(self.tokenizer))
         if cfg.model.path is not None:  # fail before any work if the weights are missing
             source = safetensors_source(cfg.model.path)
         else:
@@ -117,7 +110,8 @@ class Trainer:
             ulysses_size=par.ulysses,
         )
 
-        # 4. model, in this order: USP attention -> pipeline stages -> activation checkpointing -> FSDP -> weights.
+        # 4. model, in this order: USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (with
+        # offload) -> FSDP -> weights.
         # With pp > 1 the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face
         # names (merge_stages), for the optimizer, clipping, checkpoints and export.
         model = build_empty_model(self.hf_config)
@@ -140,7 +134,10 @@ class Trainer:
         else:
             stages = [model]
         for stage in stages:
-            apply_activation_checkpointing(stage.model.layers, par.activation_checkpointing, par.ac_every)
+            apply_chunked_mlp(stage.model.layers, par.mlp_chunk_tokens)
+            apply_activation_checkpointing(
+                stage.model.layers, par.activation_checkpointing, par.ac_every, offload=par.activation_offload
+            )
             apply_fsdp(
                 stage,
                 dp_cp_mesh,
@@ -442,11 +439,16 @@ def main(overrides: Sequence[str]) -> None:
     setup_logging(dist.get_rank())
     try:
         try:
-            trainer = Trainer(cfg)
+            jobs = pending_stages(cfg, dist.get_world_size())  # [cfg], or the unfinished stages of train.stages
+            trainer = Trainer(jobs[0])
         except (ValueError, FileNotFoundError) as error:
             logger.error("lctrain: %s", error)  # every rank: the launcher may stop the others as soon as one exits
             raise SystemExit(1) from None
         trainer.train()
+        for job in jobs[1:]:
+            del trainer
+            trainer = Trainer(job)  # starts from the previous stage's export
+            trainer.train()
     except Exception as error:
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise

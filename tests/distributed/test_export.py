@@ -13,7 +13,11 @@ ulysses=2). The exported weights differ from the seeded initial ones (training h
 ``AutoTokenizer.from_pretrained(run_dir/"hf")`` loads the training tokenizer (same vocabulary, same token ids on a
 sample text). Finally a fine-tuning job with ``model=hf model.path=<the ring=2 export>`` (ring=2, weights read shard
 by shard from the safetensors file, the tokenizer taken from the same directory) computes, before any step, the
-exported model's logits (same tolerance).
+exported model's logits (same tolerance). Fine-tuning that export for one step with each RoPE scaling type
+transformers supports for Llama (linear with a new ``rope_theta``, dynamic, yarn, llama3) writes the type, factor
+and base into the exported ``config.json`` (``rope_parameters``), and ``from_pretrained`` of it reproduces the
+sharded lctrain model's logits (same tolerance), which the default RoPE would not (they differ by more than 1e-3;
+except dynamic, which up to ``max_position_embeddings`` uses the base frequencies).
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ SAMPLE_TEXT = "def export(model, out_dir):\n    return model.save_pretrained(out
 CASES = {
     "untied": ["parallel.ring=2", "model.tie_word_embeddings=false", "parallel.activation_checkpointing=none"],
     "tied_ac": ["parallel.ulysses=2", "model.tie_word_embeddings=true", "parallel.activation_checkpointing=full"],
+}
+# fine-tuning the untied export with new RoPE settings (ring=2, one step): each type transformers supports for Llama
+ROPE_CASES = {
+    "linear": ["model.rope_theta=20000", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2"],
+    "dynamic": ["model.rope_scaling.type=dynamic", "model.rope_scaling.factor=4", "model.max_position_embeddings=256"],
+    "yarn": [
+        "model.rope_theta=50000",
+        "model.rope_scaling.type=yarn",
+        "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=64",
+        "model.max_position_embeddings=256",
+    ],
+    "llama3": [
+        "model.rope_scaling.type=llama3",
+        "model.rope_scaling.factor=8",
+        "model.rope_scaling.original_max_position_embeddings=32",
+        "model.max_position_embeddings=256",
+    ],
 }
 BASE = [
     "model.hidden_size=64",
@@ -104,6 +126,12 @@ def train_and_logits(root: str) -> dict[str, Any] | None:
     )
     trainer = Trainer(cfg)
     out["finetune"] = {"logits": sharded_logits(trainer), "tokenizer": trainer.cfg.data.tokenizer}
+    for name, overrides in ROPE_CASES.items():
+        run_dir = Path(root) / f"rope_{name}"
+        model = ["parallel.ring=2", "model=hf", f"model.path={hf_dir}", "train.steps=1", *overrides]
+        trainer = Trainer(load_config([*BASE, *corpus, *model, f"train.run_dir={run_dir}"]))
+        trainer.train()
+        out[f"rope_{name}"] = {"logits": sharded_logits(trainer)}
     return out if dist.get_rank() == 0 else None
 
 
@@ -142,6 +170,28 @@ def test_exported_weights_are_the_trained_ones(trained: tuple[Path, dict[str, An
             assert not torch.allclose(param, init(name, param.shape), atol=1e-4), f"{name} was not trained"
     if case == "tied_ac":
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_CASES))
+def test_rope_scaling_is_exported_and_reproduced_by_transformers(
+    trained: tuple[Path, dict[str, Any]], rope_type: str
+) -> None:
+    root, results = trained
+    hf_dir = root / f"rope_{rope_type}" / "hf"
+    rope = json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
+    overrides = dict(item.split("=") for item in ROPE_CASES[rope_type])
+    assert rope["rope_type"] == rope_type and rope["factor"] == float(overrides["model.rope_scaling.factor"])
+    assert rope["rope_theta"] == float(overrides.get("model.rope_theta", 10000.0))
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert model.model.rotary_emb.rope_type == rope_type
+    with torch.no_grad():
+        expected = model(input_ids=fixed_input(model.config.vocab_size)).logits
+    torch.testing.assert_close(results[f"rope_{rope_type}"]["logits"], expected, atol=1e-5, rtol=1e-5)
+    if rope_type == "dynamic":
+        return  # up to max_position_embeddings (here all 64 positions) dynamic RoPE uses the base frequencies
+    default = AutoModelForCausalLM.from_pretrained(hf_dir, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    with torch.no_grad():  # the RoPE settings matter: without them the same weights give other logits
+        assert not torch.allclose(default(input_ids=fixed_input(model.config.vocab_size)).logits, expected, atol=1e-3)
 
 
 def test_exported_tokenizer_is_the_training_tokenizer(trained: tuple[Path, dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ setting (``parallel.ring=3`` ...) and the fix.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hydra.errors import HydraException
 
 from lctrain.config import CONFIG_DIR, check_job, load_config
 from lctrain.models import model_config, safetensors_source
+from lctrain.train.stages import check_stages, stage_configs
 
 RECIPES = sorted((CONFIG_DIR.parent / "recipes").glob("*.yaml"))
 VOCAB = 1000  # the tokenizer's vocabulary size given to check_job
@@ -141,6 +143,23 @@ BAD_JOBS = {
     "device": (["train.device=tpu"], 1, ["train.device='tpu' must be auto, cuda or cpu"]),
     "wandb": (["logging.wandb=maybe"], 1, ["logging.wandb='maybe' must be disabled, offline or online"]),
     "timeout": (["train.timeout_s=0"], 1, ["train.timeout_s=0.0 must be > 0"]),
+    "rope_type": (["model.rope_scaling.type=ntk"], 1, ["model.rope_scaling.type='ntk' must be one of", "yarn"]),
+    "rope_factor": (
+        ["model.rope_scaling.type=linear", "model.rope_scaling.factor=0.5"],
+        1,
+        ["model.rope_scaling.factor=0.5 must be >= 1", "16 for 8K -> 128K"],
+    ),
+    "rope_original": (
+        ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8"],
+        1,
+        ["model.rope_scaling.type=llama3 needs model.rope_scaling.original_max_position_embeddings", "e.g. 8192"],
+    ),
+    "rope_dynamic_cp": (
+        ["model.rope_scaling.type=dynamic", "model.rope_scaling.factor=4", "model.max_position_embeddings=64"]
+        + ["parallel.ring=2"],
+        2,
+        ["differs between the 2 context-parallel ranks", "set model.max_position_embeddings >= 128"],
+    ),
     "ulysses_across_nodes": (
         ["parallel.ulysses_across_nodes=allow"],
         1,
@@ -160,6 +179,7 @@ def check(overrides: list[str], world_size: int, local_world_size: int | None = 
         tied_embeddings=cfg.model.tie_word_embeddings,
         vocab_size=VOCAB,
         local_world_size=local_world_size,
+        max_position_embeddings=cfg.model.max_position_embeddings or 131072,
     )
 
 
@@ -277,26 +297,60 @@ def test_recipes_exist() -> None:
     assert RECIPES, "no recipes/*.yaml"
 
 
+# the checkpoints recipes fine-tune (model.path), as their config.json: the recipes are checked against these sizes
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+SBATCH_GPUS = re.search(
+    r"#SBATCH --gpus-per-node=(\d+)", (CONFIG_DIR.parent / "scripts/slurm/train.sbatch").read_text()
+)
+
+
+def recipe_model(path: str, tmp_path: Path) -> Path:
+    """A local directory with the config.json of the checkpoint a recipe names."""
+    if path == "runs/tiny_cpu/hf":  # what `make train` exports
+        config = model_config(load_config(["recipe=tiny_cpu"]).model, vocab_size=8192).to_dict()
+    else:
+        assert path == "/models/Meta-Llama-3-8B", f"add the config of {path} to this test"
+        config = LLAMA3_8B
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_starts_with_its_launch_line_and_composes(recipe: Path) -> None:
+def test_recipe_starts_with_its_launch_line_and_composes(
+    recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch line is ``torchrun ... --nproc-per-node N -m lctrain train recipe=NAME ...`` (one node) or
+    ``sbatch --nodes=M [--gpus-per-node=G] scripts/slurm/train.sbatch recipe=NAME ...`` (M nodes of G GPUs, by
+    default the script's); the
+    recipe composes, and every stage passes ``check_job`` for that launch with the model it trains."""
     lines = [line for line in recipe.read_text().splitlines() if not line.startswith("# @package")]
     launch = lines[0]
-    match = re.fullmatch(r"# (torchrun .*--nproc-per-node[ =](\d+) -m lctrain train (.*))", launch)
-    assert match, f"{recipe}: the first line is {launch!r}, not '# torchrun ... -m lctrain train recipe=...'"
-    world_size = int(match.group(2))
-    overrides = match.group(3).split()
+    torchrun = re.fullmatch(r"# torchrun .*--nproc-per-node[ =](\d+) -m lctrain train (.*)", launch)
+    sbatch = re.fullmatch(r"# sbatch --nodes=(\d+)(?: --gpus-per-node=(\d+))? scripts/slurm/train\.sbatch (.*)", launch)
+    assert torchrun or sbatch, f"{recipe}: the first line is {launch!r}, not a torchrun or sbatch launch line"
+    if torchrun:
+        world_size = per_node = int(torchrun.group(1))
+    else:
+        per_node = int(sbatch.group(2) or SBATCH_GPUS.group(1))
+        world_size = int(sbatch.group(1)) * per_node
+    overrides = (torchrun.group(2) if torchrun else sbatch.group(3)).split()
     assert f"recipe={recipe.stem}" in overrides, f"{recipe}: the launch line does not select recipe={recipe.stem}"
     cfg = load_config(overrides)
-    par = cfg.parallel
-    assert par.pp * par.dp * par.ring * par.ulysses == world_size, f"{recipe}: the mesh does not fit {world_size}"
-    if cfg.model.path is None:  # a random-init model: its sizes are in the config
-        heads, kv_heads = cfg.model.num_heads, cfg.model.num_kv_heads
-        check_job(
-            cfg,
-            world_size,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            num_layers=cfg.model.num_layers,
-            tied_embeddings=cfg.model.tie_word_embeddings,
-            vocab_size=cfg.model.vocab_size or 1,
-        )
+    if cfg.model.path is not None:
+        cfg.model.path = str(recipe_model(cfg.model.path, tmp_path))
+    model = model_config(cfg.model, vocab_size=cfg.model.vocab_size or 8192)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    jobs = stage_configs(cfg)
+    check_stages(jobs, world_size, model, model.vocab_size)

@@ -69,7 +69,7 @@ def test_random_init_is_seeded_per_tensor_and_like_hugging_face() -> None:
     assert not torch.equal(a.model.layers[0].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight)
     # RoPE buffers survive the meta build and materialize
     rotary = a.model.rotary_emb
-    expected = 1.0 / (TINY.rope_theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    expected = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))  # the default base
     torch.testing.assert_close(rotary.inv_freq, expected)
 
 
@@ -131,13 +131,20 @@ def test_every_config_field_is_documented_with_its_default() -> None:
     from lctrain.config import JobConfig
 
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    job = JobConfig()
-    for section in dataclasses.fields(job):
-        for field in dataclasses.fields(getattr(job, section.name)):
-            value = getattr(getattr(job, section.name), field.name)
+
+    def rows(prefix: str, section: object) -> list[str]:
+        found = []
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if dataclasses.is_dataclass(value):  # a nested section: model.rope_scaling.type, ...
+                found += rows(f"{prefix}{field.name}.", value)
+                continue
             default = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-            row = f"| `{section.name}.{field.name}` | `{default}` |"
-            assert row in doc, f"docs/configuration.md lacks the row {row}"
+            found.append(f"| `{prefix}{field.name}` | `{default}` |")
+        return found
+
+    for row in rows("", JobConfig()):
+        assert row in doc, f"docs/configuration.md lacks the row {row}"
 
 
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
