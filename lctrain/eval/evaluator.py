@@ -1,0 +1,282 @@
+"""Scores computed on the training mesh: every rank runs the model on its shard of each sequence, computes logits only
+at the labelled positions it holds, and the ranks sum small per-sample tensors. No rank ever holds a whole sequence's
+hidden states or logits.
+
+Order of work per sequence (``S`` tokens, this rank's part ``S / (R·U)``):
+
+1. ``input_ids``, ``labels``, ``position_ids`` (and the global token index) go through ``shard_sequence`` on the
+   global sequence, exactly as the packed loader shards training rows (labels shifted before sharding).
+2. ``model(...)`` with ``logits_to_keep`` empty; a hook keeps the final hidden states ``[1, S/(R·U), H]``.
+3. Logits ``hidden @ lm_head.T`` in fp32 at this rank's labelled positions only (the root FSDP module keeps the
+   LM head gathered after its forward, as in training).
+4. Per-sample sums (correct answer tokens, answer tokens, log-probabilities; the argmax token at each answer index)
+   are all-reduced over ``dp_cp``: summed over the context-parallel ranks they are the sequence's totals, and data-
+   parallel ranks fill disjoint samples (sample ``i`` belongs to dp rank ``i mod dp``).
+
+FSDP all-gathers parameters over ``dp_cp`` in every forward, so every rank runs the same number of forwards: a dp
+rank with fewer samples than the others runs one more forward whose results it drops.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain.attention import shard_sequence
+from lctrain.attention.layout import sequence_divisor
+from lctrain.config import JobConfig, check_model_job
+from lctrain.config.schema import EvalConfig
+from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
+from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
+from lctrain.models import build_empty_model, materialize, model_config, patch_attention, safetensors_source
+from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.trainer import _dtype, resolve_device
+
+logger = logging.getLogger("lctrain")
+
+TASKS = ("passkey", "perplexity")
+
+
+def check_eval(cfg: EvalConfig, divisor: int) -> None:
+    """One clear error for a bad ``eval.*`` setting (lengths must be multiples of ``divisor`` = 2·ring·ulysses)."""
+    unknown = [task for task in cfg.tasks if task not in TASKS]
+    if unknown or not cfg.tasks:
+        raise ValueError(f"eval.tasks={cfg.tasks} must be a non-empty list of {TASKS}")
+    for name, lengths in (("eval.lengths", cfg.lengths), ("eval.perplexity_lengths", cfg.perplexity_lengths)):
+        bad = [length for length in lengths if length < 1 or length % divisor]
+        if bad:
+            raise ValueError(
+                f"{name}={list(lengths)}: {bad} not positive multiples of {divisor} (2·ring·ulysses for the zigzag "
+                f"layout, ring·ulysses for contiguous): every sequence is sharded whole over the context-parallel ranks"
+            )
+    if "passkey" in cfg.tasks and (not cfg.lengths or not cfg.depths):
+        raise ValueError(f"eval.lengths={cfg.lengths} and eval.depths={cfg.depths} must not be empty for passkey")
+    if any(not 0.0 <= depth <= 1.0 for depth in cfg.depths):
+        raise ValueError(f"eval.depths={cfg.depths} must be fractions in [0, 1] (0 = start of the haystack)")
+    for name in ("samples", "digits", "perplexity_rows"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"eval.{name}={getattr(cfg, name)} must be >= 1")
+
+
+def perplexity_lengths(cfg: EvalConfig) -> list[int]:
+    return list(cfg.perplexity_lengths or cfg.lengths)
+
+
+class Evaluator:
+    """The model of ``model.path`` on the job's mesh (USP attention, FSDP over ``dp_cp``, no optimizer), built as
+    the trainer builds it, on an initialized default process group. ``parallel.pp > 1`` is refused."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        par = cfg.parallel
+        world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = resolve_device(cfg.train.device)
+
+        # 1. config, tokenizer and samples: every error is raised on every rank before any collective
+        if cfg.model.path is None:
+            raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
+        if par.pp > 1:
+            raise ValueError(
+                f"eval does not support parallel.pp={par.pp}: evaluate with parallel.pp=1 and the same dp, ring and "
+                f"ulysses (fold the pipeline ranks into parallel.dp or parallel.ring)"
+            )
+        self.divisor = sequence_divisor(par.layout, par.ring, par.ulysses)
+        check_eval(cfg.eval, self.divisor)
+        self.tokenizer_path = cfg.data.tokenizer or cfg.model.path  # as in training: the model's own by default
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        self.hf_config = model_config(cfg.model, len(self.tokenizer))
+        longest = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval)])
+        checked = copy.deepcopy(cfg)
+        checked.data.seq_len = longest  # the mesh, heads and RoPE checks, against the longest evaluated sequence
+        check_model_job(checked, world_size, self.hf_config, len(self.tokenizer))
+        self.samples: dict[tuple[int, float], list[PasskeySample]] = {}
+        if "passkey" in cfg.eval.tasks:
+            ev = cfg.eval
+            for length in ev.lengths:
+                for depth in ev.depths:
+                    keys = [sample_key(ev.seed, length, depth, i, ev.digits) for i in range(ev.samples)]
+                    self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
+        source = safetensors_source(cfg.model.path)
+
+        # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
+        self.mesh = ParallelDims(pp=1, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
+        dp_cp_mesh = flat_mesh(self.mesh, "dp_cp")
+        self.dp_cp_group = dp_cp_mesh.get_group()
+        self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), par.dp
+        self.coords = dict(
+            ring_rank=self.mesh.get_local_rank("ring"),
+            ring_size=par.ring,
+            ulysses_rank=self.mesh.get_local_rank("ulysses"),
+            ulysses_size=par.ulysses,
+            layout=par.layout,
+        )
+
+        # 3. model, as the trainer builds it: USP attention -> FSDP -> weights (no activation checkpointing: no
+        # backward)
+        model = build_empty_model(self.hf_config)
+        patch_attention(
+            model,
+            ulysses_group=self.mesh.get_group("ulysses"),
+            ring_group=self.mesh.get_group("ring"),
+            layout=par.layout,
+        )
+        apply_fsdp(
+            model,
+            dp_cp_mesh,
+            param_dtype=_dtype(par.param_dtype, self.device),
+            reduce_dtype=_dtype(par.reduce_dtype, self.device),
+        )
+        materialize(model, source, self.device)
+        model.eval()
+        self.model = model
+        self._hidden: Tensor | None = None
+        model.model.register_forward_hook(self._keep_hidden)
+        logger.info(
+            "eval %s on mesh dp=%d ring=%d ulysses=%d (%s), device %s: %s",
+            cfg.model.path,
+            par.dp,
+            par.ring,
+            par.ulysses,
+            par.layout,
+            self.device,
+            ", ".join(cfg.eval.tasks),
+        )
+
+    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._hidden = output.last_hidden_state
+
+    def shard(self, x: Tensor) -> Tensor:
+        """This rank's part of ``[1, S]`` (the layout of training)."""
+        return shard_sequence(x, dim=1, **self.coords)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The final hidden states ``[1, S_local, H]`` of this rank's shard (``input_ids``/``position_ids``
+        ``[1, S_local]``; ``cu_seqlens`` the global row's document bounds)."""
+        self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
+            cu_seq_lens_q=cu_seqlens,  # as in training: the attention plans its blocks from it on the host
+            logits_to_keep=torch.empty(0, dtype=torch.long),  # no logits here: computed at the labelled positions
+        )
+        hidden, self._hidden = self._hidden, None
+        return hidden
+
+    def _my_items(self, count: int) -> Iterator[tuple[int, bool]]:
+        """(index, keep) for this dp rank: items ``dp_rank, dp_rank + dp, ...``; every rank gets the same number of
+        turns, and a turn past the end repeats item 0 with ``keep=False`` (a forward FSDP needs, then dropped)."""
+        for turn in range(math.ceil(count / self.dp)):
+            index = turn * self.dp + self.dp_rank
+            yield (index, True) if index < count else (0, False)
+
+    @torch.no_grad()
+    def passkey(self) -> list[dict[str, Any]]:
+        """One dict per (length, depth) cell: accuracy (every answer token is the argmax), token accuracy, mean
+        log-probability of the answer, and each sample's key, needle depth, prediction and scores."""
+        cells = []
+        for (length, depth), samples in self.samples.items():
+            width = max(len(s.answer_ids) for s in samples)
+            # per sample: correct answer tokens, answer tokens, summed log-prob; the argmax token per answer index.
+            # On the device: the collectives of NCCL take device tensors.
+            sums = torch.zeros(len(samples), 3, dtype=torch.float64, device=self.device)
+            predicted = torch.zeros(len(samples), width, dtype=torch.int64, device=self.device)
+            positions = torch.arange(length)[None]
+            cu_seqlens = torch.tensor([0, length], dtype=torch.int32)  # one document: the whole sample
+            for index, keep in self._my_items(len(samples)):
+                sample = samples[index]
+                hidden = self.hidden_states(self.shard(sample.input_ids[None]), self.shard(positions), cu_seqlens)
+                if not keep:
+                    continue
+                labels = self.shard(sample.labels[None])[0]
+                where = labels != IGNORE_INDEX  # the answer positions this rank holds (often none)
+                targets = labels[where].to(self.device)
+                weight = self.model.lm_head.weight  # gathered by the root's forward (the sharded one before it)
+                logits = hidden[0, where.to(self.device)].float() @ weight.float().t()  # [answer tokens here, V]
+                logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+                argmax = logits.argmax(dim=-1)
+                sums[index, 0] = (argmax == targets).sum()
+                sums[index, 1] = len(targets)
+                sums[index, 2] = logprobs.double().sum()
+                # answer index of each labelled position here: its global position - (answer start - 1)
+                answer_index = self.shard(positions)[0][where] - (sample.answer_start - 1)
+                predicted[index, answer_index.to(self.device)] = argmax
+            dist.all_reduce(sums, group=self.dp_cp_group)  # cp: partial sums of a sample; dp: disjoint samples
+            dist.all_reduce(predicted, group=self.dp_cp_group)
+            sums, predicted = sums.cpu(), predicted.cpu()
+            records = []
+            for sample, (correct, total, logprob), guess in zip(samples, sums.tolist(), predicted):
+                assert total == len(sample.answer_ids), (total, len(sample.answer_ids))
+                records.append(
+                    {
+                        "key": sample.key,
+                        "needle_depth": round(sample.needle_depth, 4),
+                        "correct": correct == total,
+                        "correct_tokens": int(correct),
+                        "answer_tokens": int(total),
+                        "logprob": logprob,
+                        "predicted": self.tokenizer.decode(guess[: int(total)]),
+                    }
+                )
+            cells.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "accuracy": sum(r["correct"] for r in records) / len(records),
+                    "token_accuracy": sum(r["correct_tokens"] for r in records)
+                    / sum(r["answer_tokens"] for r in records),
+                    "answer_logprob": sum(r["logprob"] for r in records) / len(records),
+                    "samples": records,
+                }
+            )
+            logger.info(
+                "passkey length %d depth %.2f: accuracy %.2f, token accuracy %.2f, log P(answer) %.3f",
+                length,
+                depth,
+                cells[-1]["accuracy"],
+                cells[-1]["token_accuracy"],
+                cells[-1]["answer_logprob"],
+            )
+        return cells
+
+    @torch.no_grad()
+    def perplexity(self) -> list[dict[str, Any]]:
+        """One dict per length: the token-mean negative log-likelihood and its exp over ``eval.perplexity_rows``
+        packed rows of the job's documents (``data.*``). Rows are packed with ``truncate=True``, so each starts at a
+        document start (position 0) and every token is predicted from its document's tokens in the row. Every dp
+        rank reads the same rows and scores rows ``dp_rank, dp_rank + dp, ...``: the result does not depend on
+        the mesh."""
+        results = []
+        rows = self.cfg.eval.perplexity_rows
+        for length in perplexity_lengths(self.cfg.eval):
+            data = replace(self.cfg.data, seq_len=length, batch_size=1, truncate=True, tokenizer=self.tokenizer_path)
+            coords = {key: value for key, value in self.coords.items() if key != "layout"}
+            loader = iter(PackedLoader(data, dp_rank=0, dp_size=1, **coords))
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed NLL, predicted tokens
+            batches = [next(loader) for _ in range(rows)]
+            for index, keep in self._my_items(rows):
+                batch = batches[index]
+                hidden = self.hidden_states(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"][0])
+                nll, tokens = chunked_cross_entropy(
+                    hidden,
+                    self.model.lm_head.weight,
+                    batch["labels"].to(self.device),
+                    chunk_tokens=self.cfg.train.loss_chunk_tokens,
+                )
+                if keep:
+                    totals += torch.stack([nll.double(), tokens.double()])
+            dist.all_reduce(totals, group=self.dp_cp_group)
+            nll, tokens = totals.tolist()
+            mean = nll / max(tokens, 1)
+            results.append({"length": length, "rows": rows, "tokens": int(tokens), "nll": mean, "ppl": math.exp(mean)})
+            logger.info("perplexity at length %d: %.3f (NLL %.4f over %d tokens)", length, math.exp(mean), mean, tokens)
+        return results
