@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
 
-from lctrain.config import JobConfig, load_config
+from lctrain.config import JobConfig
 from lctrain.eval.evaluator import Evaluator
 from lctrain.eval.report import passkey_table, plot_passkey, write_json
 from lctrain.train.metrics import setup_logging
-from lctrain.train.trainer import init_distributed, resolve_device
+from lctrain.train.trainer import init_distributed, load_config_or_exit, resolve_device
 
 logger = logging.getLogger("lctrain")
 
@@ -67,12 +63,7 @@ def evaluate(cfg: JobConfig) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
     """``python -m lctrain eval [recipe=NAME] model.path=DIR [eval.*=...]``; a bad config or a missing file ends
     the job with one line per rank and exit status 1."""
-    try:
-        cfg = load_config(argv)
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"lctrain: bad config: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
+    cfg = load_config_or_exit(argv)
     init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
     setup_logging(dist.get_rank())
     try:

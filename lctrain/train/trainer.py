@@ -424,16 +424,21 @@ def _first_sentence(error: BaseException) -> str:
     return text.split(". ")[0].splitlines()[0] if text else type(error).__name__
 
 
-def main(overrides: Sequence[str]) -> None:
-    """The ``train`` command. A bad config or a missing file ends the job with one line per rank and exit status 1,
-    before anything is written. When another rank fails (or SIGTERM arrives), every surviving rank ends with exit
-    status 1 and one line naming the last complete checkpoint that ``checkpoint.resume=auto`` continues from."""
+def load_config_or_exit(overrides: Sequence[str]) -> JobConfig:
+    """The job's config; a bad one ends the process with one line (printed by rank 0) and exit status 1."""
     try:
-        cfg = load_config(overrides)
+        return load_config(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"lctrain: bad config: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def main(overrides: Sequence[str]) -> None:
+    """The ``train`` command. A bad config or a missing file ends the job with one line per rank and exit status 1,
+    before anything is written. When another rank fails (or SIGTERM arrives), every surviving rank ends with exit
+    status 1 and one line naming the last complete checkpoint that ``checkpoint.resume=auto`` continues from."""
+    cfg = load_config_or_exit(overrides)
     signal.signal(signal.SIGTERM, _raise_terminated)
     init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
     setup_logging(dist.get_rank())
