@@ -80,8 +80,8 @@ def check_job(
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
     ``max_position_embeddings`` is the model config's (after ``model.*`` overrides). ``local_world_size`` is the
-    processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it
-    before any process group work: every rank raises the same error, nothing has been written.
+    processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it before any process group work:
+    every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
     if par.layout not in LAYOUTS:

@@ -29,6 +29,7 @@ from lctrain.train.checkpoint import complete_checkpoints
 # settings the stages decide themselves
 _FIXED = ("train.stages", "train.run_dir", "model.path", "checkpoint.resume")
 _STEP = re.compile(r"step_(\d{8})$")
+_MISSING = object()  # OmegaConf.select's answer for a key the config does not have
 logger = logging.getLogger("lctrain")
 
 
@@ -70,9 +71,6 @@ def stage_configs(cfg: JobConfig) -> list[JobConfig]:
             stage.checkpoint.export_hf = True  # the next stage starts from it
         jobs.append(OmegaConf.to_object(stage))
     return jobs
-
-
-_MISSING = object()
 
 
 def check_stages(jobs: list[JobConfig], world_size: int, first_model: PretrainedConfig, vocab_size: int) -> None:
