@@ -25,9 +25,9 @@ test: install
 	$(PY) -m pytest tests
 
 lint: install
-	$(VENV)/bin/ruff check lctrain tests scripts
-	$(VENV)/bin/ruff format --check lctrain tests scripts
+	$(VENV)/bin/ruff check lctrain tests benchmarks examples
+	$(VENV)/bin/ruff format --check lctrain tests benchmarks examples
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[deepspeed]"
-	$(PY) scripts/bench_attention.py
+	$(PY) benchmarks/bench_attention.py

@@ -14,7 +14,7 @@ For every layout whose degrees multiply to the number of GPUs and that lctrain a
 
 It recommends one layout (``recommend``) and can write it as a recipe (``recipe_text``). ``docs/planner.md`` derives
 every term, lists the assumptions and the estimate's error against peaks measured on CPU
-(``scripts/validate_planner.py``). Pure arithmetic: importing this module loads neither torch nor transformers.
+(``benchmarks/validate_planner.py``). Pure arithmetic: importing this module loads neither torch nor transformers.
 """
 
 from __future__ import annotations

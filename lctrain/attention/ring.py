@@ -25,7 +25,7 @@ from torch import Tensor
 from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.layout import check_layout
 from lctrain.attention.merge import merge_block
-from lctrain.attention.plan import Block, plan_ring
+from lctrain.attention.ring_blocks import Block, plan_ring
 
 
 class _RingExchange:

@@ -37,7 +37,7 @@ from lctrain.models import (
     safetensors_source,
 )
 from lctrain.models.chunked_mlp import apply_chunked_mlp
-from lctrain.parallel.checkpointing import apply_activation_checkpointing
+from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import apply_pipeline, build_schedule, merge_stages

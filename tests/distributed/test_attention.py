@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from tests.reference import reference_grads
 
 # (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lctrain.train.checkpoint as checkpoint_module
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.checkpoint import Checkpointer
 
 WORLD = 2

@@ -23,7 +23,7 @@ from lctrain.config import JobConfig, load_config
 from lctrain.data import load_tokenizer
 from lctrain.eval.run import evaluate
 from lctrain.models import build_empty_model, export_hf, materialize, model_config, random_init_source
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 
 MESHES = {  # case -> (world size, parallel overrides)
     "single": (1, []),

@@ -37,7 +37,7 @@ from lctrain.attention import shard_sequence, unshard_sequence
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import random_init_source
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from tests.corpus import corpus_overrides, write_corpus
 
 WORLD = 2

@@ -7,7 +7,7 @@ relative).
 The cases run on one world-2 group, one after the other: ring 2, Ulysses 2, and pipeline parallelism (pp 2, the
 savers applied to each stage's layers). The MLP chunks do not divide the local sequence (64 tokens over 2 ranks =
 32 per rank: chunks of 12, 12, 8; or 7; pp 2: 64 tokens, chunks of 12 … 4). On CPU the offload hooks keep the
-tensors where they are (``lctrain/parallel/checkpointing.py``), so what this checks is that the wrappers compose
+tensors where they are (``lctrain/parallel/activation_checkpointing.py``), so what this checks is that the wrappers compose
 with USP attention, FSDP2, pipeline stages and the chunked loss, not that memory moves.
 """
 
@@ -17,7 +17,7 @@ import functools
 
 import pytest
 
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from tests.distributed.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from lctrain.attention import shard_sequence
 from lctrain.models import patch_attention
 from lctrain.parallel.dims import ParallelDims, flat_mesh
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
 
 FAMILIES = {

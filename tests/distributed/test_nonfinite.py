@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lctrain.config import load_config
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.checkpoint import complete_checkpoints
 from tests.corpus import corpus_overrides, write_corpus
 

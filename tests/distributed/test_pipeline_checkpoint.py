@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lctrain.config import JobConfig
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.trainer import Trainer
 from tests.distributed.reference_training import job_config, write_corpus
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lctrain.config import load_config
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.stages import stage_configs
 from tests.corpus import corpus_overrides, write_corpus
 

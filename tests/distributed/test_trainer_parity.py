@@ -26,7 +26,7 @@ import functools
 import pytest
 
 from lctrain.config import JobConfig
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from tests.distributed.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
-PATH_REFERENCE = re.compile(r"`((?:docs|scripts|recipes|docker|lctrain|tests|configs)/[\w./-]*\w)`")
+PATH_REFERENCE = re.compile(r"`((?:docs|scripts|benchmarks|examples|recipes|docker|lctrain|tests|configs)/[\w./-]*\w)`")
 
 
 def table_rows(text: str) -> list[str]:

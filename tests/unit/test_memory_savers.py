@@ -1,5 +1,5 @@
 """Memory savers on one process: the chunked MLP (``lctrain.models.chunked_mlp``) computes what the plain MLP
-computes and keeps only its input for the backward; activation offload (``lctrain.parallel.checkpointing``) sends
+computes and keeps only its input for the backward; activation offload (``lctrain.parallel.activation_checkpointing``) sends
 exactly the checkpointed layers' inputs through its pack/unpack hooks, frees the device copy, and changes no result;
 ``check_job`` refuses offload without checkpointing.
 
@@ -22,8 +22,8 @@ from lctrain.config.schema import ModelConfig
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.chunked_mlp import apply_chunked_mlp, chunked_mlp
 from lctrain.models.hf import hf_name
-from lctrain.parallel import checkpointing
-from lctrain.parallel.checkpointing import apply_activation_checkpointing
+from lctrain.parallel import activation_checkpointing as checkpointing
+from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 VOCAB = 97
 HIDDEN, INTERMEDIATE, LAYERS = 32, 88, 3

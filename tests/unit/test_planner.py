@@ -2,7 +2,7 @@
 layouts it refuses agree with ``check_job``, the S/R ≥ C/W condition flips where its formula says, and a written
 recipe composes with Hydra and passes ``check_job`` for its launch line.
 
-The memory estimate against measured peaks is ``scripts/validate_planner.py`` (real training jobs; not a test).
+The memory estimate against measured peaks is ``benchmarks/validate_planner.py`` (real training jobs; not a test).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from lctrain.config import LoggingConfig, ModelConfig, OptimConfig
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
 from lctrain.models.hf import hf_name
-from lctrain.parallel.checkpointing import apply_activation_checkpointing
+from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from lctrain.train.metrics import MetricsLogger, flops_per_token
 from lctrain.train.optim import build_optimizer, build_scheduler, lr_factor
 

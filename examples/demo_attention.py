@@ -2,7 +2,7 @@
 
 Launch with torchrun (one process per rank; CPU + gloo here, CUDA + NCCL when GPUs are present):
 
-    torchrun --standalone --nproc-per-node 4 scripts/demo_attention.py --ring 2 --ulysses 2
+    torchrun --standalone --nproc-per-node 4 examples/demo_attention.py --ring 2 --ulysses 2
 
 Every rank builds the same full-length q, k, v, takes its zigzag shard, runs ``usp_attention`` forward and
 backward, and rank 0 compares the gathered output and gradients with PyTorch's single-device SDPA on the whole

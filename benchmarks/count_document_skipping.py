@@ -1,6 +1,6 @@
 """Kernel calls and attention work with and without document masking, counted from the ring plan (no timing).
 
-    python scripts/count_document_skipping.py [--seq 131072] [--ring 8]
+    python benchmarks/count_document_skipping.py [--seq 131072] [--ring 8]
 
 For a packed causal row on a zigzag ring, it prints, per document length, the kernel calls and the query×key
 pairs the busiest rank computes over all ring steps, and how many ring steps run (trailing steps that no rank
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from lctrain.attention.plan import Block, plan_ring
+from lctrain.attention.ring_blocks import Block, plan_ring
 
 
 def pairs(block: Block) -> int:

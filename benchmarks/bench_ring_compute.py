@@ -1,7 +1,7 @@
 """Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput.
 
-    python scripts/bench_ring_compute.py                    # CUDA if present, else CPU (smaller sizes)
-    python scripts/bench_ring_compute.py --seq 131072 --ring 8
+    python benchmarks/bench_ring_compute.py                    # CUDA if present, else CPU (smaller sizes)
+    python benchmarks/bench_ring_compute.py --seq 131072 --ring 8
 
 For each sequence length it times, forward+backward, causal:
 - ``sdpa``: PyTorch's fused SDPA on the whole sequence (the single-device baseline);
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lctrain.attention import shard_sequence
 from lctrain.attention.kernels import accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.merge import merge_block
-from lctrain.attention.plan import plan_ring
+from lctrain.attention.ring_blocks import plan_ring
 
 
 def timed(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001

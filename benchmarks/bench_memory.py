@@ -3,10 +3,10 @@ in one step against the plain Hugging Face baseline.
 
 Run from the repository root::
 
-    python scripts/bench_memory.py                    # both sections (15-25 minutes on 2 shared cores)
-    python scripts/bench_memory.py --only scaling --per-rank 1024,2048 --ranks 1,2
-    python scripts/bench_memory.py --json out.json    # also write the raw measurements
-    python scripts/bench_memory.py --from-json a.json --from-json b.json   # report (merged), nothing run
+    python benchmarks/bench_memory.py                    # both sections (15-25 minutes on 2 shared cores)
+    python benchmarks/bench_memory.py --only scaling --per-rank 1024,2048 --ranks 1,2
+    python benchmarks/bench_memory.py --json out.json    # also write the raw measurements
+    python benchmarks/bench_memory.py --from-json a.json --from-json b.json   # report (merged), nothing run
 
 The model is the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
 (``--override`` defaults: width 256, MLP 1024, 4 layers, 4 heads / 2 KV heads, vocabulary 8192), fp32, one
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
-from bench_report import machine_line, table
+from report import machine_line, table
 from bench_trainer import (
     BudgetWatchdog,
     Rows,
@@ -72,7 +72,7 @@ from bench_trainer import (
     reset_peak,
 )
 
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 
 MIB, GIB = 2**20, 2**30
 SECTIONS = ("scaling", "longest")

@@ -1,6 +1,6 @@
 """Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank.
 
-    python scripts/bench_loader.py [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
+    python benchmarks/bench_loader.py [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
 
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from lctrain.attention.plan import piece_chunks, plan_ring
+from lctrain.attention.ring_blocks import piece_chunks, plan_ring
 
 
 def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python scripts/validate_planner.py            # every case below, 3-8 minutes on 2 shared cores
-    python scripts/validate_planner.py --quick    # the one-process cases only, about 2 minutes
-    python scripts/validate_planner.py --save m.json; python scripts/validate_planner.py --load m.json  # re-score
+    python benchmarks/validate_planner.py            # every case below, 3-8 minutes on 2 shared cores
+    python benchmarks/validate_planner.py --quick    # the one-process cases only, about 2 minutes
+    python benchmarks/validate_planner.py --save m.json; python benchmarks/validate_planner.py --load m.json  # re-score
 
 For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this file as the worker
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
@@ -212,7 +212,7 @@ def main() -> None:
 
     worlds = [1] if args.quick else args.worlds
     start = time.perf_counter()
-    command = "python scripts/validate_planner.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/validate_planner.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="validate_planner_") as tmp:
         scratch = Path(tmp)
         corpus = write_corpus(scratch / "corpus.jsonl", documents=2000)

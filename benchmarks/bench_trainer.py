@@ -3,9 +3,9 @@ and the longest sequence each side trains within a fixed memory budget.
 
 Run from the repository root::
 
-    python scripts/bench_trainer.py            # both sections, default sizes (about 10 minutes on 2 cores)
-    python scripts/bench_trainer.py --quick    # small sizes, a smoke run of a few minutes
-    python scripts/bench_trainer.py --only throughput --seq 8192 --steps 20
+    python benchmarks/bench_trainer.py            # both sections, default sizes (about 10 minutes on 2 cores)
+    python benchmarks/bench_trainer.py --quick    # small sizes, a smoke run of a few minutes
+    python benchmarks/bench_trainer.py --only throughput --seq 8192 --steps 20
 
 Both sides train the tiny model of the default job (``recipes/tiny_cpu.yaml``; ``--override`` changes the job
 config of both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
@@ -89,14 +89,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_report import machine_line, one_document_batch, table
+from report import machine_line, one_document_batch, table
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
 from lctrain.config import JobConfig, load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.optim import build_optimizer, build_scheduler
 
 SECTIONS = ("throughput", "memory")

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python scripts/bench_attention.py                        # everything, S=16384, bf16, P=2
-    python scripts/bench_attention.py --seq 2048 --iters 1 --only efficiency,baselines
+    python benchmarks/bench_attention.py                        # everything, S=16384, bf16, P=2
+    python benchmarks/bench_attention.py --seq 2048 --iters 1 --only efficiency,baselines
 
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_report import machine_line, table
+from report import machine_line, table
 from torch import Tensor
 
 from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
 from lctrain.attention.kernels import _cpu_compute, accumulation_dtype
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory")

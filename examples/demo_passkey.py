@@ -1,6 +1,6 @@
 """Demo: a tiny Llama trained here on short passkey documents retrieves pass keys at lengths it never saw.
 
-    .venv/bin/python scripts/demo_passkey.py [--steps 3000] [--train-length 128] [--lengths 128 256 512 1024]
+    .venv/bin/python examples/demo_passkey.py [--steps 3000] [--train-length 128] [--lengths 128 256 512 1024]
 
 1. ``<out>/train.jsonl``: passkey documents (``lctrain.eval.passkey``) of 96 to ``--train-length`` tokens, random
    depths and 5-digit keys from a seed of their own, every key different and none of the evaluation's.

@@ -3,9 +3,9 @@ beside the textbook bubble fraction.
 
 Run from the repository root::
 
-    python scripts/bench_pipeline.py            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
-    python scripts/bench_pipeline.py --quick    # GPipe and 1F1B, m ∈ {2, 4}
-    python scripts/bench_pipeline.py --schedules GPipe Interleaved1F1B --microbatches 4 16
+    python benchmarks/bench_pipeline.py            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
+    python benchmarks/bench_pipeline.py --quick    # GPipe and 1F1B, m ∈ {2, 4}
+    python benchmarks/bench_pipeline.py --schedules GPipe Interleaved1F1B --microbatches 4 16
 
 A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
 stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
@@ -37,12 +37,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_report import machine_line, one_document_batch, table
+from report import machine_line, one_document_batch, table
 
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, model_config
-from lctrain.parallel.spawn import run_distributed
+from lctrain.testing import run_distributed
 from lctrain.train.trainer import Trainer
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -121,7 +121,7 @@ def main() -> None:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp = 2
     head = head_layers(args)
-    print(f"`python scripts/bench_pipeline.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
+    print(f"`python benchmarks/bench_pipeline.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print()
     print(machine_line())
     print()
