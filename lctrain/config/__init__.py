@@ -1,6 +1,7 @@
-"""Configuration: the typed schema, Hydra composition of ``configs/`` + ``recipes/``, and cross-field checks."""
+"""Configuration: the typed schema, Hydra composition of the shipped configs, and cross-field checks."""
 
-from lctrain.config.load import CONFIG_DIR, check_job, check_model_job, load_config, to_yaml
+from lctrain.config.checks import check_job, check_model_job
+from lctrain.config.load import CONFIG_DIR, load_config, to_yaml
 from lctrain.config.schema import (
     CheckpointConfig,
     JobConfig,
