@@ -16,18 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-LAYOUTS = ("zigzag", "contiguous")
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not supported; use one of {LAYOUTS}")
-
-
-def sequence_divisor(layout: str, ring_size: int, ulysses_size: int) -> int:
-    """The number every global sequence length must be a multiple of: 2·R·U (zigzag) or R·U (contiguous)."""
-    check_layout(layout)
-    return (2 if layout == "zigzag" else 1) * ring_size * ulysses_size
+from lctrain.rules import check_layout, check_sequence_length
 
 
 def _check_sizes(ring_rank: int, ring_size: int, ulysses_rank: int, ulysses_size: int) -> None:
@@ -51,14 +40,10 @@ def shard_sequence(
 ) -> Tensor:
     """This rank's part of ``x`` along ``dim``: ``S`` -> ``S / (R·U)`` elements, in the order of the layout."""
     _check_sizes(ring_rank, ring_size, ulysses_rank, ulysses_size)
-    divisor = sequence_divisor(layout, ring_size, ulysses_size)
     length = x.shape[dim]
-    if length % divisor:
-        raise ValueError(
-            f"sequence length {length} (dim {dim}) is not divisible by {divisor} "
-            f"({'2·' if layout == 'zigzag' else ''}ring_size·ulysses_size with ring_size={ring_size}, "
-            f"ulysses_size={ulysses_size}, layout={layout!r}); use a seq_len that is a multiple of {divisor}"
-        )
+    check_sequence_length(
+        length, layout=layout, ring=ring_size, ulysses=ulysses_size, setting=f"sequence length (dim {dim})"
+    )
     if layout == "zigzag":
         chunk = length // (2 * ring_size)
         head = x.narrow(dim, ring_rank * chunk, chunk)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.ring import check_cu_seqlens, check_qkv, ring_attention
+from lctrain.rules import check_ulysses_heads
 
 
 def _all_to_all(send: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -71,19 +72,6 @@ def heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _HeadsToSeq.apply(x, group)
 
 
-def check_ulysses_heads(q_heads: int, kv_heads: int, size: int) -> None:
-    if q_heads % size:
-        raise ValueError(
-            f"{q_heads} query heads are not divisible by the Ulysses degree {size}: choose a ulysses size that "
-            f"divides the number of attention heads (or move the extra degree to the ring)"
-        )
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(
-            f"{kv_heads} key/value heads and Ulysses degree {size}: one must divide the other "
-            f"(Hkv % U == 0 to split KV heads, U % Hkv == 0 to replicate them); choose another ulysses size"
-        )
-
-
 def attend_head_sharded(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
 ) -> Tensor:
@@ -95,7 +83,7 @@ def attend_head_sharded(
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return attend(q, k, v)
-    check_ulysses_heads(q.shape[2], k.shape[2], size)
+    check_ulysses_heads(q.shape[2], k.shape[2], size, setting="Ulysses group size")
     if k.shape[2] < size:  # rank u needs KV head u // (U / Hkv)
         k = k.repeat_interleave(size // k.shape[2], dim=2)
         v = v.repeat_interleave(size // v.shape[2], dim=2)

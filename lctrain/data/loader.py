@@ -20,10 +20,10 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.attention import shard_sequence
-from lctrain.attention.layout import sequence_divisor
 from lctrain.data.packing import PackedRow, Packer
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import load_tokenizer, tokenize_documents
+from lctrain.rules import check_sequence_length
 
 # One tokenizer call takes up to this many documents or characters (whichever comes first): enough for the
 # tokenizer's threads to share, few enough to bound the memory of the token lists (~40 bytes per token).
@@ -127,14 +127,9 @@ class PackedLoader:
         ):
             if not 0 <= rank < size:
                 raise ValueError(f"{name}_rank={rank} is outside [0, {name}_size={size})")
-        divisor = sequence_divisor(config.layout, ring_size, ulysses_size)
-        if config.seq_len < 1 or config.seq_len % divisor:
-            raise ValueError(
-                f"seq_len={config.seq_len} is not a positive multiple of {divisor} "
-                f"({'2·' if config.layout == 'zigzag' else ''}ring_size·ulysses_size with ring_size={ring_size}, "
-                f"ulysses_size={ulysses_size}, layout={config.layout!r}); set seq_len to a multiple of {divisor}, "
-                f"e.g. {max(1, round(config.seq_len / divisor)) * divisor}"
-            )
+        check_sequence_length(
+            config.seq_len, layout=config.layout, ring=ring_size, ulysses=ulysses_size, setting="seq_len"
+        )
         if config.batch_size < 1:
             raise ValueError(f"batch_size={config.batch_size} must be >= 1")
         self.config = config

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
+from lctrain.rules import check_activation_offload
+
 Packed = tuple[torch.device, Tensor]
 
 
@@ -59,9 +61,8 @@ def apply_activation_checkpointing(
     (the same layers are checkpointed for every pp). Parameter names gain ``_checkpoint_wrapped_module.``
     (``lctrain.models.hf.hf_name`` removes it). ``offload``: checkpointed layers keep their input in host memory
     (``offloaded_checkpoint``); it needs ``mode`` full or selective."""
+    check_activation_offload(offload, mode)
     if mode == "none":
-        if offload:
-            raise ValueError("activation offload moves what checkpointed layers keep: it needs full or selective")
         return
     step = 1 if mode == "full" else every
     keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else range(len(layers))

@@ -1,4 +1,4 @@
-"""The 4D device mesh: pipeline × data × ring × Ulysses (DESIGN.md §3).
+"""The 4D device mesh: pipeline × data × ring × Ulysses.
 
 Axes, outermost to innermost: ``pp``, ``dp``, ``ring``, ``ulysses``. Ulysses is innermost so a Ulysses group is
 made of adjacent ranks (one node, fast all-to-all); the ring spans nodes. Flattened sub-meshes:
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lctrain.attention.layout import sequence_divisor
-
 AXES = ("pp", "dp", "ring", "ulysses")
 FLATTENED = {"cp": ("ring", "ulysses"), "dp_cp": ("dp", "ring", "ulysses")}
 
@@ -29,16 +27,9 @@ class ParallelDims:
     ring: int = 1
     ulysses: int = 1
 
-    def check(
-        self,
-        world_size: int,
-        *,
-        num_heads: int | None = None,
-        num_kv_heads: int | None = None,
-        seq_len: int | None = None,
-        layout: str = "zigzag",
-    ) -> None:
-        """Raise one clear error for degrees that cannot run: call it before any process group work."""
+    def check(self, world_size: int) -> None:
+        """Raise one clear error for degrees that cannot run on ``world_size`` processes: call it before any process
+        group work."""
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
@@ -48,29 +39,6 @@ class ParallelDims:
                 f"pp x dp x ring x ulysses = {self.pp} x {self.dp} x {self.ring} x {self.ulysses} = {product}, but "
                 f"the job has {world_size} processes: make the degrees multiply to the world size"
             )
-        if num_heads is not None and num_heads % self.ulysses:
-            raise ValueError(
-                f"parallel.ulysses={self.ulysses} does not divide the model's {num_heads} attention heads: choose a "
-                f"ulysses degree that divides {num_heads} and move the rest to parallel.ring"
-            )
-        if num_kv_heads is not None and num_kv_heads % self.ulysses and self.ulysses % num_kv_heads:
-            raise ValueError(
-                f"parallel.ulysses={self.ulysses} and the model's {num_kv_heads} key/value heads: one must divide "
-                f"the other; choose another ulysses degree"
-            )
-        if seq_len is not None:
-            divisor = sequence_divisor(layout, self.ring, self.ulysses)
-            if seq_len % divisor:
-                raise ValueError(
-                    f"data.seq_len={seq_len} is not divisible by {divisor} "
-                    f"({'2·' if layout == 'zigzag' else ''}ring·ulysses for layout={layout!r}): use a multiple of "
-                    f"{divisor}"
-                )
-
-    def ulysses_inside_nodes(self, world_size: int, local_world_size: int) -> bool:
-        """Whether every Ulysses group lies inside one node of ``local_world_size`` consecutive ranks (launchers
-        number a node's ranks consecutively, and a Ulysses group is ``ulysses`` adjacent ranks)."""
-        return local_world_size == world_size or local_world_size % self.ulysses == 0
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The 4D mesh with dims ``AXES`` plus the flattened ``cp`` and ``dp_cp`` sub-meshes (module docstring).

@@ -25,104 +25,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 from transformers import PreTrainedModel
 
-from lctrain.train.loss import chunked_cross_entropy
+from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, stage_layers
 
-# schedules run here: one stage per rank, several (looped: rank r holds r, r + pp, ...), several in a V
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
-LAYER_PREFIX = "model.layers."
-
-
-def check_pipeline(
-    pp: int,
-    schedule: str,
-    stages_per_rank: int,
-    split_points: Sequence[str],
-    num_layers: int,
-    microbatches: int,
-    *,
-    tied_embeddings: bool = False,
-) -> None:
-    """Raise one clear error for a pipeline that cannot run (before any process group work).
-
-    ``microbatches`` is the number of rows per optimizer step (``data.batch_size × train.grad_accum``).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule!r} must be one of {SCHEDULES}")
-    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule} runs one stage per rank, but parallel.pp_stages_per_rank="
-            f"{stages_per_rank}: set it to 1, or choose an interleaved schedule ({', '.join(LOOPED_SCHEDULES)})"
-        )
-    if schedule in LOOPED_SCHEDULES and stages_per_rank < 2:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule} interleaves several stages per rank: set parallel.pp_stages_per_rank "
-            f">= 2 (it is {stages_per_rank})"
-        )
-    if schedule in V_SCHEDULES and stages_per_rank != 2:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule} runs exactly 2 stages per rank: set parallel.pp_stages_per_rank=2 "
-            f"(it is {stages_per_rank})"
-        )
-    num_stages = pp * stages_per_rank
-    if num_stages > num_layers:
-        raise ValueError(
-            f"{num_stages} pipeline stages (parallel.pp={pp} x parallel.pp_stages_per_rank={stages_per_rank}) "
-            f"but the model has only {num_layers} layers: every stage needs at least one layer; lower parallel.pp "
-            f"or parallel.pp_stages_per_rank"
-        )
-    stage_layers(num_layers, num_stages, split_points)  # raises for bad split points
-    if schedule in ("1F1B", "DualPipeV") and microbatches < num_stages:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule} needs at least as many micro-batches as stages ({num_stages}), but a "
-            f"step has {microbatches} (data.batch_size x train.grad_accum rows): raise data.batch_size or "
-            f"train.grad_accum, or use GPipe"
-        )
-    rounds = max(1, microbatches // pp)
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: a step's "
-            f"{microbatches} micro-batches (data.batch_size x train.grad_accum rows) must be a multiple of "
-            f"{rounds}; use a multiple of {pp}"
-        )
-    if tied_embeddings:
-        raise ValueError(
-            f"parallel.pp={pp} with tied input and output embeddings: the first stage holds the embeddings and the "
-            f"last the LM head, which cannot share one tensor; set parallel.pp=1 (or untie them: "
-            f"model.tie_word_embeddings=false)"
-        )
-
-
-def stage_layers(num_layers: int, num_stages: int, split_points: Sequence[str] = ()) -> list[range]:
-    """The decoder layers of each stage. ``split_points`` name the first layer of every stage after the first
-    (``["model.layers.6", "model.layers.12"]``); none = balanced by count (earlier stages take the remainder)."""
-    if not split_points:
-        sizes = [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
-        starts = [sum(sizes[:stage]) for stage in range(num_stages)]
-    else:
-        if len(split_points) != num_stages - 1:
-            raise ValueError(
-                f"parallel.pp_split_points has {len(split_points)} entries but {num_stages} stages need "
-                f"{num_stages - 1}: name the first layer of every stage after the first, e.g. "
-                f"[{LAYER_PREFIX}{num_layers // num_stages}, ...]"
-            )
-        starts = [0]
-        for point in split_points:
-            index = point.removeprefix(LAYER_PREFIX)
-            if not point.startswith(LAYER_PREFIX) or not index.isdigit() or not 0 < int(index) < num_layers:
-                raise ValueError(
-                    f"parallel.pp_split_points entry {point!r} is not a decoder layer: use {LAYER_PREFIX}<i> with "
-                    f"0 < i < {num_layers}"
-                )
-            if int(index) <= starts[-1]:
-                raise ValueError(
-                    f"parallel.pp_split_points {list(split_points)} must name increasing layers (every stage "
-                    f"needs at least one layer)"
-                )
-            starts.append(int(index))
-    return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
+# (final hidden states [1, S_local, hidden], LM head weight [vocab, hidden], labels [1, S_local]) -> summed loss
+StageLoss = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -171,7 +77,7 @@ class PipelineStageModule(ModelParts):
         *,
         stage_index: int,
         num_stages: int,
-        loss_chunk_tokens: int,
+        loss: StageLoss,
     ):
         first, last = stage_index == 0, stage_index == num_stages - 1
         super().__init__(
@@ -183,7 +89,7 @@ class PipelineStageModule(ModelParts):
         )
         self.stage_index, self.num_stages = stage_index, num_stages
         self.first, self.last = first, last
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss = loss
 
     def forward(self, x: Tensor, *, position_ids: Tensor, cu_seqlens: Tensor, labels: Tensor) -> Tensor:
         """First stage: ``x`` = token ids ``[1, S_local]``; others: hidden states ``[1, S_local, hidden]``.
@@ -206,10 +112,7 @@ class PipelineStageModule(ModelParts):
             )
         if not self.last:
             return hidden
-        loss_sum, _ = chunked_cross_entropy(
-            self.model.norm(hidden), self.lm_head.weight, labels, chunk_tokens=self.loss_chunk_tokens
-        )
-        return loss_sum
+        return self.loss(self.model.norm(hidden), self.lm_head.weight, labels)
 
 
 def apply_pipeline(
@@ -219,7 +122,7 @@ def apply_pipeline(
     schedule: str,
     stages_per_rank: int = 1,
     split_points: Sequence[str] = (),
-    loss_chunk_tokens: int = 1024,
+    loss: StageLoss,
 ) -> list[PipelineStageModule]:
     """Split ``model`` into ``pp × stages_per_rank`` stages and return this rank's stage modules, in stage order.
 
@@ -229,9 +132,7 @@ def apply_pipeline(
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     layers = stage_layers(len(model.model.layers), pp * stages_per_rank, split_points)
     return [
-        PipelineStageModule(
-            model, layers[index], stage_index=index, num_stages=len(layers), loss_chunk_tokens=loss_chunk_tokens
-        )
+        PipelineStageModule(model, layers[index], stage_index=index, num_stages=len(layers), loss=loss)
         for index in sorted(rank_stages(pp_rank, pp, stages_per_rank, schedule))
     ]
 

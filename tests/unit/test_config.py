@@ -18,9 +18,10 @@ from hydra.errors import HydraException
 
 from lctrain.config import CONFIG_DIR, check_job, load_config
 from lctrain.models import model_config, safetensors_source
-from lctrain.train.stages import check_stages, stage_configs
+from lctrain.train.stages import check_stage_jobs, stage_configs
 
-RECIPES = sorted((CONFIG_DIR.parent / "recipes").glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((CONFIG_DIR / "recipe").glob("*.yaml"))
 VOCAB = 1000  # the tokenizer's vocabulary size given to check_job
 SMALL = ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=128"]
 
@@ -96,12 +97,12 @@ BAD_JOBS = {
     "heads_vs_ulysses": (
         ["model.num_heads=6", "model.num_kv_heads=2", "parallel.ulysses=4"],
         4,
-        ["parallel.ulysses=4 does not divide the model's 6 attention heads", "choose a ulysses degree that divides 6"],
+        ["parallel.ulysses=4 does not divide the 6 attention heads", "choose a ulysses degree that divides 6"],
     ),
     "kv_heads_vs_ulysses": (
         ["model.num_heads=12", "model.num_kv_heads=6", "parallel.ulysses=4"],
         4,
-        ["parallel.ulysses=4 and the model's 6 key/value heads", "one must divide the other"],
+        ["parallel.ulysses=4 and the 6 key/value heads", "one must divide the other"],
     ),
     "seq_len_zigzag": (
         ["parallel.ring=2", "parallel.ulysses=2", "data.seq_len=100"],
@@ -294,7 +295,7 @@ def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
 
 
 def test_recipes_exist() -> None:
-    assert RECIPES, "no recipes/*.yaml"
+    assert RECIPES, "no lctrain/configs/recipe/*.yaml"
 
 
 # the checkpoints recipes fine-tune (model.path), as their config.json: the recipes are checked against these sizes
@@ -312,7 +313,7 @@ LLAMA3_8B = {
     "tie_word_embeddings": False,
 }
 SBATCH_GPUS = re.search(
-    r"#SBATCH --gpus-per-node=(\d+)", (CONFIG_DIR.parent / "scripts/slurm/train.sbatch").read_text()
+    r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm/train.sbatch").read_text()
 )
 
 
@@ -353,4 +354,4 @@ def test_recipe_starts_with_its_launch_line_and_composes(
     model = model_config(cfg.model, vocab_size=cfg.model.vocab_size or 8192)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     jobs = stage_configs(cfg)
-    check_stages(jobs, world_size, model, model.vocab_size)
+    check_stage_jobs(jobs, world_size, model, model.vocab_size)

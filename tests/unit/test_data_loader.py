@@ -186,7 +186,7 @@ def test_bad_inputs(corpus, tokenizer_dir, tmp_path) -> None:
         PackedLoader(DataConfig(paths=corpus[0], text_field="content", tokenizer=tok))
     with pytest.raises(FileNotFoundError, match="tokenizer: the directory .*nowhere.* does not exist"):
         PackedLoader(DataConfig(paths=corpus[0], tokenizer=str(tmp_path / "nowhere")))
-    with pytest.raises(ValueError, match=r"seq_len=100 is not a positive multiple of 8 .* multiple of 8, e.g. 96"):
+    with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 8 .* multiple of 8, e.g. 96"):
         PackedLoader(DataConfig(paths=corpus[0], seq_len=100, tokenizer=tok), ring_size=2, ulysses_size=2)
     (tmp_path / "one.jsonl").write_text(json.dumps({"text": "lonely"}) + "\n")
     loader = PackedLoader(DataConfig(paths=[str(tmp_path / "one.jsonl")], tokenizer=tok), dp_rank=1, dp_size=2)

@@ -1,7 +1,8 @@
 """Memory savers on one process: the chunked MLP (``lctrain.models.chunked_mlp``) computes what the plain MLP
-computes and keeps only its input for the backward; activation offload (``lctrain.parallel.activation_checkpointing``) sends
-exactly the checkpointed layers' inputs through its pack/unpack hooks, frees the device copy, and changes no result;
-``check_job`` refuses offload without checkpointing.
+computes and keeps only its input for the backward; activation offload
+(``lctrain.parallel.activation_checkpointing``) sends exactly the checkpointed layers' inputs through its
+pack/unpack hooks, frees the device copy, and changes no result; ``check_job`` refuses offload without
+checkpointing.
 
 Tolerances (fp32): chunked vs plain outputs and gradients within 1e-6 absolute + 1e-6 relative (the chunks change
 only the order in which weight gradients are summed over tokens); offload on a CPU device changes nothing at all
@@ -220,7 +221,7 @@ def test_offload_frees_the_layer_input_until_the_backward(monkeypatch: pytest.Mo
 
 
 def test_apply_activation_checkpointing_refuses_offload_without_checkpointing() -> None:
-    with pytest.raises(ValueError, match="full or selective"):
+    with pytest.raises(ValueError, match="parallel.activation_checkpointing=none checkpoints no layer"):
         apply_activation_checkpointing(tiny_model().model.layers, "none", offload=True)
 
 

@@ -6,24 +6,26 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from lctrain.models import patch_attention
 from lctrain.parallel.dims import ParallelDims
+from lctrain.rules import check_sequence_length, check_ulysses_heads
 
 
 def test_degrees_must_multiply_to_the_world_size() -> None:
-    ParallelDims(pp=1, dp=2, ring=2, ulysses=2).check(8, num_heads=8, num_kv_heads=2, seq_len=64)
+    ParallelDims(pp=1, dp=2, ring=2, ulysses=2).check(8)
     with pytest.raises(ValueError, match=r"pp x dp x ring x ulysses = 1 x 2 x 2 x 1 = 4, but the job has 8"):
         ParallelDims(dp=2, ring=2).check(8)
     with pytest.raises(ValueError, match="parallel.ring=0 must be >= 1"):
         ParallelDims(ring=0).check(1)
 
 
-def test_model_and_sequence_checks_name_the_setting() -> None:
-    with pytest.raises(ValueError, match="parallel.ulysses=4 does not divide the model's 6 attention heads"):
-        ParallelDims(ulysses=4).check(4, num_heads=6)
-    with pytest.raises(ValueError, match="parallel.ulysses=4 and the model's 3 key/value heads"):
-        ParallelDims(ulysses=4).check(4, num_heads=12, num_kv_heads=3)
-    with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 8 \(2·ring·ulysses"):
-        ParallelDims(ring=2, ulysses=2).check(4, seq_len=100)
-    ParallelDims(ring=2, ulysses=2).check(4, seq_len=100 - 100 % 4, layout="contiguous")
+def test_model_and_sequence_rules_name_the_setting() -> None:
+    with pytest.raises(ValueError, match="parallel.ulysses=4 does not divide the 6 attention heads"):
+        check_ulysses_heads(6, 6, 4)
+    with pytest.raises(ValueError, match="parallel.ulysses=4 and the 3 key/value heads"):
+        check_ulysses_heads(12, 3, 4)
+    check_ulysses_heads(8, 2, 4)  # key/value heads replicated
+    with pytest.raises(ValueError, match=r"data.seq_len=100 is not divisible by 8 \(2·ring·ulysses"):
+        check_sequence_length(100, layout="zigzag", ring=2, ulysses=2)
+    check_sequence_length(100 - 100 % 4, layout="contiguous", ring=2, ulysses=2)
 
 
 def tiny(model_cls, config_cls, **overrides):  # noqa: ANN001, ANN003, ANN201

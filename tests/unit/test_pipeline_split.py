@@ -15,7 +15,8 @@ import torch
 
 from lctrain.config import load_config
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
-from lctrain.parallel.pipeline import PipelineStageModule, merge_stages, rank_stages, stage_layers
+from lctrain.parallel.pipeline import PipelineStageModule, merge_stages, rank_stages
+from lctrain.rules import stage_layers
 from lctrain.train.loss import chunked_cross_entropy
 
 
@@ -38,7 +39,10 @@ def test_chained_stages_compute_the_models_loss_and_gradients() -> None:
     model = build_empty_model(config)
     materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
     layers = stage_layers(5, 3, ["model.layers.2", "model.layers.4"])
-    stages = [PipelineStageModule(model, layers[i], stage_index=i, num_stages=3, loss_chunk_tokens=7) for i in range(3)]
+    def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=7)[0]
+
+    stages = [PipelineStageModule(model, layers[i], stage_index=i, num_stages=3, loss=loss) for i in range(3)]
     input_ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([input_ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     meta = {
