@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lctrain.train.checkpoint as checkpoint_module
+import lctrain.checkpoint.store as checkpoint_module
+from lctrain.checkpoint import Checkpointer
+from lctrain.checkpoint.checksums import read_manifest, spread
 from lctrain.testing import run_distributed
-from lctrain.train.checkpoint import Checkpointer
 
 WORLD = 2
 WATCHDOG_S = 120
@@ -75,8 +76,8 @@ def run_cases(root: str) -> dict[str, Any]:
 
     # corrupt: a file only rank 1 verifies
     path = Checkpointer(f"{root}/corrupt", keep=1).save(1, *model_and_optimizer(0, REPLICATED), {"rank": rank})
-    manifest = checkpoint_module._read_manifest(path)
-    share = checkpoint_module._spread({name: size for name, (size, _) in manifest.items()}, WORLD)[1]
+    manifest = read_manifest(path)
+    share = spread({name: size for name, (size, _) in manifest.items()}, WORLD)[1]
     results["corrupt_file"] = str(path / share[0])
     if rank == 0:
         data = bytearray((path / share[0]).read_bytes())

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lctrain.train.checkpoint as checkpoint_module
+import lctrain.checkpoint.store as checkpoint_module
+from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import load_config
-from lctrain.train.checkpoint import Checkpointer, complete_checkpoints
 
 
 @pytest.fixture(scope="module")
