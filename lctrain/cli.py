@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # command -> the module whose main(argv) runs it (imported only when used: torch and transformers load slowly)
-COMMANDS = {"train": "lctrain.train.trainer", "eval": "lctrain.eval.run", "plan": "lctrain.planner"}
+COMMANDS = {"train": "lctrain.train.trainer", "eval": "lctrain.eval.run", "plan": "lctrain.planner.cli"}
 USAGE = (
     "usage: python -m lctrain train|eval [recipe=NAME] [section.field=value ...]   (under torchrun for several ranks)\n"
     "       python -m lctrain plan --help"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import uuid
 from pathlib import Path
@@ -238,9 +239,9 @@ def test_loss_chunk_term_by_hand() -> None:
     [
         (Layout(1, 1, 1, 8), Workload(4096, gpus_per_node=4, nodes=2), "does not divide the 4 GPUs per node"),
         (Layout(1, 1, 1, 8), Workload(4096, gpus_per_node=8), "does not divide the 4 attention heads"),
-        (Layout(1, 2, 2, 2), Workload(1004, gpus_per_node=8), "not divisible by 2·ring·ulysses = 8"),
-        (Layout(2, 1, 2, 2), Workload(4096, gpus_per_node=8), "needs at least 2 micro-batches"),
-        (Layout(8, 1, 1, 1), Workload(4096, gpus_per_node=8, batch=8), "pp=8 stages but only 4 layers"),
+        (Layout(1, 2, 2, 2), Workload(1004, gpus_per_node=8), "data.seq_len=1004 is not divisible by 8"),
+        (Layout(2, 1, 2, 2), Workload(4096, gpus_per_node=8), "needs at least as many micro-batches as stages (2)"),
+        (Layout(8, 1, 1, 1), Workload(4096, gpus_per_node=8, batch=8), "but the model has only 4 layers"),
     ],
 )
 def test_refused_with_the_reason(layout: Layout, work: Workload, reason: str) -> None:
@@ -250,7 +251,7 @@ def test_refused_with_the_reason(layout: Layout, work: Workload, reason: str) ->
 
 def test_kv_heads_and_memory_reasons() -> None:
     odd = dataclasses.replace(TINY, heads=12, kv_heads=6)
-    assert any("neither divides" in p for p in layout_problems(odd, Layout(1, 1, 1, 4), Workload(64, 4)))
+    assert any("one must divide the other" in p for p in layout_problems(odd, Layout(1, 1, 1, 4), Workload(64, 4)))
     small = dataclasses.replace(HARDWARE["h100"], mem_gib=16)
     plans = plan_layouts(NAMED_MODELS["llama3-8b"], small, Workload(1 << 20, gpus_per_node=8), mesh=(1, 8, 1, 1))
     assert "more than the 13.6 GiB usable" in plans[0].problems[-1]  # 16 GiB less 15 % headroom
@@ -349,7 +350,8 @@ def test_table_and_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
 
     cli_main(["plan", "--model", "tiny", "--seq-len", "8192", "--gpus-per-node", "4", "--gpu", "cpu", "--all"])
     out = capsys.readouterr().out
-    assert "recommended: pp=1" in out and "refused: pp=2 (1F1B) needs at least 2 micro-batches" in out
+    assert "recommended: pp=1" in out
+    assert "refused: parallel.pp_schedule=1F1B needs at least as many micro-batches" in out
     with pytest.raises(SystemExit, match="multiplies to 2, not the 4 GPUs"):
         main(["--model", "tiny", "--seq-len", "64", "--gpus-per-node", "4", "--mesh", "1,1,2,1"])
 
@@ -357,9 +359,14 @@ def test_table_and_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
 def load_written(recipe: Path) -> tuple[list[str], object]:
     from lctrain.config import load_config
 
-    root = recipe.parent.parent  # <root>/recipe/<name>.yaml: Hydra's group directory in an extra search path
+    # <workdir>/configs/recipe/<name>.yaml: the user's own recipe, launched by name from <workdir>
     lines = recipe.read_text().splitlines()
-    return lines, load_config([f"hydra.searchpath=[file://{root}]", f"recipe={recipe.stem}"])
+    cwd = os.getcwd()
+    os.chdir(recipe.parent.parent.parent)
+    try:
+        return lines, load_config([f"recipe={recipe.stem}"])
+    finally:
+        os.chdir(cwd)
 
 
 def check_written(cfg: object, world: int, per_node: int, model: ModelSpec) -> None:
@@ -379,7 +386,7 @@ def check_written(cfg: object, world: int, per_node: int, model: ModelSpec) -> N
 
 def test_written_recipe_composes_and_passes_check_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     name = f"planned_{uuid.uuid4().hex[:8]}"
-    recipe = tmp_path / "recipe" / f"{name}.yaml"
+    recipe = tmp_path / "configs" / "recipe" / f"{name}.yaml"
     report = run_json(capsys, [*LLAMA_1M, "--gpu", "h200", "--write-recipe", str(recipe)])
     lay = report["recommended"]["layout"]
     lines, cfg = load_written(recipe)
@@ -393,6 +400,8 @@ def test_written_recipe_composes_and_passes_check_job(tmp_path: Path, capsys: py
 
 
 def test_launch_line_names_gpus_per_node_only_when_the_script_would_not() -> None:
+    sbatch = (Path(__file__).resolve().parents[2] / "scripts/slurm/train.sbatch").read_text()
+    assert f"#SBATCH --gpus-per-node={planner.SBATCH_GPUS_PER_NODE}\n" in sbatch
     model, hw = NAMED_MODELS["tiny"], HARDWARE["h100"]
     for per_node, expected in ((8, "sbatch --nodes=2 scripts"), (4, "sbatch --nodes=2 --gpus-per-node=4 scripts")):
         work = Workload(4096, gpus_per_node=per_node, nodes=2)
@@ -408,7 +417,7 @@ def test_written_recipe_for_a_model_directory_and_one_node(tmp_path: Path, capsy
     config |= {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192}
     (model_dir / "config.json").write_text(json.dumps(config))
     name = f"planned_{uuid.uuid4().hex[:8]}"
-    recipe = tmp_path / "recipes" / "recipe" / f"{name}.yaml"
+    recipe = tmp_path / "configs" / "recipe" / f"{name}.yaml"
     argv = ["--model", str(model_dir), "--seq-len", "8192", "--gpus-per-node", "4", "--gpu", "cpu"]
     report = run_json(capsys, [*argv, "--mesh", "1,1,2,2", "--activation-checkpointing", "full"])
     assert report["plans"][0]["layout"] == {"pp": 1, "dp": 1, "ring": 2, "ulysses": 2, "ac": "full", "ac_every": 2}

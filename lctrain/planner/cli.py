@@ -1,0 +1,147 @@
+"""``python -m lctrain plan``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from lctrain.planner.presets import GIB, HARDWARE, NAMED_MODELS, Workload, load_model
+from lctrain.planner.report import describe, recipe_text, table
+from lctrain.planner.search import plan_layouts, ranked, recommend, usable_bytes
+
+AC_CHOICES = ("auto", "none", "selective", "full")
+
+
+def _mesh_arg(text: str) -> tuple[int, int, int, int]:
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: give four positive degrees PP,DP,RING,ULYSSES")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lctrain plan",
+        description="Feasible (pp, dp, ring, ulysses) layouts with their estimated memory per GPU, ring-step "
+        "compute and communication, whether the communication hides (S/R >= the S/R min column), step time; "
+        "recommends one and can write it as a recipe. The model behind every figure: docs/planner.md.",
+    )
+    p.add_argument("--model", required=True, help=f"a named size ({', '.join(NAMED_MODELS)}) or a HF model directory")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per row (data.seq_len)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", choices=sorted(HARDWARE), default="h100", help="hardware preset (default h100)")
+    p.add_argument("--tflops", type=float, help="override: dense peak TFLOP/s per GPU")
+    p.add_argument("--mem-gib", type=float, help="override: memory per GPU, GiB")
+    p.add_argument("--intra-gbps", type=float, help="override: NVLink GB/s per GPU per direction")
+    p.add_argument("--inter-gbps", type=float, help="override: network GB/s per GPU per direction")
+    p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)")
+    p.add_argument("--link-efficiency", type=float, default=0.8, help="achieved fraction of link bandwidth (0.8)")
+    p.add_argument("--headroom", type=float, default=0.15, help="fraction of memory kept free (default 0.15)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default: bf16 on GPUs, fp32 on cpu)")
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=AC_CHOICES,
+        default="auto",
+        help="auto (default): per layout the least recomputation that fits",
+    )
+    p.add_argument("--ac-every", type=int, default=2, help="with selective: checkpoint every n-th layer (default 2)")
+    p.add_argument("--batch", type=int, default=1, help="rows per dp rank per step = pipeline micro-batches")
+    p.add_argument("--max-pp", type=int, help="largest pipeline degree to consider")
+    p.add_argument("--max-dp", type=int, help="largest dp degree (it sets the global batch: dp x batch x seq-len)")
+    p.add_argument("--mesh", type=_mesh_arg, help="evaluate only this mesh: PP,DP,RING,ULYSSES")
+    p.add_argument("--loss-chunk-tokens", type=int, default=1024)
+    p.add_argument("--mlp-chunk-tokens", type=int, default=0, help="parallel.mlp_chunk_tokens (0 = off)")
+    p.add_argument("--offload", action="store_true", help="parallel.activation_offload (needs checkpointing)")
+    p.add_argument("--top", type=int, default=12, help="feasible layouts shown (default 12)")
+    p.add_argument("--all", action="store_true", help="also show the refused layouts and why")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--write-recipe", metavar="PATH", help="write the recommended (or --mesh) layout as a recipe")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        model = load_model(args.model)
+    except ValueError as error:
+        raise SystemExit(f"lctrain plan: {error}") from None
+    base = HARDWARE[args.gpu]
+    overrides = {"tflops": args.tflops, "mem_gib": args.mem_gib, "intra_gbps": args.intra_gbps}
+    overrides["inter_gbps"] = args.inter_gbps
+    hw = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    dtype = args.dtype or ("bf16" if hw.device == "cuda" else "fp32")
+    for name in ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"lctrain plan: --{name.replace('_', '-')} must be >= 1")
+    work = Workload(
+        seq_len=args.seq_len,
+        gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes,
+        batch=args.batch,
+        dtype_bytes=2 if dtype == "bf16" else 4,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        mlp_chunk_tokens=args.mlp_chunk_tokens,
+        offload=args.offload,
+        mfu=args.mfu,
+        link_efficiency=args.link_efficiency,
+        headroom=args.headroom,
+        device=hw.device,
+    )
+    if args.mesh and math.prod(args.mesh) != work.world:
+        raise SystemExit(
+            f"lctrain plan: --mesh {','.join(map(str, args.mesh))} multiplies to {math.prod(args.mesh)}, not the "
+            f"{work.world} GPUs of --nodes {work.nodes} x --gpus-per-node {work.gpus_per_node}"
+        )
+    plans = plan_layouts(
+        model,
+        hw,
+        work,
+        ac=args.activation_checkpointing,
+        ac_every=args.ac_every,
+        max_pp=args.max_pp,
+        max_dp=args.max_dp,
+        mesh=args.mesh,
+    )
+    chosen = recommend(plans)
+    order = ranked(plans, chosen)
+    command = "python -m lctrain plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    if args.json:
+        report = {
+            "model": {**asdict(model), "num_params": model.num_params},
+            "hardware": asdict(hw),
+            "workload": asdict(work),
+            "usable_gib": usable_bytes(hw, work) / GIB,
+            "recommended": None if chosen is None else chosen.to_dict(),
+            "plans": [p.to_dict() for p in order],
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(describe(model, hw, work))
+        print()
+        print(table(order, chosen, top=args.top, show_refused=args.all))
+        print()
+        if chosen is None:
+            print("no layout fits: --all shows why (try more GPUs, activation checkpointing or a shorter seq_len)")
+        else:
+            print(f"recommended: {chosen.layout.mesh()}, activation_checkpointing={chosen.layout.ac_label()}")
+            if not chosen.ring.hidden:
+                print("warning: its ring communication is not hidden behind attention (no feasible layout hides it)")
+    if args.write_recipe:
+        if chosen is None:
+            reasons = "; ".join(plans[0].problems) if args.mesh else "see --all"
+            raise SystemExit(f"lctrain plan: no feasible layout to write ({reasons})")
+        path = Path(args.write_recipe)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(recipe_text(model, chosen, hw, work, name=path.stem, command=command))
+        from lctrain.config.load import USER_CONFIG_DIR  # here: the planner itself does not load torch or Hydra
+
+        launchable = path.resolve().parent == (USER_CONFIG_DIR / "recipe").resolve()
+        where = "" if launchable else f" (copy it into {USER_CONFIG_DIR / 'recipe'}/ to launch it by name)"
+        print(f"wrote {path}{where}", file=sys.stderr if args.json else sys.stdout)

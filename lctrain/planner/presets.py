@@ -1,0 +1,205 @@
+"""The planner's inputs: a model's sizes (``ModelSpec``, named presets or a Hugging Face ``config.json``), the hardware
+(``Hardware``), what one step runs (``Workload``) and a candidate layout (``Layout``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accumulators and logits
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2) that memory, FLOPs and bytes depend on."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int
+    tied: bool = False  # the LM head shares the input embedding
+    family: str = "llama"
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama with attention_bias)
+    o_bias: bool = False  # the output projection has a bias (Llama with attention_bias)
+    mlp_bias: bool = False
+    rope_theta: float | None = None
+    path: str | None = None  # a Hugging Face model directory (the recipe then uses model=hf)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorm weights."""
+        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
+        return attention + mlp + 2 * h
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """The LM head (none of its own when tied to the embeddings)."""
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """All parameters, as ``sum(p.numel() for p in model.parameters())`` counts them (tied ones once)."""
+        return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+
+    @classmethod
+    def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
+        """From a Hugging Face ``config.json`` (Llama, Mistral or Qwen2 field names)."""
+        missing = [
+            key
+            for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if key not in config
+        ]
+        if missing:
+            raise ValueError(f"{name}: config.json has no {', '.join(missing)}: is it a Llama-style decoder?")
+        heads = config["num_attention_heads"]
+        family = config.get("model_type", "llama")
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            name=name,
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            vocab=config["vocab_size"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            tied=bool(config.get("tie_word_embeddings", False)),
+            family=family,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            rope_theta=config.get("rope_theta"),
+            path=path,
+        )
+
+
+def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw) -> ModelSpec:
+    return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, hidden // heads, **kw)
+
+
+# Published sizes (the models' config.json files). `tiny` is recipe tiny_cpu with the default tokenizer.
+NAMED_MODELS = {
+    model.name: model
+    for model in (
+        _named("tiny", 128, 352, 4, 4, 2, 8192, rope_theta=10000.0),
+        _named("llama3.2-1b", 2048, 8192, 16, 32, 8, 128256, tied=True, rope_theta=500000.0),
+        _named("llama3.2-3b", 3072, 8192, 28, 24, 8, 128256, tied=True, rope_theta=500000.0),
+        _named("llama3-8b", 4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0),
+        _named("llama3-70b", 8192, 28672, 80, 64, 8, 128256, rope_theta=500000.0),
+        _named("llama2-7b", 4096, 11008, 32, 32, 32, 32000, rope_theta=10000.0),
+        _named("llama2-13b", 5120, 13824, 40, 40, 40, 32000, rope_theta=10000.0),
+    )
+}
+
+
+def load_model(spec: str) -> ModelSpec:
+    """A named size (``NAMED_MODELS``), a Hugging Face model directory, or the path of its ``config.json``."""
+    if spec in NAMED_MODELS:
+        return NAMED_MODELS[spec]
+    path = Path(spec)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(
+            f"--model {spec!r} is neither a named size ({', '.join(NAMED_MODELS)}) nor a Hugging Face model "
+            f"directory with a config.json"
+        )
+    model_dir = config_file.parent.resolve()
+    return ModelSpec.from_hf_config(json.loads(config_file.read_text()), name=model_dir.name, path=str(model_dir))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. Bandwidths are per GPU and per direction, in GB/s (1e9 bytes)."""
+
+    name: str
+    tflops: float  # dense peak for the compute dtype (bf16 on GPUs)
+    mem_gib: float  # device memory
+    intra_gbps: float  # inside a node (NVLink)
+    inter_gbps: float  # between nodes (InfiniBand/RoCE, the NIC share of one GPU)
+    device: str = "cuda"
+
+
+# Vendor figures: H100/H200 SXM 989 TFLOP/s dense bf16, NVLink 4 900 GB/s both directions (450 each), one 400 Gb/s
+# NIC per GPU (50 GB/s); A100 SXM 312 TFLOP/s, NVLink 3 600 GB/s (300 each), 200 Gb/s per GPU (25 GB/s). Memory as
+# the driver reports it (81559 MiB for H100 80GB, 143771 MiB for H200, 81920 MiB for A100 80GB). `cpu` only sizes
+# memory (the validation on this machine); its speeds are placeholders.
+HARDWARE = {
+    hw.name: hw
+    for hw in (
+        Hardware("h100", 989.0, 79.6, 450.0, 50.0),
+        Hardware("h200", 989.0, 140.4, 450.0, 50.0),
+        Hardware("a100", 312.0, 80.0, 300.0, 25.0),
+        Hardware("cpu", 0.1, 24.0, 2.0, 1.0, device="cpu"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step runs, and the efficiency assumptions of the time model."""
+
+    seq_len: int
+    gpus_per_node: int
+    nodes: int = 1
+    batch: int = 1  # rows per dp rank per step (data.batch_size x train.grad_accum; pipeline micro-batches)
+    dtype_bytes: int = 2  # compute dtype of gathered parameters and activations: 2 (bf16) or 4 (fp32)
+    loss_chunk_tokens: int = 1024  # train.loss_chunk_tokens
+    mlp_chunk_tokens: int = 0  # parallel.mlp_chunk_tokens (0 = off)
+    offload: bool = False  # parallel.activation_offload (checkpointed layers' inputs in host memory)
+    mfu: float = 0.4  # achieved fraction of peak FLOP/s, for matmuls and attention alike
+    link_efficiency: float = 0.8  # achieved fraction of the nominal link bandwidths
+    headroom: float = 0.15  # fraction of device memory kept free (allocator fragmentation, CUDA context, NCCL)
+    device: str = "cuda"  # cuda or cpu (offload is a no-op on cpu: activations already live in host memory)
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh (its degrees multiply to the world size) and the activation checkpointing that goes with it."""
+
+    pp: int
+    dp: int
+    ring: int
+    ulysses: int
+    ac: str = "none"  # parallel.activation_checkpointing: none, selective or full
+    ac_every: int = 2  # parallel.ac_every (selective)
+
+    @property
+    def shard(self) -> int:
+        """The FSDP mesh dp × ring × ulysses (parameters are sharded over it)."""
+        return self.dp * self.ring * self.ulysses
+
+    def checkpointed(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) is checkpointed (``apply_activation_checkpointing``)."""
+        if self.ac == "none":
+            return False
+        return layer % (1 if self.ac == "full" else self.ac_every) == 0
+
+    def mesh(self) -> str:
+        return f"pp={self.pp} dp={self.dp} ring={self.ring} ulysses={self.ulysses}"
+
+    def ac_label(self) -> str:
+        return f"selective/{self.ac_every}" if self.ac == "selective" else self.ac

@@ -1,0 +1,127 @@
+"""Time: one ring step (attention compute against the K/V transfer: does it hide?) and one optimizer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lctrain.flops import flops_per_token
+from lctrain.planner.memory import kv_width
+from lctrain.planner.presets import FP32, Hardware, Layout, ModelSpec, Workload
+from lctrain.rules import stage_layers
+
+BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
+
+
+def _inside_nodes(group_size: int, gpus_per_node: int) -> bool:
+    """Whether every group of ``group_size`` consecutive ranks lies inside one node."""
+    return group_size <= gpus_per_node and gpus_per_node % group_size == 0
+
+
+@dataclass
+class RingStep:
+    """One ring step of one layer on one GPU: compute (attention of half an (S/R)² block for its heads) against
+    the transfer of the next K/V piece (forward) and of K/V plus the fp32 dK/dV accumulators (backward)."""
+
+    link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
+    tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
+    threshold_tokens: float  # S/R from which communication hides (forward and backward)
+    compute_fwd_s: float
+    comm_fwd_s: float
+    compute_bwd_s: float
+    comm_bwd_s: float
+
+    @property
+    def hidden(self) -> bool:
+        return self.compute_fwd_s >= self.comm_fwd_s and self.compute_bwd_s >= self.comm_bwd_s
+
+
+def flops_rate(hw: Hardware, work: Workload) -> float:
+    return hw.tflops * 1e12 * work.mfu
+
+
+def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) -> RingStep:
+    """Compute vs communication of one ring step (see the module doc and ``docs/planner.md``)."""
+    ring, ulysses, e = layout.ring, layout.ulysses, work.dtype_bytes
+    piece = work.seq_len // ring
+    if ring == 1:
+        return RingStep("none", piece, 0.0, 0.0, 0.0, 0.0, 0.0)
+    inside = _inside_nodes(ring * ulysses, work.gpus_per_node)
+    link = "intra" if inside else "inter"
+    bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
+    rate = flops_rate(hw, work)
+    kv_elements = piece * kv_width(model, ulysses) / ulysses  # S/R tokens × max(Hkv/U, 1) heads × D
+    pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
+    flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
+    # hides when S/R ≥ max(Hkv, U)/Hq · max(e, (e + 4)/2.5) · C/W (forward: K, V in e; backward adds fp32 dK, dV)
+    threshold = (
+        max(model.kv_heads, ulysses) / model.heads * max(e, (e + FP32) / BACKWARD_FLOPS_RATIO) * rate / bandwidth
+    )
+    return RingStep(
+        link=link,
+        tokens_per_rank=piece,
+        threshold_tokens=threshold,
+        compute_fwd_s=flops_fwd / rate,
+        comm_fwd_s=2 * kv_elements * e / bandwidth,
+        compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate,
+        comm_bwd_s=2 * kv_elements * (e + FP32) / bandwidth,
+    )
+
+
+@dataclass
+class StepTime:
+    """One optimizer step on the busiest GPU, in seconds."""
+
+    compute_s: float  # FLOPs (with recomputation) at mfu × peak
+    ring_exposed_s: float  # ring transfers longer than the attention they overlap
+    ulysses_s: float  # the all-to-alls (not overlapped: attention waits for them)
+    fsdp_exposed_s: float  # parameter all-gathers and gradient reduce-scatters beyond the compute they overlap
+    bubble_s: float  # pipeline idle time, (pp − 1)/m of the stage's work (1F1B)
+    tokens_per_step: int  # dp × batch × seq_len
+    model_flops: float  # per GPU per step, ``flops_per_token`` (no recomputation), as the trainer's MFU counts
+    peak_flops: float  # per GPU, FLOP/s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.ring_exposed_s + self.ulysses_s + self.fsdp_exposed_s + self.bubble_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total_s
+
+    @property
+    def mfu(self) -> float:
+        """The MFU the trainer would report at this step time."""
+        return self.model_flops / (self.total_s * self.peak_flops)
+
+
+def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ring: RingStep) -> StepTime:
+    e, rows = work.dtype_bytes, work.batch
+    cp = layout.ring * layout.ulysses
+    layers = max(len(r) for r in stage_layers(model.layers, layout.pp))
+    recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
+    per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len)
+    model_flops = rows * work.seq_len * per_token / (layout.pp * cp)
+    compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
+    ring_exposed = 0.0
+    if layout.ring > 1:
+        fwd = max(0.0, ring.comm_fwd_s - ring.compute_fwd_s) * (1 + recomputed)
+        bwd = max(0.0, ring.comm_bwd_s - ring.compute_bwd_s)
+        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + bwd)
+    ulysses = 0.0
+    if layout.ulysses > 1:
+        tokens = work.seq_len // cp
+        moved = (layout.ulysses - 1) / layout.ulysses
+        per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
+        ulysses = rows * layers * per_layer * (2 + recomputed) / (hw.intra_gbps * 1e9 * work.link_efficiency)
+    fsdp_exposed = 0.0
+    if layout.shard > 1:
+        stage_params = model.num_params / layout.pp
+        gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
+        volume = stage_params * (gathers * e + FP32) * (layout.shard - 1) / layout.shard
+        inside = _inside_nodes(layout.shard, work.gpus_per_node)
+        bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
+        fsdp_exposed = max(0.0, volume / bandwidth - compute)
+    busy = compute + ring_exposed + ulysses
+    bubble = busy * (layout.pp - 1) / rows
+    tokens = layout.dp * rows * work.seq_len
+    return StepTime(compute, ring_exposed, ulysses, fsdp_exposed, bubble, tokens, model_flops, hw.tflops * 1e12)
