@@ -31,41 +31,55 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
-from lctrain.attention.layout import sequence_divisor
-from lctrain.config import JobConfig, check_model_job
+from lctrain.build import PreparedModel, build_mesh, build_model, prepare_model, tokenizer_path
+from lctrain.config import JobConfig
 from lctrain.config.schema import EvalConfig
-from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
+from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
-from lctrain.models import build_empty_model, materialize, model_config, patch_attention, safetensors_source
-from lctrain.parallel.dims import ParallelDims, flat_mesh
-from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.parallel.dims import flat_mesh
+from lctrain.rules import check_sequence_length
+from lctrain.runtime import resolve_device
 from lctrain.train.loss import chunked_cross_entropy
-from lctrain.train.trainer import _dtype, resolve_device
 
 logger = logging.getLogger("lctrain")
 
 TASKS = ("passkey", "perplexity")
 
 
-def check_eval(cfg: EvalConfig, divisor: int) -> None:
-    """One clear error for a bad ``eval.*`` setting (lengths must be multiples of ``divisor`` = 2·ring·ulysses)."""
-    unknown = [task for task in cfg.tasks if task not in TASKS]
-    if unknown or not cfg.tasks:
-        raise ValueError(f"eval.tasks={cfg.tasks} must be a non-empty list of {TASKS}")
-    for name, lengths in (("eval.lengths", cfg.lengths), ("eval.perplexity_lengths", cfg.perplexity_lengths)):
-        bad = [length for length in lengths if length < 1 or length % divisor]
-        if bad:
-            raise ValueError(
-                f"{name}={list(lengths)}: {bad} not positive multiples of {divisor} (2·ring·ulysses for the zigzag "
-                f"layout, ring·ulysses for contiguous): every sequence is sharded whole over the context-parallel ranks"
-            )
-    if "passkey" in cfg.tasks and (not cfg.lengths or not cfg.depths):
-        raise ValueError(f"eval.lengths={cfg.lengths} and eval.depths={cfg.depths} must not be empty for passkey")
-    if any(not 0.0 <= depth <= 1.0 for depth in cfg.depths):
-        raise ValueError(f"eval.depths={cfg.depths} must be fractions in [0, 1] (0 = start of the haystack)")
+def check_eval(cfg: JobConfig) -> None:
+    """One clear error for a bad ``eval.*`` setting: known tasks, lengths the mesh can shard whole, depths in
+    [0, 1], positive counts."""
+    ev, par = cfg.eval, cfg.parallel
+    unknown = [task for task in ev.tasks if task not in TASKS]
+    if unknown or not ev.tasks:
+        raise ValueError(f"eval.tasks={ev.tasks} must be a non-empty list of {TASKS}")
+    for name, lengths in (("eval.lengths", ev.lengths), ("eval.perplexity_lengths", ev.perplexity_lengths)):
+        for length in lengths:
+            check_sequence_length(length, layout=par.layout, ring=par.ring, ulysses=par.ulysses, setting=name)
+    if "passkey" in ev.tasks and (not ev.lengths or not ev.depths):
+        raise ValueError(f"eval.lengths={ev.lengths} and eval.depths={ev.depths} must not be empty for passkey")
+    if any(not 0.0 <= depth <= 1.0 for depth in ev.depths):
+        raise ValueError(f"eval.depths={ev.depths} must be fractions in [0, 1] (0 = start of the haystack)")
     for name in ("samples", "digits", "perplexity_rows"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"eval.{name}={getattr(cfg, name)} must be >= 1")
+        if getattr(ev, name) < 1:
+            raise ValueError(f"eval.{name}={getattr(ev, name)} must be >= 1")
+
+
+def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
+    """Every check of an eval job, before any process group exists: a model to evaluate, no pipeline, the eval
+    settings, and the job (mesh, heads, RoPE) against the longest evaluated sequence."""
+    if cfg.model.path is None:
+        raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
+    if cfg.parallel.pp > 1:
+        raise ValueError(
+            f"eval does not support parallel.pp={cfg.parallel.pp}: evaluate with parallel.pp=1 and the same dp, ring "
+            f"and ulysses (fold the pipeline ranks into parallel.dp or parallel.ring)"
+        )
+    check_eval(cfg)
+    checked = copy.deepcopy(cfg)
+    checked.data.seq_len = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval)])
+    return prepare_model(checked, world_size)
 
 
 def perplexity_lengths(cfg: EvalConfig) -> list[int]:
@@ -79,26 +93,12 @@ class Evaluator:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         par = cfg.parallel
-        world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.rank = dist.get_rank()
         self.device = resolve_device(cfg.train.device)
 
         # 1. config, tokenizer and samples: every error is raised on every rank before any collective
-        if cfg.model.path is None:
-            raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
-        if par.pp > 1:
-            raise ValueError(
-                f"eval does not support parallel.pp={par.pp}: evaluate with parallel.pp=1 and the same dp, ring and "
-                f"ulysses (fold the pipeline ranks into parallel.dp or parallel.ring)"
-            )
-        self.divisor = sequence_divisor(par.layout, par.ring, par.ulysses)
-        check_eval(cfg.eval, self.divisor)
-        self.tokenizer_path = cfg.data.tokenizer or cfg.model.path  # as in training: the model's own by default
-        self.tokenizer = load_tokenizer(self.tokenizer_path)
-        self.hf_config = model_config(cfg.model, len(self.tokenizer))
-        longest = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval)])
-        checked = copy.deepcopy(cfg)
-        checked.data.seq_len = longest  # the mesh, heads and RoPE checks, against the longest evaluated sequence
-        check_model_job(checked, world_size, self.hf_config, len(self.tokenizer))
+        prepared = prepare_eval(cfg, dist.get_world_size())
+        self.tokenizer_path, self.tokenizer = tokenizer_path(cfg), prepared.tokenizer
         self.samples: dict[tuple[int, float], list[PasskeySample]] = {}
         if "passkey" in cfg.eval.tasks:
             ev = cfg.eval
@@ -106,12 +106,10 @@ class Evaluator:
                 for depth in ev.depths:
                     keys = [sample_key(ev.seed, length, depth, i, ev.digits) for i in range(ev.samples)]
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
-        source = safetensors_source(cfg.model.path)
 
         # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.mesh = ParallelDims(pp=1, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
-        dp_cp_mesh = flat_mesh(self.mesh, "dp_cp")
-        self.dp_cp_group = dp_cp_mesh.get_group()
+        self.mesh = build_mesh(cfg, self.device)
+        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
         self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), par.dp
         self.coords = dict(
             ring_rank=self.mesh.get_local_rank("ring"),
@@ -121,26 +119,9 @@ class Evaluator:
             layout=par.layout,
         )
 
-        # 3. model, as the trainer builds it: USP attention -> FSDP -> weights (no activation checkpointing: no
-        # backward)
-        model = build_empty_model(self.hf_config)
-        patch_attention(
-            model,
-            ulysses_group=self.mesh.get_group("ulysses"),
-            ring_group=self.mesh.get_group("ring"),
-            layout=par.layout,
-        )
-        apply_fsdp(
-            model,
-            dp_cp_mesh,
-            param_dtype=_dtype(par.param_dtype, self.device),
-            reduce_dtype=_dtype(par.reduce_dtype, self.device),
-        )
-        materialize(model, source, self.device)
-        model.eval()
-        self.model = model
-        self._hidden: Tensor | None = None
-        model.model.register_forward_hook(self._keep_hidden)
+        # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
+        self.model = build_model(cfg, prepared, self.mesh, self.device, training=False).model
+        self.final_hidden_states = FinalHiddenStates(self.model)
         logger.info(
             "eval %s on mesh dp=%d ring=%d ulysses=%d (%s), device %s: %s",
             cfg.model.path,
@@ -152,9 +133,6 @@ class Evaluator:
             ", ".join(cfg.eval.tasks),
         )
 
-    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._hidden = output.last_hidden_state
-
     def shard(self, x: Tensor) -> Tensor:
         """This rank's part of ``[1, S]`` (the layout of training)."""
         return shard_sequence(x, dim=1, **self.coords)
@@ -163,14 +141,7 @@ class Evaluator:
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
         """The final hidden states ``[1, S_local, H]`` of this rank's shard (``input_ids``/``position_ids``
         ``[1, S_local]``; ``cu_seqlens`` the global row's document bounds)."""
-        self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
-            cu_seq_lens_q=cu_seqlens,  # as in training: the attention plans its blocks from it on the host
-            logits_to_keep=torch.empty(0, dtype=torch.long),  # no logits here: computed at the labelled positions
-        )
-        hidden, self._hidden = self._hidden, None
-        return hidden
+        return self.final_hidden_states(input_ids.to(self.device), position_ids.to(self.device), cu_seqlens)
 
     def _my_items(self, count: int) -> Iterator[tuple[int, bool]]:
         """(index, keep) for this dp rank: items ``dp_rank, dp_rank + dp, ...``; every rank gets the same number of

@@ -17,10 +17,9 @@ from typing import Any
 import torch.distributed as dist
 
 from lctrain.config import JobConfig
-from lctrain.eval.evaluator import Evaluator
+from lctrain.eval.evaluator import Evaluator, prepare_eval
 from lctrain.eval.report import passkey_table, plot_passkey, write_json
-from lctrain.train.metrics import setup_logging
-from lctrain.train.trainer import init_distributed, load_config_or_exit, resolve_device
+from lctrain.runtime import run_command
 
 logger = logging.getLogger("lctrain")
 
@@ -61,15 +60,6 @@ def evaluate(cfg: JobConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str]) -> None:
-    """``python -m lctrain eval [recipe=NAME] model.path=DIR [eval.*=...]``; a bad config or a missing file ends
-    the job with one line per rank and exit status 1."""
-    cfg = load_config_or_exit(argv)
-    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
-    setup_logging(dist.get_rank())
-    try:
-        evaluate(cfg)
-    except (ValueError, FileNotFoundError) as error:
-        logger.error("lctrain: %s", error)
-        raise SystemExit(1) from None
-    finally:
-        dist.destroy_process_group()
+    """``python -m lctrain eval [recipe=NAME] model.path=DIR [eval.*=...]`` (``lctrain.runtime.run_command``: a bad
+    config, a missing file or a fault ends the job with one line and exit status 1)."""
+    run_command(argv, check=prepare_eval, job=evaluate)

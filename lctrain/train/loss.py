@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from lctrain.data.packing import IGNORE_INDEX
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

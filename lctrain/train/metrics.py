@@ -1,5 +1,5 @@
 """Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
-plot at the end. Also the FLOP and memory estimates the line reports."""
+plot at the end. Also the peak FLOP/s and memory the line reports (FLOPs per token: ``lctrain.flops``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
 
 from lctrain.config.schema import LoggingConfig
 
@@ -18,18 +17,6 @@ logger = logging.getLogger("lctrain")
 
 # Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
-def setup_logging(rank: int) -> None:
-    """One rank-aware logger: rank 0 prints INFO, the others only warnings and errors."""
-    logging.basicConfig(format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
-def flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward + backward matmuls) plus causal attention,
-    6·layers·hidden·seq_len (half of the 12·L·H·S of full attention)."""
-    return 6 * num_params + 6 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:

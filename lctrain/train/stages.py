@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import PretrainedConfig
 
+from lctrain.build import tokenizer_path
+from lctrain.checkpoint import checkpoint_step, complete_checkpoints
 from lctrain.config import JobConfig, check_model_job
 from lctrain.data import load_tokenizer
 from lctrain.models import model_config, set_rope
-from lctrain.train.checkpoint import complete_checkpoints
 
 # settings the stages decide themselves
 _FIXED = ("train.stages", "train.run_dir", "model.path", "checkpoint.resume")
-_STEP = re.compile(r"step_(\d{8})$")
 _MISSING = object()  # OmegaConf.select's answer for a key the config does not have
 logger = logging.getLogger("lctrain")
 
@@ -73,23 +72,28 @@ def stage_configs(cfg: JobConfig) -> list[JobConfig]:
     return jobs
 
 
-def check_stages(jobs: list[JobConfig], world_size: int, first_model: PretrainedConfig, vocab_size: int) -> None:
-    """``check_job`` for every stage before the first one runs, with the first stage's model (every later stage
-    continues it) and each stage's RoPE settings."""
+def check_stages(cfg: JobConfig, world_size: int) -> None:
+    """``check_job`` for every stage before the first one runs (``check_stage_jobs`` with the job's tokenizer and
+    first model)."""
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    check_stage_jobs(stage_configs(cfg), world_size, model_config(cfg.model, len(tokenizer)), len(tokenizer))
+
+
+def check_stage_jobs(jobs: list[JobConfig], world_size: int, first_model: PretrainedConfig, vocab_size: int) -> None:
+    """``check_job`` for every stage, with the first stage's model (every later stage continues it) and each stage's
+    RoPE settings."""
     for job in jobs:
         config = copy.deepcopy(first_model)
         set_rope(config, job.model)
         check_model_job(job, world_size, config, vocab_size)
 
 
-def pending_stages(cfg: JobConfig, world_size: int) -> list[JobConfig]:
-    """The jobs to run now: ``[cfg]`` without stages; otherwise every stage checked, then the unfinished ones (or
-    the last one, which then only exports again, as a finished plain run does)."""
+def pending_stages(cfg: JobConfig) -> list[JobConfig]:
+    """The jobs to run now: ``[cfg]`` without stages; otherwise the unfinished stages (or the last one, which then
+    only exports again, as a finished plain run does)."""
     jobs = stage_configs(cfg)
     if len(jobs) == 1:
         return jobs
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
-    check_stages(jobs, world_size, model_config(cfg.model, len(tokenizer)), len(tokenizer))
     pending = [job for job in jobs if not stage_finished(job)]
     for index, job in enumerate(jobs):
         state = "to run" if job in pending else "finished"
@@ -108,6 +112,6 @@ def pending_stages(cfg: JobConfig, world_size: int) -> list[JobConfig]:
 def stage_finished(job: JobConfig) -> bool:
     """Whether this stage's last checkpoint is at its ``train.steps`` and its export (if any) is written."""
     found = complete_checkpoints(Path(job.train.run_dir) / "checkpoints")
-    if not found or int(_STEP.search(found[-1].name).group(1)) != job.train.steps:
+    if not found or checkpoint_step(found[-1]) != job.train.steps:
         return False
     return not job.checkpoint.export_hf or (Path(job.train.run_dir) / "hf" / "config.json").is_file()

@@ -7,12 +7,7 @@ Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``con
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
-import os
-import re
-import signal
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,50 +15,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
+from torch import Tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from tqdm import tqdm
 
-from lctrain.config import JobConfig, check_model_job, load_config, to_yaml
-from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
-from lctrain.models import (
-    build_empty_model,
-    export_hf,
-    materialize,
-    model_config,
-    patch_attention,
-    random_init_source,
-    safetensors_source,
-)
-from lctrain.models.chunked_mlp import apply_chunked_mlp
-from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.parallel.dims import ParallelDims, flat_mesh
-from lctrain.parallel.fsdp import apply_fsdp
-from lctrain.parallel.pipeline import apply_pipeline, build_schedule, merge_stages
-from lctrain.train.checkpoint import Checkpointer, complete_checkpoints
+from lctrain.build import build_mesh, build_model, prepare_model, tokenizer_path
+from lctrain.checkpoint import Checkpointer, complete_checkpoints
+from lctrain.config import JobConfig, to_yaml
+from lctrain.data import IGNORE_INDEX, PackedLoader
+from lctrain.flops import flops_per_token
+from lctrain.models import export_hf
+from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.parallel.dims import flat_mesh
+from lctrain.parallel.pipeline import build_schedule
+from lctrain.runtime import resolve_device, run_command
 from lctrain.train.loss import chunked_cross_entropy
-from lctrain.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
+from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from lctrain.train.stages import pending_stages
+from lctrain.train.stages import check_stages, pending_stages
 
 logger = logging.getLogger("lctrain")
 
 Batch = dict[str, Any]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but CUDA is not available: set train.device=cpu (or auto)")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 class Trainer:
@@ -75,33 +48,20 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         self.run_dir = Path(cfg.train.run_dir)
 
-        # 1. config: checked against the world size and the model before any collective
-        if cfg.model.path is not None and cfg.data.tokenizer is None:
-            cfg.data.tokenizer = cfg.model.path  # fine-tuning a checkpoint: its own tokenizer
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.hf_config = model_config(cfg.model, len(self.tokenizer))
-        if self.hf_config.vocab_size < len(self.tokenizer):
-            raise ValueError(
-                f"the tokenizer (data.tokenizer={cfg.data.tokenizer}) has {len(self.tokenizer)} tokens but the model "
-                f"{cfg.model.path} only {self.hf_config.vocab_size} embeddings: use the model's own tokenizer"
-            )
-        check_model_job(cfg, world_size, self.hf_config, len(self.tokenizer))
-        if cfg.model.path is not None:  # fail before any work if the weights are missing
-            source = safetensors_source(cfg.model.path)
-        else:
-            source = random_init_source(self.hf_config, cfg.train.seed)
+        # 1. the model's tokenizer, config and weights source, checked against the job before any collective
+        prepared = prepare_model(cfg, world_size)
+        self.tokenizer, self.hf_config = prepared.tokenizer, prepared.config
 
         # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
         par = cfg.parallel
-        self.mesh = ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(self.device.type)
-        dp_cp_mesh = flat_mesh(self.mesh, "dp_cp")
-        self.dp_cp_group = dp_cp_mesh.get_group()
+        self.mesh = build_mesh(cfg, self.device)
+        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
         self.pp_group = self.mesh.get_group("pp") if par.pp > 1 else None
         torch.manual_seed(cfg.train.seed)
 
         # 3. data: this rank's dp shard of the rows, cut to its (ring, ulysses) part
         self.loader = PackedLoader(
-            cfg.data,
+            dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)),
             dp_rank=self.mesh.get_local_rank("dp"),
             dp_size=par.dp,
             ring_rank=self.mesh.get_local_rank("ring"),
@@ -110,48 +70,14 @@ class Trainer:
             ulysses_size=par.ulysses,
         )
 
-        # 4. model, in this order: USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (with
-        # offload) -> FSDP -> weights.
-        # With pp > 1 the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face
-        # names (merge_stages), for the optimizer, clipping, checkpoints and export.
-        model = build_empty_model(self.hf_config)
-        num_params = sum(p.numel() for p in model.parameters())
-        patch_attention(
-            model,
-            ulysses_group=self.mesh.get_group("ulysses"),
-            ring_group=self.mesh.get_group("ring"),
-            layout=par.layout,
-        )
-        if par.pp > 1:
-            stages = apply_pipeline(
-                model,
-                self.mesh["pp"],
-                schedule=par.pp_schedule,
-                stages_per_rank=par.pp_stages_per_rank,
-                split_points=par.pp_split_points,
-                loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-            )
-        else:
-            stages = [model]
-        for stage in stages:
-            apply_chunked_mlp(stage.model.layers, par.mlp_chunk_tokens)
-            apply_activation_checkpointing(
-                stage.model.layers, par.activation_checkpointing, par.ac_every, offload=par.activation_offload
-            )
-            apply_fsdp(
-                stage,
-                dp_cp_mesh,
-                param_dtype=_dtype(par.param_dtype, self.device),
-                reduce_dtype=_dtype(par.reduce_dtype, self.device),
-                reshard_after_forward=par.pp == 1,
-            )
-            materialize(stage, source, self.device)
-            stage.train()
+        # 4. model (lctrain.build). With pp > 1 the schedule runs this rank's stage modules, and self.model is their
+        # parts under Hugging Face names, for the optimizer, clipping, checkpoints and export.
+        built = build_model(cfg, prepared, self.mesh, self.device, training=True, stage_loss=self._loss_sum)
+        self.model, num_params = built.model, built.num_params
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
-        if par.pp > 1:
-            self.model = merge_stages(stages)
+        if built.stages:
             self.schedule = build_schedule(
-                stages,
+                built.stages,
                 self.mesh["pp"],
                 schedule=par.pp_schedule,
                 microbatches=cfg.data.batch_size * cfg.train.grad_accum,
@@ -159,10 +85,7 @@ class Trainer:
                 loss_fn=self._pipeline_loss,
             )
         else:
-            self.model = model
-            # the final hidden states, taken as the base model returns them, feed the chunked loss (no full logits)
-            self.model.model.register_forward_hook(self._keep_hidden)
-        self._hidden: torch.Tensor | None = None
+            self.hidden_states = FinalHiddenStates(self.model)
         self._valid_tokens = torch.ones((), device=self.device)
 
         # 5. optimizer, schedule, checkpoints, metrics
@@ -177,11 +100,14 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
-        self.flops_per_token = flops_per_token(self.hf_config, num_params, cfg.data.seq_len)
+        config = self.hf_config
+        self.flops_per_token = flops_per_token(
+            num_params, config.num_hidden_layers, config.hidden_size, cfg.data.seq_len
+        )
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(
             "model %s: %.2fM parameters, mesh pp=%d dp=%d ring=%d ulysses=%d, seq_len %d, device %s",
-            self.hf_config.model_type,
+            config.model_type,
             num_params / 1e6,
             par.pp,
             par.dp,
@@ -191,8 +117,9 @@ class Trainer:
             self.device,
         )
 
-    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._hidden = output.last_hidden_state
+    def _loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+        """The token-summed loss of ``hidden`` ``[..., H]`` against ``labels`` ``[...]`` (the chunked loss)."""
+        return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=self.cfg.train.loss_chunk_tokens)[0]
 
     def _pipeline_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the last stage computes the token-summed loss itself (inside its FSDP forward, where the LM head is
@@ -248,20 +175,13 @@ class Trainer:
     def forward_loss_sum(self, batch: Batch, row: int) -> torch.Tensor:
         """The token-summed loss of one row of this rank's micro-batch (``[1, S_local]`` tokens)."""
         rows = slice(row, row + 1)
-        self.model(
-            input_ids=batch["input_ids"][rows].to(self.device),
-            position_ids=batch["position_ids"][rows].to(self.device),  # global positions: RoPE is right per shard
-            cu_seq_lens_q=batch["cu_seqlens"][row],  # document bounds of the global row
-            logits_to_keep=torch.empty(0, dtype=torch.long),  # no logits here: the chunked loss computes them
+        hidden = self.hidden_states(
+            batch["input_ids"][rows].to(self.device),
+            batch["position_ids"][rows].to(self.device),
+            batch["cu_seqlens"][row],
         )
-        hidden, self._hidden = self._hidden, None
-        loss_sum, _ = chunked_cross_entropy(
-            hidden,
-            self.model.lm_head.weight,  # all-gathered by the root's forward and kept for its backward
-            batch["labels"][rows].to(self.device),
-            chunk_tokens=self.cfg.train.loss_chunk_tokens,
-        )
-        return loss_sum
+        # the LM head was all-gathered by the root's forward and is kept for its backward
+        return self._loss_sum(hidden, self.model.lm_head.weight, batch["labels"][rows].to(self.device))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
         """Accumulate the gradients of the step's global mean loss over ``micro_batches``; returns this rank's share
@@ -360,10 +280,8 @@ class Trainer:
                     "step_time_s": elapsed,
                 },
             )
-            if line is not None and bar.disable:
-                logger.info(line)
-            elif line is not None:
-                bar.write(line)
+            if line is not None:
+                logger.info(line)  # through tqdm.write (lctrain.runtime.setup_logging): the bar stays below
             bar.update(1)
             losses.append(result["loss"])
             every = cfg.checkpoint.every
@@ -384,92 +302,27 @@ class Trainer:
         return losses
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> None:
-    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run.
-    A collective that waits ``timeout_s`` for the other ranks raises instead of hanging."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    device_id = None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        device_id = device
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
+def check(cfg: JobConfig, world_size: int) -> None:
+    """Every stage of the job (one, without ``train.stages``) checked against its model, before any process group
+    exists: ``ValueError`` or ``FileNotFoundError`` naming the setting."""
+    if cfg.train.stages:
+        check_stages(cfg, world_size)
     else:
-        dist.init_process_group(
-            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=device_id, timeout=timeout
-        )
+        prepare_model(cfg, world_size)
 
 
-class Terminated(Exception):
-    """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled."""
+def train(cfg: JobConfig) -> None:
+    """The job (or the unfinished stages of ``train.stages``), on the initialized default process group."""
+    jobs = pending_stages(cfg)  # [cfg], or the unfinished stages of train.stages
+    for job in jobs:
+        Trainer(job).train()  # from stage 1 on, starts from the previous stage's export
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(f"received {signal.Signals(signum).name}")
+def latest_checkpoint(cfg: JobConfig) -> Path | None:
+    checkpoints = complete_checkpoints(Path(cfg.train.run_dir) / "checkpoints")
+    return checkpoints[-1] if checkpoints else None
 
 
-def is_communication_failure(error: BaseException) -> bool:
-    """A collective or transfer failed: a peer process died (its connections closed), a peer hung past
-    ``train.timeout_s``, or the network failed. gloo raises these as plain ``RuntimeError`` naming gloo."""
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
-
-
-def _first_sentence(error: BaseException) -> str:
-    """``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1970. This is ...`` ->
-    ``Connection closed by peer [127.0.0.1]:1970``."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
-    return text.split(". ")[0].splitlines()[0] if text else type(error).__name__
-
-
-def load_config_or_exit(overrides: Sequence[str]) -> JobConfig:
-    """The job's config; a bad one ends the process with one line (printed by rank 0) and exit status 1."""
-    try:
-        return load_config(overrides)
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"lctrain: bad config: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-def main(overrides: Sequence[str]) -> None:
-    """The ``train`` command. A bad config or a missing file ends the job with one line per rank and exit status 1,
-    before anything is written. When another rank fails (or SIGTERM arrives), every surviving rank ends with exit
-    status 1 and one line naming the last complete checkpoint that ``checkpoint.resume=auto`` continues from."""
-    cfg = load_config_or_exit(overrides)
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
-    setup_logging(dist.get_rank())
-    try:
-        try:
-            jobs = pending_stages(cfg, dist.get_world_size())  # [cfg], or the unfinished stages of train.stages
-            trainer = Trainer(jobs[0])
-        except (ValueError, FileNotFoundError) as error:
-            logger.error("lctrain: %s", error)  # every rank: the launcher may stop the others as soon as one exits
-            raise SystemExit(1) from None
-        trainer.train()
-        for job in jobs[1:]:
-            del trainer
-            trainer = Trainer(job)  # starts from the previous stage's export
-            trainer.train()
-    except Exception as error:
-        if not (isinstance(error, Terminated) or is_communication_failure(error)):
-            raise
-        if isinstance(error, Terminated):
-            cause = "the launcher stopped this rank (another rank failed, or the job was cancelled or preempted)"
-        else:
-            cause = "another rank has failed (see the first failure in the launcher's report) or the network did"
-        checkpoints = complete_checkpoints(Path(cfg.train.run_dir) / "checkpoints")
-        logger.error(
-            "lctrain: rank %d stopped: %s. Probably %s. Last complete checkpoint: %s; relaunch the same command "
-            "(checkpoint.resume=auto) to continue from it.",
-            dist.get_rank(),
-            _first_sentence(error),
-            cause,
-            checkpoints[-1] if checkpoints else "none",
-        )
-        raise SystemExit(1) from None
-    finally:
-        dist.destroy_process_group()
+def main(argv: Sequence[str]) -> None:
+    """The ``train`` command (``lctrain.runtime.run_command``: errors and faults end with one line and exit 1)."""
+    run_command(argv, check=check, job=train, checkpoints=latest_checkpoint)

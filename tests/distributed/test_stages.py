@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lctrain.config import load_config
@@ -70,7 +69,7 @@ def run_job(root: str, name: str, crash_at_call: int | None) -> dict[str, Any]:
     Trainer.train_step = counting_train_step
     started_from_export, resumed_steps = [], []
     try:
-        for job in pending_stages(cfg, dist.get_world_size()):
+        for job in pending_stages(cfg):
             trainer = Trainer(job)
             resumed_steps.append(trainer.step)
             if job.model.path is not None:  # a later stage: its weights at the start are the previous export

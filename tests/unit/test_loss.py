@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.train.loss import IGNORE_INDEX, chunked_cross_entropy
+from lctrain.data import IGNORE_INDEX
+from lctrain.train.loss import chunked_cross_entropy
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 10_000])

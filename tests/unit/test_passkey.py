@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lctrain.config.schema import EvalConfig
+from lctrain.config.schema import EvalConfig, JobConfig, ParallelConfig
 from lctrain.data import IGNORE_INDEX, load_tokenizer
 from lctrain.eval.evaluator import check_eval
 from lctrain.eval.passkey import FILLER, INTRO, NEEDLE, QUESTION, answer_tokens, passkey_sample, sample_key
@@ -78,17 +78,18 @@ def test_too_short_or_bad_depth_is_refused() -> None:
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"lengths": [1000]}, "multiples of 16"),
-        ({"perplexity_lengths": [64, 100]}, "multiples of 16"),
+        ({"lengths": [1000]}, "eval.lengths=1000 is not divisible by 16"),
+        ({"perplexity_lengths": [64, 100]}, "eval.perplexity_lengths=100 is not divisible by 16"),
         ({"depths": [0.5, 2.0]}, "fractions"),
         ({"tasks": ["passkey", "mmlu"]}, "eval.tasks"),
         ({"samples": 0}, "eval.samples"),
     ],
 )
 def test_bad_eval_settings_are_refused(overrides: dict, message: str) -> None:
-    check_eval(EvalConfig(lengths=[256, 512]), 16)
+    mesh = ParallelConfig(ring=4, ulysses=2)  # zigzag: lengths must be multiples of 16
+    check_eval(JobConfig(eval=EvalConfig(lengths=[256, 512]), parallel=mesh))
     with pytest.raises(ValueError, match=message):
-        check_eval(EvalConfig(**{"lengths": [256, 512], **overrides}), 16)
+        check_eval(JobConfig(eval=EvalConfig(**{"lengths": [256, 512], **overrides}), parallel=mesh))
 
 
 def test_heat_map_and_table(tmp_path: Path) -> None:

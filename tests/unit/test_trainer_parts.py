@@ -13,10 +13,11 @@ from safetensors.torch import save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from lctrain.config import LoggingConfig, ModelConfig, OptimConfig
+from lctrain.flops import flops_per_token
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
 from lctrain.models.hf import hf_name
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.train.metrics import MetricsLogger, flops_per_token
+from lctrain.train.metrics import MetricsLogger
 from lctrain.train.optim import build_optimizer, build_scheduler, lr_factor
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
@@ -103,8 +104,7 @@ def test_activation_checkpointing_wraps_the_chosen_layers(mode: str, every: int,
 
 
 def test_flops_per_token_counts_parameters_and_causal_attention() -> None:
-    config = model_config(TINY, vocab_size=50)
-    assert flops_per_token(config, num_params=1000, seq_len=64) == 6 * 1000 + 6 * 3 * 32 * 64
+    assert flops_per_token(1000, 3, 32, 64) == 6 * 1000 + 6 * 3 * 32 * 64
 
 
 def test_metrics_jsonl_drops_steps_after_the_resumed_one_and_plots(tmp_path: Path) -> None:

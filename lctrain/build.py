@@ -1,0 +1,133 @@
+"""Building a job's model, the one way ``train`` and ``eval`` both use.
+
+``prepare_model`` needs no process group: the tokenizer, the transformers config (after the ``model.*`` settings),
+every check of the job against that model, and where the weights come from. ``build_mesh`` and ``build_model``
+then put the model on the job's mesh, applying parallelism in one fixed order:
+
+    empty model (meta) -> USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (training)
+    -> FSDP over dp_cp -> weights, one full tensor at a time
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from lctrain.config import JobConfig, check_model_job
+from lctrain.data import load_tokenizer
+from lctrain.models import (
+    build_empty_model,
+    materialize,
+    model_config,
+    patch_attention,
+    random_init_source,
+    safetensors_source,
+)
+from lctrain.models.chunked_mlp import apply_chunked_mlp
+from lctrain.models.hf import TensorSource
+from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.parallel.pipeline import PipelineStageModule, StageLoss, apply_pipeline, merge_stages
+from lctrain.runtime import resolve_dtype
+
+
+def tokenizer_path(cfg: JobConfig) -> str | None:
+    """``data.tokenizer``, else the fine-tuned checkpoint's own (``model.path``), else None (the embedded one)."""
+    return cfg.data.tokenizer or cfg.model.path
+
+
+@dataclass
+class PreparedModel:
+    """What a job knows about its model before any process group exists."""
+
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig  # the transformers config, with the job's model.* settings applied
+    source: TensorSource  # full tensors by Hugging Face name: the checkpoint's, or a seeded random init
+
+
+def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
+    """The tokenizer, the model config and the weight source, with the job checked against them (``check_job``).
+    Raises ``ValueError`` or ``FileNotFoundError`` naming the setting; reads no weight."""
+    path = tokenizer_path(cfg)
+    tokenizer = load_tokenizer(path)
+    config = model_config(cfg.model, len(tokenizer))
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"the tokenizer ({path}) has {len(tokenizer)} tokens but the model {cfg.model.path} only "
+            f"{config.vocab_size} embeddings: use the model's own tokenizer"
+        )
+    check_model_job(cfg, world_size, config, len(tokenizer))
+    if cfg.model.path is not None:
+        source = safetensors_source(cfg.model.path)  # fails now if the weights are missing
+    else:
+        source = random_init_source(config, cfg.train.seed)
+    return PreparedModel(tokenizer, config, source)
+
+
+@dataclass
+class BuiltModel:
+    # the model (with pp > 1: this rank's stage modules merged under Hugging Face names, for the optimizer, clipping,
+    # checkpoints and export)
+    model: nn.Module
+    stages: list[PipelineStageModule]  # this rank's pipeline stages, in order; [] when pp = 1
+    num_params: int  # of the whole model (tied weights once)
+
+
+def build_mesh(cfg: JobConfig, device: torch.device) -> DeviceMesh:
+    """The job's 4D mesh (pp, dp, ring, ulysses) with the flattened ``cp`` and ``dp_cp`` sub-meshes."""
+    par = cfg.parallel
+    return ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(device.type)
+
+
+def build_model(
+    cfg: JobConfig,
+    prepared: PreparedModel,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    training: bool,
+    stage_loss: StageLoss | None = None,
+) -> BuiltModel:
+    """The model on ``mesh``, built in the order of the module docstring. With ``parallel.pp > 1``, ``stage_loss``
+    is the last stage's loss. ``training=False``: no activation checkpointing, modules in eval mode."""
+    par = cfg.parallel
+    model = build_empty_model(prepared.config)
+    num_params = sum(p.numel() for p in model.parameters())
+    patch_attention(
+        model, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"), layout=par.layout
+    )
+    if par.pp > 1:
+        assert stage_loss is not None, "a pipeline's last stage computes the loss: pass stage_loss"
+        stages = apply_pipeline(
+            model,
+            mesh["pp"],
+            schedule=par.pp_schedule,
+            stages_per_rank=par.pp_stages_per_rank,
+            split_points=par.pp_split_points,
+            loss=stage_loss,
+        )
+        parts: list[nn.Module] = list(stages)
+    else:
+        stages, parts = [], [model]
+    dp_cp = flat_mesh(mesh, "dp_cp")
+    for part in parts:
+        apply_chunked_mlp(part.model.layers, par.mlp_chunk_tokens)
+        if training:
+            apply_activation_checkpointing(
+                part.model.layers, par.activation_checkpointing, par.ac_every, offload=par.activation_offload
+            )
+        apply_fsdp(
+            part,
+            dp_cp,
+            param_dtype=resolve_dtype(par.param_dtype, device),
+            reduce_dtype=resolve_dtype(par.reduce_dtype, device),
+            reshard_after_forward=par.pp == 1,
+        )
+        materialize(part, prepared.source, device)
+        part.train(training)
+    return BuiltModel(merge_stages(stages) if stages else model, stages, num_params)

@@ -1,0 +1,180 @@
+"""The process a command runs in: device and dtypes, logging, the default process group, SIGTERM and failures.
+
+``train`` and ``eval`` both go through ``run_command``, which gives every job the same behaviour:
+
+1. the config is composed and checked before any process group exists: a bad config, a bad setting for this world
+   size or a missing file ends the process with one line (``lctrain: ...``) and exit status 1, having written
+   nothing;
+2. the default process group is set up (torchrun's environment, or a group of one for a plain ``python`` run);
+3. the job runs. A ``ValueError`` or ``FileNotFoundError`` it raises ends every rank with one line and exit status
+   1. When a peer dies or hangs (a failed collective) or SIGTERM arrives (the launcher stopping the job, ``scancel``,
+   preemption), every surviving rank ends with exit status 1 and one line saying so and, for training, naming the
+   last complete checkpoint to resume from. Further SIGTERMs during that shutdown are ignored.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
+
+from lctrain.config import JobConfig, load_config
+
+logger = logging.getLogger("lctrain")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device``: ``cuda`` (this process's ``LOCAL_RANK`` GPU), ``cpu``, or ``auto`` (CUDA when available)."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but CUDA is not available: set train.device=cpu (or auto)")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``parallel.param_dtype`` / ``reduce_dtype``: a torch dtype name, or ``auto`` = bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class _ProgressBarSafeHandler(logging.Handler):
+    """Writes records with ``tqdm.write``, so log lines and rank 0's progress bar share the terminal cleanly."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 (logging must never raise)
+            self.handleError(record)
+
+
+def setup_logging(rank: int) -> None:
+    """One rank-aware logger: rank 0 prints INFO, the others only warnings and errors, each line prefixed with the
+    rank."""
+    handler = _ProgressBarSafeHandler()
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(handlers=[handler], force=True)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def world_size_from_env() -> int:
+    """The number of processes the launcher started (torchrun's ``WORLD_SIZE``; 1 for a plain ``python`` run)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run.
+    A collective that waits ``timeout_s`` for the other ranks raises instead of hanging."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        device_id = device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=device_id, timeout=timeout
+        )
+
+
+class Terminated(Exception):
+    """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # slurm signals every process of a step and torchrun forwards the signal too: a second SIGTERM could arrive while
+    # this one is being handled, so further ones are ignored from here on
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated(f"received {signal.Signals(signum).name}")
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """A collective or transfer failed: a peer process died (its connections closed), a peer hung past
+    ``train.timeout_s``, or the network failed. gloo raises these as plain ``RuntimeError`` naming gloo."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def first_sentence(error: BaseException) -> str:
+    """``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1970. This is ...`` ->
+    ``Connection closed by peer [127.0.0.1]:1970``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    return text.split(". ")[0].splitlines()[0] if text else type(error).__name__
+
+
+def _exit_before_group(message: str) -> None:
+    """Exit status 1 with one line, printed by rank 0 only: before the process group, every rank finds the same
+    problem in the same config."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"lctrain: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _exit_from_job(message: str) -> None:
+    """Exit status 1 with one line from this rank (every rank: the launcher may stop the others as soon as one
+    exits); further SIGTERMs from the launcher stopping the job change nothing."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logger.error("lctrain: %s", message)
+    raise SystemExit(1)
+
+
+def load_config_or_exit(overrides: Sequence[str]) -> JobConfig:
+    """The job's config; a bad one ends the process with one line (printed by rank 0) and exit status 1."""
+    try:
+        return load_config(overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        _exit_before_group(f"bad config: {error}")
+
+
+def run_command(
+    overrides: Sequence[str],
+    *,
+    check: Callable[[JobConfig, int], object],
+    job: Callable[[JobConfig], object],
+    checkpoints: Callable[[JobConfig], Path | None] | None = None,
+) -> None:
+    """Run a command as the module docstring says. ``check(cfg, world_size)`` validates the job before any process
+    group exists (raising ``ValueError`` or ``FileNotFoundError``); ``job(cfg)`` runs it on the default process
+    group; ``checkpoints(cfg)`` names the last complete checkpoint for the message after a failure (training)."""
+    cfg = load_config_or_exit(overrides)
+    try:
+        check(cfg, world_size_from_env())
+    except (ValueError, FileNotFoundError) as error:
+        _exit_before_group(str(error))
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
+    setup_logging(dist.get_rank())
+    try:
+        job(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        _exit_from_job(str(error))
+    except Exception as error:
+        if not (isinstance(error, Terminated) or is_communication_failure(error)):
+            raise
+        if isinstance(error, Terminated):
+            cause = "the launcher stopped this rank (another rank failed, or the job was cancelled or preempted)"
+        else:
+            cause = "another rank has failed (see the first failure in the launcher's report) or the network did"
+        resume = "relaunch the same command"
+        if checkpoints is not None:
+            latest = checkpoints(cfg)
+            resume = f"Last complete checkpoint: {latest or 'none'}; relaunch the same command (checkpoint.resume=auto)"
+            resume += " to continue from it"
+        _exit_from_job(f"rank {dist.get_rank()} stopped: {first_sentence(error)}. Probably {cause}. {resume}.")
+    finally:
+        dist.destroy_process_group()
