@@ -1,29 +1,32 @@
-"""A small, deterministic jsonl corpus for end-to-end training tests.
+"""The small, deterministic jsonl corpus of the end-to-end training tests.
 
 The embedded default corpus tokenizes up to 64 standard-library files (megabytes of text) on every rank before the
-first batch: seconds of CPU per rank and launch. These documents are short (1-40 lines of code-like words, so rows
-pack several documents of varied lengths) and tokenize in milliseconds with the default tokenizer.
+first batch: seconds of CPU per rank and launch. These documents are excerpts of one standard-library file: mostly
+short ones (a few to ~30 tokens, so a row packs several documents of varied lengths) and one in five longer than a
+short row (continued in the next one). They tokenize in milliseconds with the default tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import textwrap
 from pathlib import Path
 
-WORDS = (
-    "def return self import class for in if else while with as lambda yield value index count total result items "
-    "data path name model step loss batch shard rank ring heads tokens = ( ) : , . + - * [ ] 0 1 2"
-).split()
 
-
-def write_corpus(path: Path, documents: int = 300, seed: int = 0) -> Path:
-    """Write ``documents`` jsonl records ``{"text": ...}`` to ``path``; returns ``path``."""
-    rng = random.Random(seed)
+def write_corpus(
+    path: Path, documents: int = 200, *, long_fraction: float = 0.2, short: tuple = (1, 100), long: tuple = (250, 800)
+) -> Path:
+    """Write ``documents`` jsonl records ``{"text": ...}`` to ``path``: a ``long_fraction`` of them ``long`` characters
+    long, the others ``short`` (inclusive ranges); returns ``path``."""
+    text = Path(textwrap.__file__).read_text()
+    rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(documents):
-            lines = [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(rng.randint(1, 40))]
-            f.write(json.dumps({"text": "\n".join(lines)}) + "\n")
+            length = rng.randint(*long) if rng.random() < long_fraction else rng.randint(*short)
+            start = rng.randrange(len(text) - length)
+            piece = text[start : start + length]
+            f.write(json.dumps({"text": piece if piece.strip() else "x"}) + "\n")
     return path
 
 

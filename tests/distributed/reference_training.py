@@ -14,11 +14,7 @@ documents and documents continue across rows; the reference asserts both.
 from __future__ import annotations
 
 import functools
-import json
-import random
-import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,19 +29,6 @@ from lctrain.train.trainer import Trainer
 
 SEQ_LEN = 64
 MAX_GRAD_NORM = 0.5  # below most steps' gradient norms: clipping is active
-
-
-def write_corpus(path: Path, documents: int = 200) -> None:
-    """A jsonl file of documents cut from a stdlib file: mostly short ones (a few to ~30 tokens, several per
-    row), one in five longer than a row (continued in the next one)."""
-    text = Path(textwrap.__file__).read_text()
-    rng = random.Random(0)
-    with path.open("w") as f:
-        for _ in range(documents):
-            length = rng.randint(250, 800) if rng.random() < 0.2 else rng.randint(1, 100)
-            start = rng.randrange(len(text) - length)
-            piece = text[start : start + length]
-            f.write(json.dumps({"text": piece if piece.strip() else "x"}) + "\n")
 
 
 def job_config(

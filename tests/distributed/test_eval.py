@@ -1,29 +1,37 @@
-"""``lctrain eval`` gives the same scores on every mesh: one process, ring 2 × ulysses 2, ring 4, and dp 2 × ring 2.
+"""``lctrain eval`` gives the scores the Hugging Face model gives, on every mesh: one process, ring 2 × ulysses 2,
+ring 4, and dp 2 × ring 2.
 
 A tiny random-init Llama (2 layers, width 64, the embedded tokenizer) is exported as a Hugging Face directory;
 passkey retrieval runs at 2 lengths × 3 depths (2 samples per cell) and perplexity at 2 lengths (2 rows of a small
 jsonl corpus each). Passkey: every sample's argmax tokens at the answer positions, hence its correctness and each
 cell's accuracy, are exactly equal; log-probabilities within 1e-5 relative. Perplexity: the same token counts, NLL
 within 1e-5 relative. A random model retrieves nothing (accuracy 0), so the argmax tokens are what is compared.
+
+The independent reference: the exported directory loaded with ``AutoModelForCausalLM.from_pretrained`` (eager
+attention, fp32, one process), run on each passkey sample and on each document of each perplexity row separately;
+the answer's log-probability, the argmax tokens and the NLL computed directly from its logits. The one-process
+lctrain scores equal it: argmax tokens exactly, log-probabilities and NLL within 1e-5 relative.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import random
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from lctrain.config import JobConfig, load_config
-from lctrain.data import load_tokenizer
+from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
+from lctrain.eval.passkey import passkey_sample, sample_key
 from lctrain.eval.run import evaluate
 from lctrain.models import build_empty_model, export_hf, materialize, model_config, random_init_source
 from lctrain.testing import run_distributed
+from tests.corpus import write_corpus
 
 MESHES = {  # case -> (world size, parallel overrides)
     "single": (1, []),
@@ -45,15 +53,6 @@ def write_model(directory: Path) -> None:
     model = build_empty_model(config)
     materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
     export_hf(model, config, directory, tokenizer=tokenizer)
-
-
-def write_corpus(path: Path) -> None:
-    text = Path(textwrap.__file__).read_text()
-    rng = random.Random(0)
-    with path.open("w") as f:
-        for _ in range(40):
-            start = rng.randrange(len(text) - 1500)
-            f.write(json.dumps({"text": text[start : start + rng.randint(100, 1500)]}) + "\n")
 
 
 def job(workdir: Path, case: str) -> JobConfig:
@@ -84,7 +83,7 @@ def world_job(configs: dict[str, JobConfig]) -> dict | None:
 def evaluated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     workdir = tmp_path_factory.mktemp("eval")
     write_model(workdir / "model")
-    write_corpus(workdir / "corpus.jsonl")
+    write_corpus(workdir / "corpus.jsonl", 40, long_fraction=1.0, long=(100, 1500))  # rows start at a document
     results = {}
     for world in sorted({world for world, _ in MESHES.values()}):
         configs = {case: job(workdir, case) for case, (w, _) in MESHES.items() if w == world}
@@ -105,6 +104,58 @@ def test_passkey_scores_are_identical_on_every_mesh(evaluated: tuple[Path, dict]
             assert {k: sample[k] for k in exact} == {k: ref_sample[k] for k in exact}
             assert math.isclose(sample["logprob"], ref_sample["logprob"], rel_tol=1e-5)
         assert math.isclose(cell["answer_logprob"], ref["answer_logprob"], rel_tol=1e-5)
+
+
+def hf_reference(workdir: Path, cfg: JobConfig) -> dict:
+    """Passkey and perplexity of the exported model computed directly with transformers (see the module doc)."""
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model", attn_implementation="eager").eval()
+    tokenizer = load_tokenizer(str(workdir / "model"))
+    ev = cfg.eval
+    passkey = []
+    with torch.no_grad():
+        for length in ev.lengths:
+            for depth in ev.depths:
+                for i in range(ev.samples):
+                    sample = passkey_sample(tokenizer, length, depth, sample_key(ev.seed, length, depth, i, ev.digits))
+                    logprobs = torch.log_softmax(model(input_ids=sample.input_ids[None]).logits[0].double(), dim=-1)
+                    positions = (sample.labels != IGNORE_INDEX).nonzero()[:, 0]
+                    targets = sample.labels[positions]
+                    predicted = logprobs[positions].argmax(-1)
+                    passkey.append(
+                        {
+                            "predicted": tokenizer.decode(predicted),
+                            "logprob": logprobs[positions, targets].sum().item(),
+                        }
+                    )
+        perplexity = []
+        for length in ev.perplexity_lengths:
+            data = dataclasses.replace(cfg.data, seq_len=length, truncate=True, tokenizer=str(workdir / "model"))
+            rows = iter(PackedLoader(data))
+            nll, tokens = 0.0, 0
+            for _ in range(ev.perplexity_rows):
+                row = next(rows)
+                bounds = row["cu_seqlens"][0].tolist()
+                for start, stop in zip(bounds, bounds[1:]):  # each document on its own, positions from 0
+                    logits = model(input_ids=row["input_ids"][:, start:stop]).logits[0].double()
+                    labels = row["labels"][0, start:stop]
+                    valid = labels != IGNORE_INDEX
+                    nll -= torch.log_softmax(logits[valid], -1).gather(1, labels[valid][:, None]).sum().item()
+                    tokens += int(valid.sum())
+            perplexity.append({"length": length, "tokens": tokens, "nll": nll / tokens})
+    return {"passkey": passkey, "perplexity": perplexity}
+
+
+def test_one_process_scores_equal_the_hugging_face_model(evaluated: tuple[Path, dict]) -> None:
+    workdir, results = evaluated
+    reference = hf_reference(workdir, job(workdir, "single"))
+    samples = [sample for cell in results["single"]["passkey"] for sample in cell["samples"]]
+    assert len(samples) == len(reference["passkey"]) == 12
+    for sample, ref in zip(samples, reference["passkey"], strict=True):
+        assert sample["predicted"] == ref["predicted"]
+        assert math.isclose(sample["logprob"], ref["logprob"], rel_tol=1e-5), (sample["logprob"], ref["logprob"])
+    for result, ref in zip(results["single"]["perplexity"], reference["perplexity"], strict=True):
+        assert (result["length"], result["tokens"]) == (ref["length"], ref["tokens"])
+        assert math.isclose(result["nll"], ref["nll"], rel_tol=1e-5), (result["nll"], ref["nll"])
 
 
 @pytest.mark.parametrize("case", [case for case in MESHES if case != "single"])

@@ -7,8 +7,8 @@ relative).
 The cases run on one world-2 group, one after the other: ring 2, Ulysses 2, and pipeline parallelism (pp 2, the
 savers applied to each stage's layers). The MLP chunks do not divide the local sequence (64 tokens over 2 ranks =
 32 per rank: chunks of 12, 12, 8; or 7; pp 2: 64 tokens, chunks of 12 … 4). On CPU the offload hooks keep the
-tensors where they are (``lctrain/parallel/activation_checkpointing.py``), so what this checks is that the wrappers compose
-with USP attention, FSDP2, pipeline stages and the chunked loss, not that memory moves.
+tensors where they are (``lctrain/parallel/activation_checkpointing.py``), so what this checks is that the
+wrappers compose with USP attention, FSDP2, pipeline stages and the chunked loss, not that memory moves.
 """
 
 from __future__ import annotations
