@@ -7,7 +7,7 @@ Run from the repository root::
     python benchmarks/bench_trainer.py --quick    # small sizes, a smoke run of a few minutes
     python benchmarks/bench_trainer.py --only throughput --seq 8192 --steps 20
 
-Both sides train the tiny model of the default job (``recipes/tiny_cpu.yaml``; ``--override`` changes the job
+Both sides train the tiny model of the default job (``lctrain/configs/recipe/tiny_cpu.yaml``; ``--override`` changes the job
 config of both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
 on the same synthetic batches: random tokens, one document per row (``cu_seqlens = [0, S]``), so both do the same
 causal attention and predict the same S−1 tokens per row. Both use lctrain's AdamW (``build_optimizer``: same
@@ -736,7 +736,7 @@ def main() -> None:
     print(f"- command: `{command}`")
     print(f"- machine: {machine}")
     print(
-        "- model: the default job's tiny Llama (recipes/tiny_cpu.yaml"
+        "- model: the default job's tiny Llama (lctrain/configs/recipe/tiny_cpu.yaml"
         + (f" + {' '.join(overrides)}" if overrides else "")
         + "), fp32, same initial weights and synthetic batches (one document per row) on both sides; "
         "AdamW + warmup/cosine + clipping from lctrain.train.optim on both"

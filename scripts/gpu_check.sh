@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 python3 benchmarks/bench_ring_compute.py 2>&1 | tee "$out/gpu_bench.log"
-# One GPU, world size 1: the model of recipes/tiny_cpu.yaml scaled up, 16K tokens per step, bf16 params.
+# One GPU, world size 1: the model of lctrain/configs/recipe/tiny_cpu.yaml scaled up, 16K tokens per step, bf16 params.
 python3 -m lctrain train train.device=cuda parallel.param_dtype=bfloat16 model.hidden_size=1024 \
   model.intermediate_size=2816 model.num_layers=8 model.num_heads=16 model.num_kv_heads=4 data.seq_len=16384 \
   train.steps=30 train.run_dir=/tmp/gpu_train checkpoint.every=0 checkpoint.export_hf=false \
