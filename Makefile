@@ -1,7 +1,9 @@
 # lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests.
 PYTHON ?= python3
-# The CPU build of torch 2.13.0 lies on the development machines' disk; on a CUDA machine pip takes the CUDA build.
+# torch is installed first, from the default index (the public one gives the CUDA build on Linux; the development
+# machines keep a CPU build of 2.13.0 on disk) or from TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu.
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -12,7 +14,7 @@ install: $(VENV)/.installed
 # torch first, so that nothing pulls a different (multi-GB CUDA) build as a dependency.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 

@@ -38,7 +38,7 @@ from report import machine_line, table
 from torch import Tensor
 
 from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
-from lctrain.attention.kernels import _cpu_compute, accumulation_dtype
+from lctrain.attention.kernels import accumulation_dtype, resolve_kernel
 from lctrain.testing import run_distributed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -176,18 +176,23 @@ def outputs_and_grads(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def cpu_compute(t: Tensor) -> Tensor:
+    """``t`` in the dtype lctrain's CPU kernel computes its blocks in (its ``compute_dtype``: fp32 for half inputs)."""
+    return t.to(resolve_kernel(t.device, t.dtype).compute_dtype(t.dtype))
+
+
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Fused causal ``F.scaled_dot_product_attention`` on ``[B, H, S, D]``, computing in the dtype that lctrain's
-    CPU kernel computes its blocks in (``_cpu_compute``: fp32 for half inputs), output in the input dtype."""
-    return F.scaled_dot_product_attention(*_cpu_compute(q, k, v), is_causal=True).to(q.dtype)
+    CPU kernel computes its blocks in, output in the input dtype."""
+    return F.scaled_dot_product_attention(*map(cpu_compute, (q, k, v)), is_causal=True).to(q.dtype)
 
 
 def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
-    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts its blocks (``_cpu_compute``)."""
+    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts its blocks (``cpu_compute``)."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
-        args = tuple(_cpu_compute(a)[0] if isinstance(a, Tensor) else a for a in args)
-        kwargs = {name: _cpu_compute(a)[0] if isinstance(a, Tensor) else a for name, a in kwargs.items()}
+        args = tuple(cpu_compute(a) if isinstance(a, Tensor) else a for a in args)
+        kwargs = {name: cpu_compute(a) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
         return op(*args, **kwargs)
 
     return run
@@ -519,11 +524,11 @@ def main() -> None:
             args.seq_per_rank,
             {p: run_distributed(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks},
         )
-    compute = _cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype]))[0].dtype
+    compute = cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype])).dtype
     if compute != DTYPES[cfg.dtype]:
         print(
             f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {compute} "
-            f"(`kernels._cpu_compute`); T1, PyTorch's ring op and DeepSpeed's local SDPA get the same cast (inputs, "
+            f"(its `compute_dtype`); T1, PyTorch's ring op and DeepSpeed's local SDPA get the same cast (inputs, "
             f"outputs and everything communicated stay {cfg.dtype}), because PyTorch emulates bf16 on CPUs without "
             f"native bf16 and its bf16 flash backward there is several times slower than fp32."
         )

@@ -7,8 +7,8 @@ Run from the repository root::
     python benchmarks/bench_trainer.py --quick    # small sizes, a smoke run of a few minutes
     python benchmarks/bench_trainer.py --only throughput --seq 8192 --steps 20
 
-Both sides train the tiny model of the default job (``lctrain/configs/recipe/tiny_cpu.yaml``; ``--override`` changes the job
-config of both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
+Both sides train the tiny model of the default job (recipe ``tiny_cpu``; ``--override`` changes the job config of
+both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
 on the same synthetic batches: random tokens, one document per row (``cu_seqlens = [0, S]``), so both do the same
 causal attention and predict the same S−1 tokens per row. Both use lctrain's AdamW (``build_optimizer``: same
 parameter groups), its warmup + cosine schedule and clipping to ``optim.max_grad_norm``. The baseline is the usual
@@ -69,8 +69,6 @@ passes in lctrain (one row at a time) and one batched pass in the baseline.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import multiprocessing.connection
 import os
@@ -78,10 +76,8 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,181 +85,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from report import machine_line, one_document_batch, table
-from torch import Tensor
+from harness import (
+    MALLOC_MMAP_THRESHOLD,
+    BudgetWatchdog,
+    Rows,
+    build_side,
+    job_config,
+    log,
+    malloc_env,
+    peak_since_reset,
+    reset_peak,
+)
+from report import machine_line, table
 
-from lctrain.attention import shard_sequence
-from lctrain.config import JobConfig, load_config
-from lctrain.data import load_tokenizer
-from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.testing import run_distributed
-from lctrain.train.optim import build_optimizer, build_scheduler
 
 SECTIONS = ("throughput", "memory")
 SIDES = ("lctrain", "baseline")
-MALLOC_MMAP_THRESHOLD = "65536"
 MEMORY_STEPS = 2  # measured steps per side in section 1's memory processes (after one warm-up step)
 MIB = 2**20
-ABORT_EXIT_CODE = 3
-# every job: the tiny model, no checkpoints, no exports, no plots; the run directory is a temporary one
-JOB_OVERRIDES = (
-    "recipe=tiny_cpu",
-    "train.device=cpu",
-    "checkpoint.every=0",
-    "checkpoint.resume=none",
-    "checkpoint.export_hf=false",
-    "logging.plot=false",
-    "logging.progress_bar=false",
-    "logging.wandb=disabled",
-)
-
-
-@contextlib.contextmanager
-def malloc_env(*, for_memory: bool) -> Iterator[None]:
-    """Processes spawned inside get ``MALLOC_MMAP_THRESHOLD_`` (memory measurements) or glibc's default (timings:
-    the low threshold turns every large allocation into fresh page faults, which would time the allocator)."""
-    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if for_memory:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        if saved is not None:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-
-
-def log(message: str) -> None:
-    """Progress on stderr; stdout is the markdown report."""
-    print(message, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Memory (inside a process)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def reset_peak() -> int:
-    """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
-
-
-def peak_since_reset() -> int:
-    return _status_bytes("VmHWM")
-
-
-class BudgetWatchdog:
-    """Polls VmHWM while a step runs; past ``base + budget`` it writes ``marker`` (JSON: the growth seen) and ends
-    the process with ``ABORT_EXIT_CODE``: the step cannot fit, and the rest of it would only cost time and memory."""
-
-    def __init__(self, base: int, budget: int, marker: Path, interval_s: float = 0.005):
-        self.base, self.budget, self.marker, self.interval_s = base, budget, marker, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            growth = peak_since_reset() - self.base
-            if growth > self.budget:
-                self.marker.write_text(json.dumps({"growth": growth}))
-                os._exit(ABORT_EXIT_CODE)
-
-    def __enter__(self) -> BudgetWatchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The two sides (inside a process)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Full rows of one micro-batch: random tokens ``[B, S]``, one document per row."""
-
-    input_ids: Tensor
-
-    @staticmethod
-    def synthetic(vocab_size: int, batch: int, seq: int, seed: int) -> Rows:
-        generator = torch.Generator().manual_seed(seed)
-        return Rows(torch.randint(0, vocab_size, (batch, seq), generator=generator))
-
-
-def job_config(overrides: Sequence[str], *, seq: int, batch: int, run_dir: str) -> JobConfig:
-    return load_config(
-        [*JOB_OVERRIDES, f"data.seq_len={seq}", f"data.batch_size={batch}", f"train.run_dir={run_dir}", *overrides]
-    )
-
-
-class LctrainSide:
-    """``Trainer.train_step`` on the default process group; each rank feeds its zigzag shard of the rows."""
-
-    def __init__(self, cfg: JobConfig):
-        from lctrain.train.trainer import Trainer  # imported here: the parent process never needs it
-
-        self.trainer = Trainer(cfg)
-        self.vocab_size = self.trainer.hf_config.vocab_size
-        mesh = self.trainer.mesh
-        self.coords = {
-            "ring_rank": mesh.get_local_rank("ring"),
-            "ring_size": cfg.parallel.ring,
-            "ulysses_rank": mesh.get_local_rank("ulysses"),
-            "ulysses_size": cfg.parallel.ulysses,
-            "layout": cfg.parallel.layout,
-        }
-
-    def step(self, rows: Rows) -> tuple[float, float]:
-        """One optimizer step; (loss, grad norm)."""
-
-        def shard(x: Tensor) -> Tensor:
-            return shard_sequence(x, dim=1, **self.coords).contiguous()
-
-        micro_batch = one_document_batch(rows.input_ids, shard)
-        result = self.trainer.train_step([micro_batch])
-        return result["loss"], result["grad_norm"]
-
-
-class BaselineSide:
-    """The plain Hugging Face + PyTorch loop: same model, weights, optimizer, schedule and clipping."""
-
-    def __init__(self, cfg: JobConfig):
-        hf_config = model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer)))
-        self.vocab_size = hf_config.vocab_size
-        self.model = build_empty_model(hf_config)  # AutoModelForCausalLM.from_config(..., attn_implementation="sdpa")
-        materialize(self.model, random_init_source(hf_config, cfg.train.seed), torch.device("cpu"))
-        self.model.train()
-        if self.model.config._attn_implementation != "sdpa":
-            raise RuntimeError(f"baseline attention is {self.model.config._attn_implementation!r}, not sdpa")
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
-
-    def step(self, rows: Rows) -> tuple[float, float]:
-        loss = self.model(input_ids=rows.input_ids, labels=rows.input_ids).loss  # shifted inside, mean over B·(S−1)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item(), grad_norm.item()
-
-
-def build_side(side: str, cfg: JobConfig) -> LctrainSide | BaselineSide:
-    return LctrainSide(cfg) if side == "lctrain" else BaselineSide(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------

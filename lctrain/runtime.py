@@ -9,7 +9,8 @@
 3. the job runs. A ``ValueError`` or ``FileNotFoundError`` it raises ends every rank with one line and exit status
    1. When a peer dies or hangs (a failed collective) or SIGTERM arrives (the launcher stopping the job, ``scancel``,
    preemption), every surviving rank ends with exit status 1 and one line saying so and, for training, naming the
-   last complete checkpoint to resume from. Further SIGTERMs during that shutdown are ignored.
+   last complete checkpoint to resume from. A second SIGTERM, or one that arrives while the job is already ending,
+   changes nothing.
 """
 
 from __future__ import annotations
@@ -97,11 +98,18 @@ class Terminated(Exception):
     """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    # slurm signals every process of a step and torchrun forwards the signal too: a second SIGTERM could arrive while
-    # this one is being handled, so further ones are ignored from here on
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated(f"received {signal.Signals(signum).name}")
+class _TerminateOnce:
+    """The SIGTERM handler: raises ``Terminated`` in the job the first time, and does nothing afterwards or once the
+    job is already ending. slurm signals every process of a step and torchrun forwards the signal too, so a rank
+    can receive SIGTERM twice, the second time while the first is being handled."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise Terminated(f"received {signal.Signals(signum).name}")
 
 
 def is_communication_failure(error: BaseException) -> bool:
@@ -127,8 +135,7 @@ def _exit_before_group(message: str) -> None:
 
 def _exit_from_job(message: str) -> None:
     """Exit status 1 with one line from this rank (every rank: the launcher may stop the others as soon as one
-    exits); further SIGTERMs from the launcher stopping the job change nothing."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exits)."""
     logger.error("lctrain: %s", message)
     raise SystemExit(1)
 
@@ -156,14 +163,18 @@ def run_command(
         check(cfg, world_size_from_env())
     except (ValueError, FileNotFoundError) as error:
         _exit_before_group(str(error))
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    sigterm = _TerminateOnce()
+    signal.signal(signal.SIGTERM, sigterm)
     init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
     setup_logging(dist.get_rank())
     try:
         job(cfg)
+        sigterm.armed = False
     except (ValueError, FileNotFoundError) as error:
+        sigterm.armed = False  # the launcher stops the other ranks now: their SIGTERM is no news here
         _exit_from_job(str(error))
     except Exception as error:
+        sigterm.armed = False
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise
         if isinstance(error, Terminated):

@@ -1,4 +1,4 @@
-"""How a global sequence is split over (ring, ulysses) ranks (DESIGN.md §4).
+"""How a global sequence is split over (ring, ulysses) ranks.
 
 With ring size R and Ulysses size U, ``zigzag`` cuts the sequence into 2R chunks and gives ring rank r
 ``cat(chunk[r], chunk[2R-1-r])``, so every ring rank does the same causal work; ``contiguous`` gives ring rank r

@@ -1,4 +1,4 @@
-"""Pack tokenized documents end to end into rows of exactly ``seq_len`` tokens (DESIGN.md §1).
+"""Pack tokenized documents end to end into rows of exactly ``seq_len`` tokens.
 
 Every row holds, with S = seq_len:
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lctrain.config.schema import ModelConfig
+
+logger = logging.getLogger("lctrain")
 
 TensorSource = Callable[[str, torch.Size], Tensor]
 WEIGHTS_NAME = "model.safetensors"
@@ -68,7 +71,13 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         )
     set_rope(config, cfg)
     if getattr(config, "sliding_window", None) is not None:
-        config.sliding_window = None  # USP attention is full causal attention (Mistral/Qwen2 configs may set one)
+        logger.warning(
+            "model %s declares sliding_window=%s; lctrain trains it with full causal attention (sliding_window=None), "
+            "and the exported config.json says so",
+            cfg.path or cfg.family,
+            config.sliding_window,
+        )
+        config.sliding_window = None
     config.use_cache = False
     return config
 

@@ -3,19 +3,21 @@
 - ``docs/faults.md``: every row of its tables names at least one test as ``tests/<file>.py::<test function>``, and
   every test named there is defined in that file (so the table cannot cite a test that was renamed or removed).
 - ``README.md`` and ``docs/*.md`` refer only to files and directories that exist (``docs/x.md``, ``scripts/...``,
-  ``recipes/...``, ``docker/...``, ``lctrain/...``, ``tests/...`` written in backquotes).
+  ``benchmarks/...``, ``docker/...``, ``lctrain/...``, ``tests/...`` written in backquotes).
+- Counts the docs state about the tests (how many bad configs are refused) are the tests' own.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
-PATH_REFERENCE = re.compile(r"`((?:docs|scripts|benchmarks|examples|recipes|docker|lctrain|tests|configs)/[\w./-]*\w)`")
+PATH_REFERENCE = re.compile(r"`((?:docs|scripts|benchmarks|examples|docker|lctrain|tests)/[\w./-]*\w)`")
 
 
 def table_rows(text: str) -> list[str]:
@@ -40,6 +42,26 @@ def test_every_fault_row_is_backed_by_an_existing_test() -> None:
         for file, name in references:
             source = (REPO / file).read_text() if (REPO / file).is_file() else ""
             assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"docs/faults.md names {file}::{name}"
+
+
+def bad_job_count() -> int:
+    from tests.unit.test_config import BAD_JOBS
+
+    return len(BAD_JOBS)
+
+
+# (doc, a pattern whose group is a figure the code determines, the figure)
+FIGURES = [
+    ("docs/faults.md", r"\((\d+) cases\)", bad_job_count),
+    ("docs/testing.md", r"(\d+) bad configs", bad_job_count),
+]
+
+
+@pytest.mark.parametrize("doc,pattern,figure", FIGURES)
+def test_figures_about_the_tests_come_from_the_tests(doc: str, pattern: str, figure: Callable[[], int]) -> None:
+    found = [int(value) for value in re.findall(pattern, (REPO / doc).read_text())]
+    assert found, f"{doc}: no figure matches {pattern!r}"
+    assert set(found) == {figure()}, f"{doc} says {found}, the tests have {figure()}"
 
 
 def test_table_rows_skips_headers() -> None:

@@ -1,4 +1,4 @@
-"""shard_sequence / unshard_sequence: the picture in DESIGN.md §4, round trips, and errors."""
+"""shard_sequence / unshard_sequence: the picture in the layout module docstring, round trips, and errors."""
 
 import itertools
 
