@@ -4,6 +4,7 @@ checkpointing, metrics records and plot."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -158,3 +159,19 @@ def test_weights_and_biases_offline_writes_a_local_run_and_disabled_nothing(tmp_
         assert len(runs) == 1 and runs[0].stat().st_size > 0
     else:
         assert not (tmp_path / "wandb").exists()
+
+
+def test_log_lines_go_through_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Log lines are written with ``tqdm.write``, which clears rank 0's progress bar, prints, and redraws it: the
+    bar and the per-step lines never overwrite each other."""
+    import lctrain.runtime
+
+    written: list[str] = []
+    monkeypatch.setattr(lctrain.runtime.tqdm, "write", lambda text, file=None, **kwargs: written.append(text))
+    root_handlers = logging.getLogger().handlers[:]
+    try:
+        lctrain.runtime.setup_logging(0)
+        logging.getLogger("lctrain").info("step 1 | loss 1.0")
+    finally:
+        logging.getLogger().handlers[:] = root_handlers
+    assert len(written) == 1 and written[0].startswith("[rank0] ") and written[0].endswith("step 1 | loss 1.0")
