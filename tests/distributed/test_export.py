@@ -125,7 +125,7 @@ def train_and_logits(root: str) -> dict[str, Any] | None:
         [*BASE, *corpus, "parallel.ring=2", "model=hf", f"model.path={hf_dir}", f"train.run_dir={root}/ft"]
     )
     trainer = Trainer(cfg)
-    out["finetune"] = {"logits": sharded_logits(trainer), "tokenizer": trainer.cfg.data.tokenizer}
+    out["finetune"] = {"logits": sharded_logits(trainer), "tokenizer": trainer.tokenizer.name_or_path}
     for name, overrides in ROPE_CASES.items():
         run_dir = Path(root) / f"rope_{name}"
         model = ["parallel.ring=2", "model=hf", f"model.path={hf_dir}", "train.steps=1", *overrides]
