@@ -7,8 +7,8 @@ which no rank computes anything are not steps: with a sliding window of W keys s
 fetches only the W - 1 tokens before each of its chunks, from its ring neighbours, and far ranks send nothing.
 
 Forward: each rank keeps its queries; it posts the transfers of the next step before computing the current one
-(two steps' K/V buffers at most), so the transfer overlaps the block computation. Partial results are merged with the online-softmax
-rule in fp32. K and V are never repeated for GQA.
+(two steps' K/V buffers at most), so the transfer overlaps the block computation. Partial results are merged
+with the online-softmax rule in fp32. K and V are never repeated for GQA.
 
 Backward: the K/V rows are fetched again, step by step; each block's gradient is computed with the final ``out``
 and ``lse``, so it is exact on its own. The dK/dV this rank computes for the fetched rows (fp32) go straight back
@@ -69,12 +69,16 @@ class _Peers:
         self.rank, self.size = _group_coordinates(group)
 
     def start(self, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int) -> _Transfer:
-        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``
-        (either list may be empty)."""
+        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``.
+
+        Every rank calls this at every step other than step 0, with tensors of zero rows when it has nothing to
+        send or receive: each call then involves every rank of the group, as ``batch_isend_irecv`` requires when
+        it is the group's first collective (NCCL), and an empty message costs nothing.
+        """
         send = [t.contiguous() for t in send]
         ops = [dist.P2POp(dist.isend, t, self._global(send_offset), self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self._global(receive_offset), self.group) for t in receive]
-        return _Transfer(dist.batch_isend_irecv(ops) if ops else [], send + receive)
+        return _Transfer(dist.batch_isend_irecv(ops), send + receive)
 
     def _global(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
@@ -87,9 +91,8 @@ def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, 
         return _Transfer([], []), k[:, step.keys], v[:, step.keys]
     k_in = k.new_empty((k.shape[0], _rows(step.keys), *k.shape[2:]))
     v_in = torch.empty_like(k_in)
-    send = [k[:, step.send], v[:, step.send]] if _rows(step.send) else []
-    receive = [k_in, v_in] if _rows(step.keys) else []
-    return peers.start(send, step.source, receive, -step.source), k_in, v_in
+    transfer = peers.start([k[:, step.send], v[:, step.send]], step.source, [k_in, v_in], -step.source)
+    return transfer, k_in, v_in
 
 
 def _ring_forward(
@@ -157,7 +160,7 @@ def _ring_backward(
     peers = _Peers(group)
     acc_dtype = lse.dtype
     dq = dk = dv = None  # gradients of this rank's queries and of its own K/V piece
-    returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the last step's dK/dV exchange
+    returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the previous step's dK/dV, in flight
     fetched = _fetch(peers, plan[0], k, v)
     for index, step in enumerate(plan):
         transfer, k_step, v_step = fetched
@@ -186,12 +189,13 @@ def _ring_backward(
             continue
         if returning is not None:
             dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+        if dk_step is None:  # no block, no keys fetched: nothing to give back
+            dk_step = dv_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
         # Send our part back to the keys' owner; receive the part of ring rank + source for the rows it fetched.
         dk_in = torch.empty((k.shape[0], _rows(step.send), *k.shape[2:]), dtype=acc_dtype, device=k.device)
         dv_in = torch.empty_like(dk_in)
-        send = [dk_step, dv_step] if dk_step is not None else []
-        receive = [dk_in, dv_in] if _rows(step.send) else []
-        returning = (peers.start(send, -step.source, receive, step.source), step.send, dk_in, dv_in)
+        transfer = peers.start([dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
+        returning = (transfer, step.send, dk_in, dv_in)
     if returning is not None:
         dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -203,8 +207,6 @@ def _add_returned(
     """Wait for a dK/dV exchange and add what came back to the gradients of rows ``rows`` of our piece."""
     transfer, rows, dk_in, dv_in = returning
     transfer.wait()
-    if not _rows(rows):
-        return dk, dv
     return _accumulate(dk, rows, dk_in, k, acc_dtype), _accumulate(dv, rows, dv_in, k, acc_dtype)
 
 
@@ -215,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
         input_dtype = q.dtype
         if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
             q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
-        else:  # rows of K/V are sent as they are (for batch 1) at every step
+        else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
             k, v = k.contiguous(), v.contiguous()
         out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
         ctx.save_for_backward(q, k, v, out, lse)
