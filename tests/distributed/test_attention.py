@@ -177,7 +177,7 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
     ]
 
 
-Call = tuple[str, int, int, bool, "int | None"]  # (pass, query rows, key rows, causal, window_left)
+Call = tuple[str, int, int, bool, int | None]  # (pass, query rows, key rows, causal, window_left)
 
 
 class CountingKernel:
