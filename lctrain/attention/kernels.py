@@ -213,7 +213,7 @@ REFERENCE = AttentionKernel("reference", _reference_forward, _reference_backward
 # Banded blocks for kernels without a window: row tiles, each against the keys its rows see.
 # ---------------------------------------------------------------------------------------------------------------
 
-BAND_TILE_ROWS = 256  # queries per tile (benchmarks/bench_window_kernel.py: fastest of 64-1024 on CPU)
+BAND_TILE_ROWS = 256  # queries per tile; 128 and 256 were the fastest of 64-1024 on CPU (bench_window_kernel.py)
 
 
 def band_tiles(q_len: int, k_len: int, *, causal: bool, window_left: int) -> list[tuple[slice, slice]]:
