@@ -61,28 +61,28 @@ def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     kv_pieces = [(piece(k, r), piece(v, r)) for r in range(ring)]
     seq_len = q_local.shape[1]
     plan = plan_ring(rank, ring, seq_len, causal=True, layout="zigzag")
-    sources = [(rank - s) % ring for s in range(ring)]
+    # each step's keys: the rows it fetches of its source's piece
+    step_kv = [[t[:, step.keys] for t in kv_pieces[(rank - step.source) % ring]] for step in plan]
 
     def run() -> None:
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q_local.shape, dtype=acc, device=q.device)
         lse = torch.full((q_local.shape[0], q_local.shape[2], seq_len), float("-inf"), dtype=acc, device=q.device)
-        for blocks, source in zip(plan, sources):
-            k_piece, v_piece = kv_pieces[source]
-            for block in blocks:
+        for step, (k_piece, v_piece) in zip(plan, step_kv):
+            for block in step.blocks:
                 o, m = kernel.forward(
                     q_local[:, block.rows],
                     k_piece[:, block.cols],
                     v_piece[:, block.cols],
                     causal=block.causal,
                     scale=scale,
+                    window_left=block.window_left,
                 )
                 merge_block(out[:, block.rows], lse[:, :, block.rows], o, m)
         out = out.to(q.dtype)
         dq = torch.zeros(q_local.shape, dtype=acc, device=q.device)
-        for blocks, source in zip(plan, sources):
-            k_piece, v_piece = kv_pieces[source]
-            for block in blocks:
+        for step, (k_piece, v_piece) in zip(plan, step_kv):
+            for block in step.blocks:
                 grads = kernel.backward(
                     dout_local[:, block.rows],
                     q_local[:, block.rows],
@@ -92,6 +92,7 @@ def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
                     lse[:, :, block.rows],
                     causal=block.causal,
                     scale=scale,
+                    window_left=block.window_left,
                 )
                 dq[:, block.rows] += grads[0]
 

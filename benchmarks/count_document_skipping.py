@@ -3,9 +3,9 @@
     python benchmarks/count_document_skipping.py [--seq 131072] [--ring 8]
 
 For a packed causal row on a zigzag ring, it prints, per document length, the kernel calls and the query×key
-pairs the busiest rank computes over all ring steps, and how many ring steps run (trailing steps that no rank
-needs are dropped, with their K/V transfers), against the same row treated as one document. Skipped blocks are
-never computed; the counts are what ``ring_attention`` executes (it runs exactly these blocks).
+pairs the busiest rank computes over all ring steps, and how many ring steps run (steps that no rank needs are
+dropped, with their K/V transfers), against the same row treated as one document. Skipped blocks are never
+computed; the counts are what ``ring_attention`` executes (it runs exactly these blocks).
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from lctrain.attention.ring_blocks import Block, plan_ring
-
-
-def pairs(block: Block) -> int:
-    rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
-    return rows * (rows + 1) // 2 if block.causal else rows * cols
+from lctrain.attention.ring_blocks import plan_ring, visible_pairs
 
 
 def busiest_rank(ring: int, piece_len: int, bounds: list[int] | None) -> tuple[int, int, int, int]:
@@ -28,8 +23,9 @@ def busiest_rank(ring: int, piece_len: int, bounds: list[int] | None) -> tuple[i
         plan = plan_ring(
             rank, ring, piece_len, causal=True, layout="zigzag", cu_seqlens=None if bounds is None else tuple(bounds)
         )
-        blocks = [b for step in plan for b in step]
-        per_rank.append((len(blocks), sum(pairs(b) for b in blocks), sum(1 for step in plan if step), len(plan)))
+        blocks = [b for step in plan for b in step.blocks]
+        busy = sum(1 for step in plan if step.blocks)
+        per_rank.append((len(blocks), sum(visible_pairs(b) for b in blocks), busy, len(plan)))
     return max(per_rank, key=lambda counts: counts[1])
 
 
@@ -47,7 +43,7 @@ def main() -> None:
     rows["200 random cuts"] = [0, *cuts, args.seq]
     print(f"S={args.seq}, zigzag ring R={args.ring}, causal; busiest rank, forward (backward runs the same blocks)")
     print(
-        "| row | kernel calls | steps with work | ring steps run (K/V sent steps − 1 times) | query×key pairs | "
+        "| row | kernel calls | steps with work | ring steps run (K/V fetched steps − 1 times) | query×key pairs | "
         "fraction of one-document work |"
     )
     print("|---|---|---|---|---|---|")

@@ -1,67 +1,98 @@
 """Ring attention: exact attention over a sequence sharded across the ranks of a process group.
 
-Forward: each rank keeps its queries; K and V (packed as one ``[2, B, S, Hkv, D]`` buffer, never repeated for
-GQA) travel around the ring. At step ``s`` a rank holds the K/V piece of ring rank ``(rank - s) mod R``; it posts
-the send/receive for step ``s + 1`` (double buffers, ``batch_isend_irecv``) before computing step ``s``, so the
-transfer overlaps the block computation. Partial results are merged with the online-softmax rule in fp32.
+The plan (``ring_blocks.py``) lists the ring steps; step ``s`` computes this rank's queries against keys of ring
+rank ``(rank - s) mod R``, of which only the rows the step's blocks need travel, straight from that rank
+(``batch_isend_irecv``); in exchange this rank sends the rows ring rank ``(rank + s) mod R`` needs. Offsets at
+which no rank computes anything are not steps: with a sliding window of W keys smaller than a chunk a rank
+fetches only the W - 1 tokens before each of its chunks, from its ring neighbours, and far ranks send nothing.
 
-Backward: K/V travel the same way, followed by their gradient accumulators dK/dV (fp32), which collect each
-rank's contribution and go back to their owner after the last step (directly, when the plan stops the ring early
-because no rank needs the remaining steps). Each block's gradient is computed with
-the final ``out`` and ``lse``, so it is exact on its own.
+Forward: each rank keeps its queries; it posts the transfers of the next step before computing the current one
+(two steps' K/V buffers at most), so the transfer overlaps the block computation. Partial results are merged
+with the online-softmax rule in fp32. K and V are never repeated for GQA.
 
-What each step computes comes from ``plan.py``: blocks that the causal mask or the document boundaries
-(``cu_seqlens``) hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one document every
-rank does the same work at every step: the diagonal block, then either all queries against the first half of the
-received keys or the second half of the queries against all received keys.
+Backward: the K/V rows are fetched again, step by step; each block's gradient is computed with the final ``out``
+and ``lse``, so it is exact on its own. The dK/dV this rank computes for the fetched rows (fp32) go straight back
+to their owner, posted after the step's blocks and waited for after the next step's; each rank adds what comes
+back to the gradients of its own piece.
+
+What each step computes comes from the plan: blocks that the causal mask, the document boundaries
+(``cu_seqlens``) or the window hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one
+document every rank does the same work at every step: the diagonal block, then either all queries against the
+first half of the source's keys (only that half travels) or the second half of the queries against all of them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
+from lctrain.attention.kernels import (
+    AttentionKernel,
+    accumulation_dtype,
+    check_window,
+    default_scale,
+    resolve_kernel,
+)
 from lctrain.attention.layout import check_layout
 from lctrain.attention.merge import merge_block
-from lctrain.attention.ring_blocks import Block, plan_ring
-
-
-class _RingExchange:
-    """Sends a buffer ``offset`` ranks ahead on the ring while receiving one from ``offset`` ranks behind."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-
-    def start(self, send: Tensor, receive: Tensor, offset: int = 1) -> list[dist.Work]:
-        send_to = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
-        receive_from = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
-        return dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, send, send_to, self.group),
-                dist.P2POp(dist.irecv, receive, receive_from, self.group),
-            ]
-        )
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+from lctrain.attention.ring_blocks import Step, plan_ring
 
 
 def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def _kv_buffers(k: Tensor, v: Tensor, steps: int) -> list:
-    """K/V as the ring sends them: one packed ``[2, B, S, Hkv, D]`` buffer plus a receive buffer; a plan of one
-    step sends nothing and uses ``(k, v)`` as they are."""
-    if steps == 1:
-        return [(k, v)]
-    packed = torch.stack([k, v])
-    return [packed, torch.empty_like(packed)]
+def _rows(index: slice) -> int:
+    return index.stop - index.start
+
+
+@dataclass
+class _Transfer:
+    """Posted sends and receives; the tensors stay referenced until ``wait`` returns."""
+
+    works: list[dist.Work]
+    tensors: list[Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _Peers:
+    """Point-to-point transfers with the ring ranks at a given offset from this one."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank, self.size = _group_coordinates(group)
+
+    def start(self, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int) -> _Transfer:
+        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``.
+
+        Every rank calls this at every step other than step 0, with tensors of zero rows when it has nothing to
+        send or receive: each call then involves every rank of the group, as ``batch_isend_irecv`` requires when
+        it is the group's first collective (NCCL), and an empty message costs nothing.
+        """
+        send = [t.contiguous() for t in send]
+        ops = [dist.P2POp(dist.isend, t, self._global(send_offset), self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self._global(receive_offset), self.group) for t in receive]
+        return _Transfer(dist.batch_isend_irecv(ops), send + receive)
+
+    def _global(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+
+def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, Tensor, Tensor]:
+    """Post a step's K/V transfers: rows ``step.send`` of ``k``, ``v`` out, rows ``step.keys`` of the source's
+    in; returns the transfer and the K/V the step's blocks index (local views at step 0)."""
+    if step.source == 0:
+        return _Transfer([], []), k[:, step.keys], v[:, step.keys]
+    k_in = k.new_empty((k.shape[0], _rows(step.keys), *k.shape[2:]))
+    v_in = torch.empty_like(k_in)
+    transfer = peers.start([k[:, step.send], v[:, step.send]], step.source, [k_in, v_in], -step.source)
+    return transfer, k_in, v_in
 
 
 def _ring_forward(
@@ -69,23 +100,29 @@ def _ring_forward(
     k: Tensor,
     v: Tensor,
     group: dist.ProcessGroup | None,
-    plan: tuple[tuple[Block, ...], ...],
+    plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor]:
-    steps = len(plan)
-    exchange = _RingExchange(group) if steps > 1 else None
+    peers = _Peers(group)
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
     out = lse = None
-    kv_buffers = _kv_buffers(k, v, steps)
-    for step, blocks in enumerate(plan):
-        kv = kv_buffers[step % 2]
-        pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < steps else []
-        for block in blocks:
+    fetched = _fetch(peers, plan[0], k, v)
+    for index, step in enumerate(plan):
+        transfer, k_step, v_step = fetched
+        transfer.wait()
+        if index + 1 < len(plan):  # the next step's keys travel while this step computes
+            fetched = _fetch(peers, plan[index + 1], k, v)
+        for block in step.blocks:
             out_block, lse_block = kernel.forward(
-                q[:, block.rows], kv[0][:, block.cols], kv[1][:, block.cols], causal=block.causal, scale=scale
+                q[:, block.rows],
+                k_step[:, block.cols],
+                v_step[:, block.cols],
+                causal=block.causal,
+                scale=scale,
+                window_left=block.window_left,
             )
             if out is None and block.rows == slice(0, seq_len):  # a first block over every row starts the accumulators
                 out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
@@ -94,7 +131,6 @@ def _ring_forward(
                 out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
                 lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
-        _wait(pending)
     return out.to(q.dtype), lse
 
 
@@ -116,66 +152,62 @@ def _ring_backward(
     out: Tensor,
     lse: Tensor,
     group: dist.ProcessGroup | None,
-    plan: tuple[tuple[Block, ...], ...],
+    plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    steps = len(plan)
+    peers = _Peers(group)
     acc_dtype = lse.dtype
-    kv_buffers = _kv_buffers(k, v, steps)
-    dq = None
-    if steps == 1:  # nothing travels: gradients go straight into local accumulators
-        dk = dv = None
-        for block in plan[0]:
+    dq = dk = dv = None  # gradients of this rank's queries and of its own K/V piece
+    returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the previous step's dK/dV, in flight
+    fetched = _fetch(peers, plan[0], k, v)
+    for index, step in enumerate(plan):
+        transfer, k_step, v_step = fetched
+        transfer.wait()
+        if index + 1 < len(plan):
+            fetched = _fetch(peers, plan[index + 1], k, v)
+        dk_step = dv_step = None  # this rank's part of the gradients of the keys fetched at this step
+        for block in step.blocks:
             dq_block, dk_block, dv_block = kernel.backward(
                 dout[:, block.rows],
                 q[:, block.rows],
-                k[:, block.cols],
-                v[:, block.cols],
+                k_step[:, block.cols],
+                v_step[:, block.cols],
                 out[:, block.rows],
                 lse[:, :, block.rows],
                 causal=block.causal,
                 scale=scale,
+                window_left=block.window_left,
             )
             dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
-            dk = _accumulate(dk, block.cols, dk_block, k, acc_dtype)
-            dv = _accumulate(dv, block.cols, dv_block, v, acc_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            dk_step = _accumulate(dk_step, block.cols, dk_block, k_step, acc_dtype)
+            dv_step = _accumulate(dv_step, block.cols, dv_block, v_step, acc_dtype)
+        if step.source == 0:  # our own keys
+            dk = _accumulate(dk, step.keys, dk_step, k, acc_dtype)
+            dv = _accumulate(dv, step.keys, dv_step, v, acc_dtype)
+            continue
+        if returning is not None:
+            dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+        if dk_step is None:  # no block, no keys fetched: nothing to give back
+            dk_step = dv_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
+        # Send our part back to the keys' owner; receive the part of ring rank + source for the rows it fetched.
+        dk_in = torch.empty((k.shape[0], _rows(step.send), *k.shape[2:]), dtype=acc_dtype, device=k.device)
+        dv_in = torch.empty_like(dk_in)
+        transfer = peers.start([dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
+        returning = (transfer, step.send, dk_in, dv_in)
+    if returning is not None:
+        dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    exchange = _RingExchange(group)
-    dkv_buffers = [torch.zeros(kv_buffers[0].shape, dtype=acc_dtype, device=q.device)]  # travels with K/V
-    dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
-    dkv_pending: list[dist.Work] = []
-    for step, blocks in enumerate(plan):
-        kv = kv_buffers[step % 2]
-        kv_pending = exchange.start(kv, kv_buffers[(step + 1) % 2]) if step + 1 < steps else []
-        dkv_blocks = []
-        for block in blocks:
-            dq_block, dk_block, dv_block = kernel.backward(
-                dout[:, block.rows],
-                q[:, block.rows],
-                kv[0][:, block.cols],
-                kv[1][:, block.cols],
-                out[:, block.rows],
-                lse[:, :, block.rows],
-                causal=block.causal,
-                scale=scale,
-            )
-            dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
-            dkv_blocks.append((block.cols, dk_block, dv_block))
-        _wait(dkv_pending)  # the accumulator for the K/V piece we hold now, from the previous rank
-        dkv = dkv_buffers[step % 2]
-        for cols, dk_block, dv_block in dkv_blocks:
-            dkv[0][:, cols] += dk_block
-            dkv[1][:, cols] += dv_block
-        # Pass it on to the rank that holds this K/V next; after the last step, straight back to its owner.
-        offset = 1 if step + 1 < steps else -step
-        dkv_pending = exchange.start(dkv, dkv_buffers[(step + 1) % 2], offset)
-        _wait(kv_pending)
-    _wait(dkv_pending)
-    dkv = dkv_buffers[steps % 2]  # where the last transfer delivered it
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+def _add_returned(
+    returning: tuple[_Transfer, slice, Tensor, Tensor], dk: Tensor, dv: Tensor, k: Tensor, acc_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Wait for a dK/dV exchange and add what came back to the gradients of rows ``rows`` of our piece."""
+    transfer, rows, dk_in, dv_in = returning
+    transfer.wait()
+    return _accumulate(dk, rows, dk_in, k, acc_dtype), _accumulate(dv, rows, dv_in, k, acc_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -185,6 +217,8 @@ class _RingAttention(torch.autograd.Function):
         input_dtype = q.dtype
         if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
             q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
+        else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
+            k, v = k.contiguous(), v.contiguous()
         out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
@@ -269,23 +303,34 @@ def ring_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` with ``shard_sequence(layout=layout)``.
 
     q ``[B, S_local, Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]`` in q's dtype,
     differentiable in q, k, v. ``group=None`` means a ring of one rank. ``cu_seqlens`` (int, ``[num_docs + 1]``,
     0 to S) are the document boundaries of the global sequence, the same on every rank and for every batch row;
-    tokens then attend only inside their document.
+    tokens then attend only inside their document. ``window`` (needs ``causal``): query ``i`` sees only keys
+    ``j`` with ``i - window < j <= i`` (``window`` keys, itself included: Hugging Face's ``sliding_window``), in
+    its document; ``window >= S`` is the same as no window.
     """
     check_qkv(q, k, v)
     check_layout(layout)
+    check_window(window, causal)
     rank, size = _group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"
-    bounds = check_cu_seqlens(cu_seqlens, q.shape[1] * size)
+    seq_len = q.shape[1] * size
+    bounds = check_cu_seqlens(cu_seqlens, seq_len)
     check_zigzag_piece(q.shape[1], size, layout)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     plan = plan_ring(
-        rank, size, q.shape[1], causal=causal, layout=layout, cu_seqlens=None if bounds is None else tuple(bounds)
+        rank,
+        size,
+        q.shape[1],
+        causal=causal,
+        layout=layout,
+        cu_seqlens=None if bounds is None else tuple(bounds),
+        window=None if window is None or window >= seq_len else window,
     )
     return _RingAttention.apply(q, k, v, group, plan, scale)

@@ -1,13 +1,20 @@
-"""Which (query rows × key rows) blocks a ring rank computes at each ring step, and which it skips.
+"""The ring plan: at each ring step, which keys a ring rank fetches and which (query rows × key rows) blocks it
+computes with them; everything else is skipped.
 
 A ring rank holds its piece of the global sequence (``layout.py``): two chunks of ``S / 2R`` tokens (zigzag) or
-one chunk of ``S / R`` (contiguous). At step ``s`` it holds the K/V piece of ring rank ``(rank - s) mod R``.
+one chunk of ``S / R`` (contiguous). Step ``source = s`` computes the rank's queries against keys of ring rank
+``(rank - s) mod R`` (``s = 0``: its own piece). That rank sends them directly, and only the rows the blocks need
+(``Step.keys``); in exchange the rank sends rows ``Step.send`` of its own piece to ring rank ``(rank + s) mod R``.
+Offsets at which no rank computes anything are not steps at all: they cost no time and send nothing.
 
-Without documents one block per step suffices (or none, where the causal mask hides the whole piece). With
-documents (``cu_seqlens``), queries see only keys of their own document, so the plan pairs each local chunk with
-each received chunk and keeps, per document present in both, the rectangle that document occupies: a causal
-square when the two chunks are the same tokens, a full rectangle when the keys come earlier (or without a causal
-mask). Every pair of chunks a causal mask hides, and every document that stays inside other chunks, costs nothing.
+Query ``i`` sees key ``j`` (global positions) when both are in the same document (``cu_seqlens``), ``j <= i``
+(causal) and ``i - j < window`` (a sliding window of ``window`` keys, the query's own included: Hugging Face's
+``sliding_window``). Without documents or a window one block per step suffices (or none, where the causal mask
+hides the whole piece). Otherwise the plan pairs each local chunk with each chunk of the source and keeps, per
+document present in both, the rectangle that document occupies, clipped to the rows and columns the window
+reaches: a causal square when the two chunks are the same tokens, a full rectangle when the keys come earlier.
+A block the window boundary cuts carries ``window_left``, which the kernel applies as a band; blocks wholly
+inside the window stay plain, blocks wholly outside it are skipped.
 """
 
 from __future__ import annotations
@@ -17,14 +24,48 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+NOTHING = slice(0, 0)
+
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: local query rows × rows of the K/V piece held at this step; ``causal`` = top-left mask."""
+    """One kernel call: local query rows × rows of the keys fetched at its step (``cols`` index ``Step.keys``).
+
+    ``causal``: top-left causal mask (square blocks only). ``window_left``: the sliding window's edge, top-left
+    aligned too: query row ``a`` sees key columns ``b >= a - window_left``; None when the window cuts nothing here.
+    """
 
     rows: slice
     cols: slice
     causal: bool
+    window_left: int | None = None
+
+
+def visible_pairs(block: Block) -> int:
+    """The (query, key) pairs a block's rows see, i.e. its work (a plan's blocks give every row a key).
+
+    Row ``a`` sees columns ``max(0, a - window_left)`` to ``min(a, cols - 1)`` (causal) or ``cols - 1``.
+    """
+    rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
+
+    def triangle(n: int) -> int:  # 0 + 1 + ... + n
+        return n * (n + 1) // 2 if n > 0 else 0
+
+    last_cols = triangle(rows - 1) - triangle(rows - cols) if block.causal else rows * (cols - 1)
+    first_cols = 0 if block.window_left is None else triangle(rows - 1 - block.window_left)
+    return last_cols - first_cols + rows
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ring step of one rank: its blocks against rows ``keys`` of ring rank ``(rank - source) mod R``'s piece
+    (``NOTHING``: no block), while rows ``send`` of its own piece go to ring rank ``(rank + source) mod R``.
+    Step 0 (``source = 0``) uses the whole local piece and sends nothing."""
+
+    source: int
+    keys: slice
+    send: slice
+    blocks: tuple[Block, ...]
 
 
 @dataclass(frozen=True)
@@ -45,8 +86,8 @@ def piece_chunks(ring_rank: int, ring_size: int, piece_len: int, layout: str) ->
     return [Chunk(ring_rank * chunk, (ring_rank + 1) * chunk, 0), Chunk(tail * chunk, (tail + 1) * chunk, chunk)]
 
 
-def _dense_block(step: int, rank: int, size: int, piece_len: int, *, causal: bool, layout: str) -> list[Block]:
-    source = (rank - step) % size
+def _dense_blocks(rank: int, source: int, piece_len: int, *, causal: bool, layout: str) -> list[Block]:
+    """One document, no window: at most one block (cols index the source's piece)."""
     everything = slice(0, piece_len)
     if not causal:
         return [Block(everything, everything, causal=False)]
@@ -60,8 +101,14 @@ def _dense_block(step: int, rank: int, size: int, piece_len: int, *, causal: boo
     return [Block(slice(half, piece_len), everything, causal=False)]  # only the local second chunk sees the source
 
 
-def _document_blocks(queries: Chunk, keys: Chunk, bounds: Sequence[int], *, causal: bool) -> list[Block]:
-    """One block per document present in both chunks (chunks are the same tokens or disjoint)."""
+def _chunk_blocks(
+    queries: Chunk, keys: Chunk, bounds: Sequence[int], *, causal: bool, window: int | None
+) -> list[Block]:
+    """One block per document present in both chunks (the same tokens or disjoint), clipped to the window.
+
+    Cols index the source's piece. A window comes with a causal mask (checked by the callers), so the keys are
+    either the query chunk itself or all earlier.
+    """
     same = queries.start == keys.start
     if causal and keys.start > queries.start:  # the keys all come later
         return []
@@ -72,44 +119,102 @@ def _document_blocks(queries: Chunk, keys: Chunk, bounds: Sequence[int], *, caus
         doc_start, doc_stop = bounds[doc], bounds[doc + 1]
         q_start, q_stop = max(doc_start, queries.start), min(doc_stop, queries.stop)
         k_start, k_stop = max(doc_start, keys.start), min(doc_stop, keys.stop)
-        if k_start < k_stop:
+        window_left = None
+        if window is not None:
+            q_stop = min(q_stop, k_stop - 1 + window)  # later queries are window or more past every key
+            k_start = max(k_start, q_start - window + 1)  # earlier keys are window or more before every query
+            if q_stop - 1 - k_start >= window:  # the farthest pair left is out of the window: a band
+                window_left = window - 1 - (q_start - k_start)
+        if q_start < q_stop and k_start < k_stop:
             blocks.append(
                 Block(
                     slice(queries.offset + q_start - queries.start, queries.offset + q_stop - queries.start),
                     slice(keys.offset + k_start - keys.start, keys.offset + k_stop - keys.start),
                     causal=causal and same,
+                    window_left=window_left,
                 )
             )
     return blocks
 
 
+def _source_blocks(
+    rank: int,
+    source: int,
+    size: int,
+    piece_len: int,
+    *,
+    causal: bool,
+    layout: str,
+    bounds: Sequence[int] | None,
+    window: int | None,
+) -> list[Block]:
+    """The blocks of ``rank``'s queries against ring rank ``source``'s piece (cols index that piece)."""
+    if bounds is None and window is None:
+        return _dense_blocks(rank, source, piece_len, causal=causal, layout=layout)
+    bounds = bounds or (0, size * piece_len)
+    local = piece_chunks(rank, size, piece_len, layout)
+    remote = piece_chunks(source, size, piece_len, layout)
+    return [b for q in local for k in remote for b in _chunk_blocks(q, k, bounds, causal=causal, window=window)]
+
+
+def _rows_needed(blocks: Sequence[Block]) -> slice:
+    """The smallest run of the source's rows that holds every block's keys (``NOTHING`` for no block)."""
+    if not blocks:
+        return NOTHING
+    return slice(min(b.cols.start for b in blocks), max(b.cols.stop for b in blocks))
+
+
+def _shifted(block: Block, start: int) -> Block:
+    return Block(block.rows, slice(block.cols.start - start, block.cols.stop - start), block.causal, block.window_left)
+
+
 @functools.lru_cache(maxsize=64)
+def _ring_plans(
+    size: int,
+    piece_len: int,
+    *,
+    causal: bool,
+    layout: str,
+    cu_seqlens: tuple[int, ...] | None,
+    window: int | None,
+) -> tuple[tuple[Step, ...], ...]:
+    options = dict(causal=causal, layout=layout, bounds=cu_seqlens, window=window)
+    blocks = [[_source_blocks(r, (r - s) % size, size, piece_len, **options) for s in range(size)] for r in range(size)]
+    offsets = [s for s in range(size) if any(blocks[r][s] for r in range(size))]
+
+    def keys(rank: int, offset: int) -> slice:
+        return slice(0, piece_len) if offset == 0 else _rows_needed(blocks[rank][offset])
+
+    return tuple(
+        tuple(
+            Step(
+                source=s,
+                keys=keys(r, s),
+                send=keys((r + s) % size, s) if s else NOTHING,
+                blocks=tuple(_shifted(b, keys(r, s).start) for b in blocks[r][s]),
+            )
+            for s in offsets
+        )
+        for r in range(size)
+    )
+
+
 def plan_ring(
-    rank: int, size: int, piece_len: int, *, causal: bool, layout: str, cu_seqlens: tuple[int, ...] | None = None
-) -> tuple[tuple[Block, ...], ...]:
-    """The blocks ring rank ``rank`` computes at each ring step (an empty list = nothing to compute at that step).
+    rank: int,
+    size: int,
+    piece_len: int,
+    *,
+    causal: bool,
+    layout: str,
+    cu_seqlens: tuple[int, ...] | None = None,
+    window: int | None = None,
+) -> tuple[Step, ...]:
+    """The steps of ring rank ``rank``, in ring order; the first is always step 0 (its own piece).
 
     ``cu_seqlens`` are the document boundaries of the global sequence (``size * piece_len`` tokens), or None for
-    one document. With documents, the steps after the last one at which *any* rank computes something are dropped
-    (every rank gets the same number of steps), so K/V stop travelling once no rank needs them; a row whose
-    documents never cross a rank's piece runs one step and communicates nothing. The same plan drives the forward
-    and the backward pass, and every layer of a model sees the same row: plans are cached.
+    one document; ``window`` the sliding window (keys per query, itself included; needs ``causal``), or None.
+    Every rank gets the same steps (the same sources), so each send meets its receive; a rank may have nothing
+    to compute, send or receive at some of them. The same plan drives the forward and the backward pass, and
+    every layer of a model sees the same row: the plans of all ranks are computed together and cached.
     """
-    if cu_seqlens is None:
-        return tuple(
-            tuple(_dense_block(step, rank, size, piece_len, causal=causal, layout=layout)) for step in range(size)
-        )
-    plans = [_document_plan(r, size, piece_len, causal=causal, layout=layout, bounds=cu_seqlens) for r in range(size)]
-    steps = 1 + max(step for plan in plans for step, blocks in enumerate(plan) if blocks)
-    return tuple(tuple(blocks) for blocks in plans[rank][:steps])
-
-
-def _document_plan(
-    rank: int, size: int, piece_len: int, *, causal: bool, layout: str, bounds: Sequence[int]
-) -> list[list[Block]]:
-    local = piece_chunks(rank, size, piece_len, layout)
-    plan = []
-    for step in range(size):
-        remote = piece_chunks((rank - step) % size, size, piece_len, layout)
-        plan.append([b for q in local for k in remote for b in _document_blocks(q, k, bounds, causal=causal)])
-    return plan
+    return _ring_plans(size, piece_len, causal=causal, layout=layout, cu_seqlens=cu_seqlens, window=window)[rank]

@@ -39,16 +39,12 @@ def usp_attention_forward(
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """The transformers attention signature: q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` ->
-    (``[B, S_local, Hq, D]``, no weights). Causal; documents from ``cu_seq_lens_q``."""
+    (``[B, S_local, Hq, D]``, no weights). Causal; documents from ``cu_seq_lens_q``; the layer's
+    ``sliding_window`` (None on full-attention layers) becomes the window, with transformers' meaning."""
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by USP attention: set attention_dropout=0")
     if attention_mask is not None:
         raise ValueError("USP attention takes no attention_mask: pass document boundaries as cu_seq_lens_q")
-    if sliding_window is not None:
-        raise ValueError(
-            f"sliding-window attention (sliding_window={sliding_window}) is not supported by USP attention: set the "
-            f"model config's sliding_window to None"
-        )
     out = usp_attention(
         query.transpose(1, 2),  # [B, H, S, D] -> [B, S, H, D]
         key.transpose(1, 2),
@@ -59,6 +55,7 @@ def usp_attention_forward(
         layout=layout,
         scale=scaling,
         cu_seqlens=cu_seq_lens_q,
+        window=sliding_window,
     )
     return out, None
 

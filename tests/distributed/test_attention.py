@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
+from lctrain.attention.ring_blocks import Block, piece_chunks, visible_pairs
 from lctrain.testing import run_distributed
 from tests.reference import reference_grads
 
@@ -51,6 +52,7 @@ class Case:
     tokens_per_rank: int = 8
     # "one" document, or packed: "spanning" (one spans every shard), "random" lengths or "short" (4 tokens each)
     documents: str = "one"
+    window: int | None = None  # sliding window (keys per query, itself included)
 
     @property
     def seq_len(self) -> int:
@@ -74,7 +76,8 @@ class Case:
         dtype = str(self.dtype).removeprefix("torch.")
         docs = "" if self.documents == "one" else f"-docs_{self.documents}"
         heads = f"h{self.q_heads}kv{self.kv_heads}d{self.head_dim}"
-        return f"U{self.ulysses}R{self.ring}-{mask}-{self.layout}-{heads}-{dtype}{docs}"
+        window = "" if self.window is None else f"-window{self.window}"
+        return f"U{self.ulysses}R{self.ring}-{mask}-{self.layout}-{heads}-{dtype}{docs}{window}"
 
 
 HEADS = [(8, 8, 64), (8, 2, 80)]  # MHA with a power-of-two head_dim; GQA (Hkv < U when U >= 4) with head_dim 80
@@ -90,6 +93,22 @@ CASES = [
     for world in SPLITS
     for (u, r) in SPLITS[world]
     for causal, layout, documents in itertools.product((True, False), ("zigzag", "contiguous"), ("spanning", "random"))
+]
+
+
+def windows(ulysses: int, ring: int, layout: str) -> list[int]:
+    """Windows smaller than, equal to and larger than a ring rank's chunk, and larger than the sequence."""
+    piece = 8 * ulysses  # tokens of a ring rank (8 per rank, gathered over its Ulysses group)
+    chunk = piece // 2 if layout == "zigzag" and ring > 1 else piece
+    return [chunk - 1, chunk, chunk + 3, piece * ring + 1]
+
+
+WINDOW_SPLITS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (2, 4), (1, 8)]
+CASES += [  # sliding windows: causal, GQA with head_dim 80, fp32, packed rows
+    Case(u, r, True, layout, 8, 2, 80, torch.float32, documents=documents, window=window)
+    for (u, r) in WINDOW_SPLITS
+    for layout, documents in itertools.product(("zigzag", "contiguous"), ("spanning", "random"))
+    for window in windows(u, r, layout)
 ]
 
 
@@ -148,6 +167,7 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
         causal=case.causal,
         layout=case.layout,
         cu_seqlens=cu_seqlens,
+        window=case.window,
     )
     out.backward(dout)
     world = case.ring * case.ulysses
@@ -157,41 +177,73 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
     ]
 
 
+Call = tuple[str, int, int, bool, int | None]  # (pass, query rows, key rows, causal, window_left)
+
+
 class CountingKernel:
-    """Wraps the resolved kernel and records every call as (query rows, key rows, causal)."""
+    """Wraps the resolved kernel and records every call as a ``Call``."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int, bool]] = []
+        self.calls: list[Call] = []
 
     def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
         inner = resolve_kernel(device, dtype)
 
-        def forward(q, k, v, *, causal, scale):  # noqa: ANN001, ANN202
-            self.calls.append(("fwd", q.shape[1], k.shape[1], causal))
-            return inner.forward(q, k, v, causal=causal, scale=scale)
+        def forward(q, k, v, *, causal, scale, window_left):  # noqa: ANN001, ANN202
+            self.calls.append(("fwd", q.shape[1], k.shape[1], causal, window_left))
+            return inner.forward(q, k, v, causal=causal, scale=scale, window_left=window_left)
 
-        def backward(dout, q, k, v, out, lse, *, causal, scale):  # noqa: ANN001, ANN202
-            self.calls.append(("bwd", q.shape[1], k.shape[1], causal))
-            return inner.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        def backward(dout, q, k, v, out, lse, *, causal, scale, window_left):  # noqa: ANN001, ANN202
+            self.calls.append(("bwd", q.shape[1], k.shape[1], causal, window_left))
+            return inner.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window_left=window_left)
 
         return AttentionKernel(f"counting_{inner.name}", forward, backward)
 
 
+@dataclass
+class Counts:
+    """One rank's kernel calls in one fwd+bwd, its P2P exchanges (``batch_isend_irecv`` calls) and the elements
+    it sent."""
+
+    calls: list[Call]
+    exchanges: int
+    sent: int
+
+
 def count_kernel_calls(
-    ring: int, layout: str, causal: bool, seq_len: int, documents: str = "one"
-) -> tuple[list[tuple[str, int, int, bool]], int]:
-    """This rank's kernel calls in one fwd+bwd of pure ring attention (ulysses 1), and its P2P exchanges."""
+    ring: int, layout: str, causal: bool, seq_len: int, documents: str = "one", window: int | None = None
+) -> Counts:
+    """Counts of pure ring attention (ulysses 1) on this rank, 4 heads of 16 dims."""
     case = Case(
-        1, ring, causal, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=seq_len // ring, documents=documents
+        1,
+        ring,
+        causal,
+        layout,
+        4,
+        4,
+        16,
+        torch.float32,
+        batch=1,
+        tokens_per_rank=seq_len // ring,
+        documents=documents,
+        window=window,
     )
     counter = CountingKernel()
+    counts = Counts(counter.calls, 0, 0)
     groups = _groups(ring, 1)
+    exchange = dist.batch_isend_irecv
+
+    def counting_exchange(ops: list[dist.P2POp]) -> list:
+        counts.exchanges += 1
+        counts.sent += sum(op.tensor.numel() for op in ops if op.op is dist.isend)
+        return exchange(ops)
+
     with (
         mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve),
-        mock.patch.object(dist, "batch_isend_irecv", wraps=dist.batch_isend_irecv) as exchanges,
+        mock.patch.object(dist, "batch_isend_irecv", counting_exchange),
     ):
         run_usp(case, *groups)
-    return counter.calls, exchanges.call_count
+    return counts
 
 
 def bad_input_errors(world: int) -> dict[str, str]:
@@ -218,6 +270,8 @@ def bad_input_errors(world: int) -> dict[str, str]:
         ring_group=ulysses_group,
         cu_seqlens=torch.tensor([0, 4 * world + 1], dtype=torch.int32),
     )
+    attempt("window", shapes=[(1, 4, 4, 8)] * 3, ring_group=ulysses_group, window=0)
+    attempt("window_not_causal", shapes=[(1, 4, 4, 8)] * 3, ulysses_group=ulysses_group, causal=False, window=2)
     return errors
 
 
@@ -234,12 +288,12 @@ def rounding_to_bf16(device: torch.device, dtype: torch.dtype) -> AttentionKerne
     """The resolved kernel with every block result rounded to bf16, as a native-bf16 kernel (CUDA) returns it."""
     inner = resolve_kernel(device, dtype)
 
-    def forward(q, k, v, *, causal, scale):  # noqa: ANN001, ANN202
-        out, lse = inner.forward(q, k, v, causal=causal, scale=scale)
+    def forward(q, k, v, **options):  # noqa: ANN001, ANN003, ANN202
+        out, lse = inner.forward(q, k, v, **options)
         return out.to(q.dtype), lse
 
-    def backward(*args, causal, scale):  # noqa: ANN001, ANN002, ANN202
-        return tuple(grad.to(args[1].dtype) for grad in inner.backward(*args, causal=causal, scale=scale))
+    def backward(*args, **options):  # noqa: ANN002, ANN003, ANN202
+        return tuple(grad.to(args[1].dtype) for grad in inner.backward(*args, **options))
 
     return AttentionKernel(f"bf16_rounding_{inner.name}", forward, backward)
 
@@ -273,13 +327,13 @@ def world_job(world: int) -> dict:
                 results["cases"][str(case)] = run_usp(case, *groups)
     if world > 1:
         results["errors"] = bad_input_errors(world)
-        results["calls"], results["exchanges"] = {}, {}
+        results["counts"] = {}
         cases = [(layout, causal, "one") for layout in ("zigzag", "contiguous") for causal in (True, False)]
         for layout, causal, documents in [*cases, ("zigzag", True, "short")]:
             key = (layout, causal) if documents == "one" else (layout, causal, documents)
-            results["calls"][key], results["exchanges"][key] = count_kernel_calls(
-                world, layout, causal, 16 * world, documents
-            )
+            results["counts"][key] = count_kernel_calls(world, layout, causal, 16 * world, documents)
+        for layout in ("zigzag", "contiguous"):  # 16 tokens per rank, chunks of 8 (zigzag) or 16, window 4
+            results["counts"][(layout, "window")] = count_kernel_calls(world, layout, True, 16 * world, window=4)
     if world == 8:
         results["bf16_growth"] = {
             (u, r, round_blocks): run_bf16_growth(u, r, round_blocks)
@@ -302,7 +356,7 @@ def test_usp_matches_float64_reference(case: Case) -> None:
     world = case.ring * case.ulysses
     got = results_for(world)[0]["cases"][str(case)]
     q, k, v, dout = make_inputs(case)
-    expected = reference_grads(q, k, v, dout, causal=case.causal, bounds=case.bounds)
+    expected = reference_grads(q, k, v, dout, causal=case.causal, bounds=case.bounds, window=case.window)
     if case.dtype == torch.float32:
         tolerances = [dict(atol=1e-5, rtol=0)] + [dict(atol=3e-5, rtol=0)] * 3
     else:
@@ -338,17 +392,26 @@ def test_bf16_error_does_not_grow_with_world_size(split: tuple[int, int], round_
         assert distributed_error <= 1.5 * single_error, (name, distributed_error, single_error)
 
 
-def _work(calls: list[tuple[str, int, int, bool]]) -> float:
-    """Query×key pairs a rank computed (a causal diagonal block counts half)."""
-    return sum(rows * cols * (0.5 if causal else 1.0) for _, rows, cols, causal in calls)
+def _work(calls: list[Call]) -> float:
+    """Query×key pairs a rank computed (a causal diagonal block counts half; ``visible_pairs`` for bands)."""
+    return sum(
+        visible_pairs(Block(slice(0, rows), slice(0, cols), causal, window_left))
+        if window_left is not None
+        else rows * cols * (0.5 if causal else 1.0)
+        for _, rows, cols, causal, window_left in calls
+    )
+
+
+def _counts(world: int, key: tuple) -> list[Counts]:
+    return [rank_result["counts"][key] for rank_result in results_for(world)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_zigzag_balances_causal_work(world: int) -> None:
-    per_rank = [rank_result["calls"][("zigzag", True)] for rank_result in results_for(world)]
+    per_rank = [counts.calls for counts in _counts(world, ("zigzag", True))]
     assert all(len(calls) == 2 * world for calls in per_rank)  # one fwd and one bwd call per ring step
-    # K/V move R - 1 times in each pass, dK/dV R times in the backward
-    assert all(rank_result["exchanges"][("zigzag", True)] == 3 * world - 2 for rank_result in results_for(world))
+    # K/V are fetched R - 1 times in each pass, dK/dV returned R - 1 times in the backward
+    assert all(counts.exchanges == 3 * world - 3 for counts in _counts(world, ("zigzag", True)))
     assert len({_work(calls) for calls in per_rank}) == 1
     # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
     full_work = 2 * world * (16 * world // world) ** 2
@@ -360,18 +423,18 @@ def test_documents_skip_blocks_no_query_can_see(world: int) -> None:
     """Documents of 4 tokens never cross a zigzag chunk (8 tokens): each rank computes its 2 + 2 documents at
     step 0, as causal 4x4 squares, and the ring stops there: no K/V is sent at all."""
     for rank_result in results_for(world):
-        calls = rank_result["calls"][("zigzag", True, "short")]
-        assert sorted(calls) == sorted([("fwd", 4, 4, True)] * 4 + [("bwd", 4, 4, True)] * 4)
-        assert _work(rank_result["calls"][("zigzag", True)]) == 4 * world * _work(calls)  # 1/(4R) of the work
-        assert rank_result["exchanges"][("zigzag", True, "short")] == 0  # no rank needs another's K/V
+        calls = rank_result["counts"][("zigzag", True, "short")].calls
+        assert sorted(calls) == sorted([("fwd", 4, 4, True, None)] * 4 + [("bwd", 4, 4, True, None)] * 4)
+        assert _work(rank_result["counts"][("zigzag", True)].calls) == 4 * world * _work(calls)  # 1/(4R) of it
+        assert rank_result["counts"][("zigzag", True, "short")].exchanges == 0  # no rank needs another's K/V
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_contiguous_causal_skips_masked_blocks(world: int) -> None:
-    per_rank = [rank_result["calls"][("contiguous", True)] for rank_result in results_for(world)]
+    per_rank = [counts.calls for counts in _counts(world, ("contiguous", True))]
     # Rank r sees keys of ranks 0..r only: r + 1 forward and r + 1 backward calls; later blocks are skipped.
     assert [len(calls) for calls in per_rank] == [2 * (rank + 1) for rank in range(world)]
-    non_causal = [rank_result["calls"][("contiguous", False)] for rank_result in results_for(world)]
+    non_causal = [counts.calls for counts in _counts(world, ("contiguous", False))]
     assert [len(calls) for calls in non_causal] == [2 * world] * world
 
 
@@ -388,3 +451,29 @@ def test_bad_input_errors_name_the_setting(world: int) -> None:
             f"cu_seqlens ends at {4 * world + 1} but the sharded sequence has {4 * world} tokens"
             in errors["cu_seqlens"]
         )
+        assert "window=0 must be a positive int" in errors["window"]
+        assert "window=2 needs causal=True" in errors["window_not_causal"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_small_window_computes_the_band_and_sends_only_its_edge(world: int, layout: str) -> None:
+    """Window 4 on 16 tokens per rank: each query's work is the keys it sees (min(4, position + 1)), so a rank's
+    work is its tokens x window at most; what travels are the 3 tokens before a chunk, from the ring neighbour
+    that holds them (zigzag: up to two neighbours), and no other step sends or computes anything."""
+    window, tokens, heads, dim = 4, 16, 4, 16
+    for rank, counts in enumerate(_counts(world, (layout, "window"))):
+        chunks = piece_chunks(rank, world, tokens, layout)
+        positions = [p for chunk in chunks for p in range(chunk.start, chunk.stop)]
+        band = sum(min(window, p + 1) for p in positions)
+        assert _work([c for c in counts.calls if c[0] == "fwd"]) == band <= tokens * window
+        assert _work([c for c in counts.calls if c[0] == "bwd"]) == band
+        # A chunk's last window - 1 tokens go to the rank holding the next chunk, if another; K/V travel in the
+        # forward and again in the backward, which returns dK/dV of what this rank fetched to their owners.
+        starts = {c.start: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
+        stops = {c.stop: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
+        sending = sum(starts.get(chunk.stop, rank) != rank for chunk in chunks)
+        fetching = sum(stops.get(chunk.start, rank) != rank for chunk in chunks)
+        assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim
+        steps = 2 if layout == "contiguous" or world == 2 else 3  # sources 0, 1 (and R - 1 for zigzag)
+        assert counts.exchanges == 3 * (steps - 1)  # fetch, fetch again, return dK/dV at each other step

@@ -6,7 +6,8 @@ token-summed cross-entropy (``chunked_cross_entropy``) divided by the number of 
 context-parallel group, and the
 gradients are summed over that group (each rank's are partial sums over its tokens). The reference runs the plain
 model (sdpa attention) on each document separately. Tolerances (fp32): loss within 1e-5 relative; every parameter
-gradient within 1e-5 absolute + 1e-4 relative.
+gradient within 1e-5 absolute + 1e-4 relative. ``mistral_window`` is Mistral with a sliding window of 5 tokens:
+transformers' own sliding-window mask in the reference, the window of USP attention in the sharded model.
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.testing import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
 
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+FAMILIES = {  # name: config class, model class, sliding window
+    "llama": (LlamaConfig, LlamaForCausalLM, None),
+    "mistral": (MistralConfig, MistralForCausalLM, None),
+    "mistral_window": (MistralConfig, MistralForCausalLM, 5),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, None),
 }
 MESHES = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)], 8: [(4, 2), (2, 4)]}  # (ring, ulysses) per world size
 CASES = [(world, ring, ulysses, "llama") for world, meshes in MESHES.items() for ring, ulysses in meshes] + [
     (4, 2, 2, "mistral"),
+    (4, 2, 2, "mistral_window"),
     (4, 2, 2, "qwen2"),
 ]
 VOCAB = 97
 
 
 def build_model(family: str) -> torch.nn.Module:
-    config_cls, model_cls = FAMILIES[family]
+    config_cls, model_cls, sliding_window = FAMILIES[family]
     config = config_cls(
         hidden_size=64,
         intermediate_size=128,
@@ -49,7 +52,7 @@ def build_model(family: str) -> torch.nn.Module:
         num_key_value_heads=2,
         vocab_size=VOCAB,
         max_position_embeddings=1024,
-        sliding_window=None,
+        sliding_window=sliding_window,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)

@@ -84,3 +84,58 @@ def test_bad_cu_seqlens(cu_seqlens: torch.Tensor, message: str) -> None:
     for fn in (ring_attention, ulysses_attention, usp_attention):
         with pytest.raises(ValueError, match=message):
             fn(q, q, q, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("window", [1, 5, 17])
+def test_sliding_window_inside_documents(fn, window: int) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(window)
+    q, k, v, dout = (torch.randn(2, 40, h, 80, generator=gen) for h in (8, 2, 2, 8))
+    bounds = [0, 1, 9, 10, 33, 40]  # a document longer than the window, and shorter ones
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, cu_seqlens=torch.tensor(bounds, dtype=torch.int32), window=window)
+    out.backward(dout)
+    expected = reference_grads(q, k, v, dout, causal=True, bounds=bounds, window=window)
+    torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=0)
+    for grad, reference in zip((q.grad, k.grad, v.grad), expected[1:]):
+        torch.testing.assert_close(grad.double(), reference, atol=3e-5, rtol=0)
+
+
+def test_window_of_the_sequence_length_or_more_is_no_window() -> None:
+    q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
+    plain = ring_attention(q, k, v)
+    for window in (12, 13, 1000):
+        assert torch.equal(ring_attention(q, k, v, window=window), plain)
+    assert not torch.equal(ring_attention(q, k, v, window=11), plain)
+
+
+def test_window_is_hugging_face_sliding_window() -> None:
+    """The keys each query sees equal transformers' sliding_window_causal_mask_function (what its sdpa/eager
+    masks use; its flash-attn path passes window_size=(W - 1, W - 1) with causal=True, the same keys)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    seq, window = 12, 4
+    positions = torch.arange(seq)
+    hf = sliding_window_causal_mask_function(window)(torch.tensor(0), torch.tensor(0), positions[:, None], positions)
+    assert hf.sum(dim=1).tolist() == [min(i + 1, window) for i in range(seq)]
+    q = k = torch.zeros(1, seq, 1, 4, dtype=torch.float64)  # equal scores: each query averages what it sees
+    v = torch.eye(seq, dtype=torch.float64)[None, :, None]  # value j = one-hot j
+    seen = reference_attention(q, k, v, window=window)[0, :, 0] > 0
+    assert torch.equal(seen, hf)
+
+
+@pytest.mark.parametrize(
+    "window,causal,message",
+    [
+        (0, True, r"window=0 must be a positive int"),
+        (-3, True, r"window=-3 must be a positive int"),
+        (2.5, True, r"window=2.5 must be a positive int"),
+        (True, True, r"window=True must be a positive int"),
+        (4, False, r"window=4 needs causal=True"),
+    ],
+)
+def test_bad_window(window, causal: bool, message: str) -> None:  # noqa: ANN001
+    q = torch.randn(1, 8, 2, 16)
+    for fn in (ring_attention, ulysses_attention, usp_attention, reference_attention):
+        with pytest.raises(ValueError, match=message):
+            fn(q, q, q, causal=causal, window=window)

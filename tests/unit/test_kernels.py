@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lctrain.attention import kernels
 from lctrain.attention.kernels import REFERENCE, TORCH_CPU_FLASH, reference_attention, resolve_kernel
 from lctrain.attention.merge import merge_block
 
@@ -88,3 +89,51 @@ def test_merge_ignores_rows_that_saw_no_key() -> None:
 def test_resolver_on_cpu() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert resolve_kernel(torch.device("cpu"), dtype) is TORCH_CPU_FLASH
+
+
+BANDS = [  # (q_len, k_len, q_heads, kv_heads, head_dim, causal, window_left): every row sees a key
+    (16, 16, 4, 4, 64, True, 3),  # a diagonal block cut by a window of 4
+    (16, 16, 8, 2, 80, True, 0),  # window 1: each query sees itself only
+    (12, 20, 8, 2, 80, False, 2),  # earlier keys, the window's edge crossing the block
+    (20, 6, 6, 1, 32, False, 15),  # taller than wide
+]
+
+
+def band_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int) -> list:
+    """out, lse of float64 math attention where row a sees columns b with a - window_left <= b (<= a if causal);
+    q, k, v come back as float64 leaves for the gradients."""
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    rows, cols = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+    visible = (cols >= rows - window_left) & ((cols <= rows) if causal else True)
+    groups = q.shape[2] // k.shape[2]
+    scores = q64.transpose(1, 2) @ k64.transpose(1, 2).repeat_interleave(groups, 1).transpose(-1, -2) * SCALE
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = (scores.softmax(-1) @ v64.transpose(1, 2).repeat_interleave(groups, 1)).transpose(1, 2)
+    return [out, scores.logsumexp(-1).detach(), q64, k64, v64]
+
+
+@pytest.mark.parametrize("tile_rows", [4, 256], ids=["tiles_of_4", "one_tile"])
+@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("band", BANDS, ids=str)
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 2e-6)], ids=["fp64", "fp32"])
+def test_kernel_applies_the_window_band(kernel, band, tile_rows: int, dtype, atol, monkeypatch) -> None:  # noqa: ANN001
+    """Banded blocks (kernels without a window split them in row tiles) against float64 masked math."""
+    monkeypatch.setattr(kernels, "BAND_TILE_ROWS", tile_rows)
+    q_len, k_len, hq, hkv, dim, causal, window_left = band
+    q, k, v, dout = make(q_len, k_len, hq, hkv, dim, dtype)
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE, window_left=window_left)
+    expected, expected_lse, q64, k64, v64 = band_reference(q, k, v, causal, window_left)
+    expected.backward(dout.double())
+    torch.testing.assert_close(out.double(), expected.detach(), atol=atol, rtol=0)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=atol, rtol=0)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, window_left=window_left)
+    for grad, reference in zip(grads, (q64.grad, k64.grad, v64.grad)):
+        assert grad.shape == reference.shape
+        torch.testing.assert_close(grad.double(), reference, atol=5 * atol, rtol=0)
+
+
+def test_band_tiles_cover_only_the_keys_their_rows_see(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(kernels, "BAND_TILE_ROWS", 4)
+    tiles = kernels.band_tiles(10, 10, causal=True, window_left=2)
+    assert tiles == [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(2, 8)), (slice(8, 10), slice(6, 10))]
+    assert kernels.band_tiles(6, 9, causal=False, window_left=5)[1] == (slice(4, 6), slice(0, 9))

@@ -1,4 +1,7 @@
-"""ParallelDims checks and the patched attention's refusals (the parity itself: tests/distributed)."""
+"""ParallelDims checks, the patched attention's refusals and its sliding window (the parity itself:
+tests/distributed)."""
+
+import copy
 
 import pytest
 import torch
@@ -48,10 +51,21 @@ def test_patched_model_refuses_what_it_cannot_do_exactly() -> None:
     model.train()
     with pytest.raises(ValueError, match="attention dropout=0.1 is not supported"):
         model(input_ids=ids)
-    mistral = tiny(MistralForCausalLM, MistralConfig, sliding_window=8)
-    patch_attention(mistral, ulysses_group=None, ring_group=None)
-    with pytest.raises(ValueError, match="sliding_window=8"):
-        mistral(input_ids=ids)
+
+
+def test_patched_model_keeps_the_sliding_window() -> None:
+    """The layer's sliding_window reaches USP attention as its window: logits equal the plain model's (sdpa with
+    transformers' own sliding-window mask), and differ from the same model without a window."""
+    ids = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = tiny(MistralForCausalLM, MistralConfig, sliding_window=5, attn_implementation="sdpa")
+    patched = copy.deepcopy(plain)
+    patch_attention(patched, ulysses_group=None, ring_group=None)
+    with torch.no_grad():
+        expected = plain(input_ids=ids).logits
+        torch.testing.assert_close(patched(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        plain.config.sliding_window = None
+        assert (plain(input_ids=ids).logits - expected).abs().max() > 1e-3
 
 
 def test_patch_selects_the_registered_implementation() -> None:

@@ -1,11 +1,12 @@
-"""The ring plan computes exactly the visible (query, key) pairs, each once, and skips everything else."""
+"""The ring plan computes exactly the visible (query, key) pairs, each once, fetches only the keys it uses, and
+skips everything else."""
 
 import random
 
 import pytest
 import torch
 
-from lctrain.attention.ring_blocks import piece_chunks, plan_ring
+from lctrain.attention.ring_blocks import Block, piece_chunks, plan_ring, visible_pairs
 
 
 def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str) -> torch.Tensor:
@@ -13,28 +14,42 @@ def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str
     return torch.cat([torch.arange(c.start, c.stop) for c in chunks])
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, bounds: list[int] | None, causal: bool) -> torch.Tensor:
-    """The true mask [Sq, Sk]: same document and, when causal, key not after query."""
+def visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, bounds: list[int] | None, causal: bool, window: int | None = None
+) -> torch.Tensor:
+    """The true mask [Sq, Sk]: same document, key not after query when causal, fewer than ``window`` back."""
     allowed = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
     if bounds is not None:
         edges = torch.tensor(bounds[1:-1])
         allowed &= torch.bucketize(q_pos, edges, right=True)[:, None] == torch.bucketize(k_pos, edges, right=True)
     if causal:
         allowed &= q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
     return allowed
 
 
-def covered(blocks, piece_len: int) -> torch.Tensor:  # noqa: ANN001
-    """How many times the plan's blocks compute each (local query, received key) pair."""
+def block_mask(block: Block) -> torch.Tensor:
+    """The (query row, key column) pairs a kernel computes for ``block`` (module doc of kernels.py)."""
+    rows = torch.arange(block.rows.stop - block.rows.start)[:, None]
+    cols = torch.arange(block.cols.stop - block.cols.start)[None, :]
+    mask = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
+    if block.causal:
+        assert rows.shape[0] == cols.shape[1]
+        mask &= cols <= rows
+    if block.window_left is not None:
+        mask &= cols >= rows - block.window_left
+    return mask
+
+
+def covered(blocks, piece_len: int, keys: slice) -> torch.Tensor:  # noqa: ANN001
+    """How many times the plan's blocks compute each (local query, source key) pair."""
     count = torch.zeros(piece_len, piece_len, dtype=torch.int64)
     for block in blocks:
-        rows = block.rows.stop - block.rows.start
-        cols = block.cols.stop - block.cols.start
-        tile = torch.ones(rows, cols, dtype=torch.int64)
-        if block.causal:
-            assert rows == cols
-            tile = tile.tril()
-        count[block.rows, block.cols] += tile
+        cols = slice(keys.start + block.cols.start, keys.start + block.cols.stop)
+        mask = block_mask(block)
+        assert visible_pairs(block) == mask.sum()
+        count[block.rows, cols] += mask.long()
     return count
 
 
@@ -45,6 +60,43 @@ def random_bounds(seq_len: int, rng: random.Random) -> list[int]:
     return [0, *cuts, seq_len]
 
 
+def plans_for(ring_size: int, piece_len: int, **options) -> list:  # noqa: ANN003
+    return [plan_ring(rank, ring_size, piece_len, **options) for rank in range(ring_size)]
+
+
+def check_plans(plans: list, ring_size: int, piece_len: int, layout: str, bounds, causal: bool, window) -> None:  # noqa: ANN001
+    """Every visible pair computed once, nothing else; keys fetched = what the blocks use = what the owner sends."""
+    sources = [step.source for step in plans[0]]
+    assert sources[0] == 0 and sources == sorted(set(sources))
+    assert all(plan[0].keys == slice(0, piece_len) and plan[0].send == slice(0, 0) for plan in plans)
+    assert all([step.source for step in plan] == sources for plan in plans)  # every rank runs the same steps
+    for index in range(len(sources)):  # and each of them is needed by some rank
+        assert any(plan[index].blocks for plan in plans)
+    for rank, plan in enumerate(plans):
+        q_pos = global_positions(rank, ring_size, piece_len, layout)
+        steps = {step.source: step for step in plan}
+        for source in range(ring_size):  # offsets that are not steps must have nothing to compute
+            step = steps.get(source)
+            blocks, keys = (step.blocks, step.keys) if step else ((), slice(0, 0))
+            k_pos = global_positions((rank - source) % ring_size, ring_size, piece_len, layout)
+            expected = visible(q_pos, k_pos, bounds, causal, window).long()
+            msg = f"{bounds} w{window} r{rank} s{source}"
+            torch.testing.assert_close(covered(blocks, piece_len, keys), expected, msg=msg)
+            if step is None or source == 0:
+                continue
+            used = [i for b in blocks for i in range(keys.start + b.cols.start, keys.start + b.cols.stop)]
+            assert (keys.start, keys.stop) == ((min(used), max(used) + 1) if used else (0, 0)), msg
+            assert step.send == plans[(rank + source) % ring_size][plan.index(step)].keys, msg
+        for step in plan:
+            for block in step.blocks:
+                if block.window_left is not None:  # a band: every row sees a key (kernels rely on it) ...
+                    assert block_mask(block).any(dim=1).all()
+                    # ... and flash-attn's bottom-right left edge is not negative (negative = no limit)
+                    assert (
+                        block.window_left + (block.cols.stop - block.cols.start) >= block.rows.stop - block.rows.start
+                    )
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 8])
@@ -53,52 +105,63 @@ def test_plan_covers_exactly_the_visible_pairs(ring_size: int, causal: bool, lay
     piece_len = 6
     seq_len = piece_len * ring_size
     for bounds in [None, [0, seq_len], *(random_bounds(seq_len, rng) for _ in range(8))]:
-        plans = [
-            plan_ring(
-                rank,
-                ring_size,
-                piece_len,
-                causal=causal,
-                layout=layout,
-                cu_seqlens=None if bounds is None else tuple(bounds),
-            )
-            for rank in range(ring_size)
-        ]
-        assert len({len(plan) for plan in plans}) == 1  # every rank runs the same number of ring steps
-        assert any(plan[-1] for plan in plans)  # and the last one is needed by some rank
-        for rank, plan in enumerate(plans):
-            q_pos = global_positions(rank, ring_size, piece_len, layout)
-            for step in range(ring_size):  # steps past the plan's end must have nothing to compute
-                blocks = plan[step] if step < len(plan) else []
-                k_pos = global_positions((rank - step) % ring_size, ring_size, piece_len, layout)
-                expected = visible(q_pos, k_pos, bounds, causal).long()
-                torch.testing.assert_close(covered(blocks, piece_len), expected, msg=f"{bounds} r{rank} s{step}")
+        cu_seqlens = None if bounds is None else tuple(bounds)
+        plans = plans_for(ring_size, piece_len, causal=causal, layout=layout, cu_seqlens=cu_seqlens)
+        check_plans(plans, ring_size, piece_len, layout, bounds, causal, None)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 5, 8])
+def test_window_plan_covers_exactly_the_visible_pairs(ring_size: int, layout: str) -> None:
+    """Windows of 1, smaller than, equal to and larger than a chunk, spanning several chunks, and the whole row."""
+    rng = random.Random(ring_size)
+    piece_len = 8
+    seq_len = piece_len * ring_size
+    chunk = piece_len // 2 if layout == "zigzag" and ring_size > 1 else piece_len
+    windows = sorted({1, 2, chunk - 1, chunk, chunk + 1, 2 * chunk + 3, seq_len - 1, seq_len})
+    for window in windows:
+        for bounds in [None, *(random_bounds(seq_len, rng) for _ in range(4))]:
+            cu_seqlens = None if bounds is None else tuple(bounds)
+            plans = plans_for(ring_size, piece_len, causal=True, layout=layout, cu_seqlens=cu_seqlens, window=window)
+            check_plans(plans, ring_size, piece_len, layout, bounds, True, window)
 
 
 def work(plan) -> int:  # noqa: ANN001
-    total = 0
-    for blocks in plan:
-        for b in blocks:
-            rows, cols = b.rows.stop - b.rows.start, b.cols.stop - b.cols.start
-            total += rows * (rows + 1) // 2 if b.causal else rows * cols
-    return total
+    return sum(visible_pairs(b) for step in plan for b in step.blocks)
 
 
 def test_documents_skip_blocks_on_a_row_of_short_documents() -> None:
     """A 64K-token row of 128-token documents on a ring of 8: off-diagonal steps cost nothing."""
     ring_size, seq_len, doc_len = 8, 65536, 128
-    bounds = list(range(0, seq_len + 1, doc_len))
+    bounds = tuple(range(0, seq_len + 1, doc_len))
     piece_len = seq_len // ring_size
     for rank in range(ring_size):
         dense = plan_ring(rank, ring_size, piece_len, causal=True, layout="zigzag")
-        packed = plan_ring(
-            rank,
-            ring_size,
-            piece_len,
-            causal=True,
-            layout="zigzag",
-            cu_seqlens=None if bounds is None else tuple(bounds),
-        )
+        packed = plan_ring(rank, ring_size, piece_len, causal=True, layout="zigzag", cu_seqlens=bounds)
         assert len(packed) == 1  # no document crosses a chunk boundary: one step, no communication
-        assert work(packed) == 2 * (piece_len // 2 // doc_len) * doc_len * (doc_len + 1) // 2
+        assert sum(b.causal for b in packed[0].blocks) == len(packed[0].blocks) == piece_len // doc_len
         assert work(packed) * 50 < work(dense)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_small_window_fetches_only_the_window_from_neighbours(layout: str) -> None:
+    """Window W <= chunk: each chunk needs the W - 1 tokens before it, held by a ring neighbour (zigzag: the one
+    before for the first chunk, the one after for the second); no other rank sends anything."""
+    ring_size, piece_len, window = 8, 1024, 100
+    chunk = piece_len // 2 if layout == "zigzag" else piece_len
+    plans = plans_for(ring_size, piece_len, causal=True, layout=layout, window=window)
+    sources = [step.source for step in plans[0]]
+    assert sources == ([0, 1, ring_size - 1] if layout == "zigzag" else [0, 1])
+    for rank, plan in enumerate(plans):
+        steps = {step.source: step for step in plan}
+        before = steps[1].keys  # the tail of the previous chunk, from ring rank - 1
+        assert (before.stop - before.start) == (0 if rank == 0 else window - 1)
+        if rank:
+            assert before == slice(chunk - window + 1, chunk)
+        if layout == "zigzag":  # the second chunk's predecessor is the second chunk of ring rank + 1
+            after = steps[ring_size - 1].keys
+            expected = slice(0, 0) if rank == ring_size - 1 else slice(piece_len - window + 1, piece_len)
+            assert after == expected  # ring rank R - 1's chunks R - 1 and R are adjacent: its own piece
+        # work: every query sees min(window, position + 1) keys
+        positions = global_positions(rank, ring_size, piece_len, layout)
+        assert work(plan) == int(torch.clamp(positions + 1, max=window).sum())

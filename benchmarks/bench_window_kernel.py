@@ -1,0 +1,86 @@
+"""A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way).
+
+    python benchmarks/bench_window_kernel.py [--rows 4096] [--windows 512 2048] [--tiles 64 128 256 512 1024]
+
+The block is a diagonal (causal) block of ``--rows`` queries cut by a window of W keys, as the ring plan gives a
+rank's chunk when W is smaller than the chunk. Forward+backward, fp32, median of ``--iters`` runs after a warm-up:
+
+- ``one masked call``: the op once over the whole block with an additive mask of the band (``rows²`` pairs);
+- ``row tiles of T``: ``TORCH_CPU_FLASH`` with ``BAND_TILE_ROWS = T``: each T queries against only the keys they
+  see, masked (``rows × (T + W)`` pairs);
+- ``plain causal block``: the same block without a window, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+
+from lctrain.attention import kernels
+from lctrain.attention.kernels import TORCH_CPU_FLASH, visible_keys
+
+
+def timed(fn, iters: int) -> float:  # noqa: ANN001
+    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up."""
+    times = []
+    for _ in range(iters + 1):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[iters // 2]
+
+
+def kernel_pass(tensors: list[torch.Tensor], scale: float, window_left: int | None) -> None:
+    """Forward + backward of ``TORCH_CPU_FLASH`` on a causal block (row tiles when ``window_left`` is set)."""
+    q, k, v, dout = tensors
+    out, lse = TORCH_CPU_FLASH.forward(q, k, v, causal=True, scale=scale, window_left=window_left)
+    TORCH_CPU_FLASH.backward(dout, q, k, v, out, lse, causal=True, scale=scale, window_left=window_left)
+
+
+def masked_pass(tensors: list[torch.Tensor], scale: float, visible: torch.Tensor) -> None:
+    """Forward + backward of the CPU op once over the whole block, with an additive mask of the band."""
+    q, k, v, dout = tensors
+    out, lse = kernels._cpu_attend(q, k, v, visible, scale)
+    kernels._cpu_attend_backward(dout, q, k, v, out, lse, visible, scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--windows", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--tiles", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1, args.rows, args.heads, args.head_dim, generator=gen) for _ in range(4)]
+    scale = args.head_dim**-0.5
+    print(
+        f"CPU, {args.threads} thread(s), torch {torch.__version__}, fp32, {args.heads} heads x {args.head_dim}, "
+        f"diagonal block of {args.rows} queries, forward+backward, median of {args.iters}"
+    )
+    print("| window | way | ms | pairs computed / pairs seen |")
+    print("|---|---|---|---|")
+    plain = timed(functools.partial(kernel_pass, tensors, scale, None), args.iters)
+    for window in args.windows:
+        seen = sum(min(window, row + 1) for row in range(args.rows))
+        visible = visible_keys(args.rows, args.rows, causal=True, window_left=window - 1, device=torch.device("cpu"))
+        ms = timed(functools.partial(masked_pass, tensors, scale, visible), args.iters) * 1e3
+        print(f"| {window} | one masked call | {ms:.0f} | {args.rows**2 / seen:.2f} |")
+        for tile in args.tiles:
+            kernels.BAND_TILE_ROWS = tile
+            tiles = kernels.band_tiles(args.rows, args.rows, causal=True, window_left=window - 1)
+            computed = sum((r.stop - r.start) * (c.stop - c.start) for r, c in tiles)
+            ms = timed(functools.partial(kernel_pass, tensors, scale, window - 1), args.iters) * 1e3
+            print(f"| {window} | row tiles of {tile} | {ms:.0f} | {computed / seen:.2f} |")
+        print(f"| {window} | plain causal block (no window) | {plain * 1e3:.0f} | {args.rows**2 / 2 / seen:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
