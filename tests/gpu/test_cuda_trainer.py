@@ -2,12 +2,14 @@
 fp32 on the same GPU: the loss of the first step and its gradients. Skipped without CUDA.
 
 Tolerances are those of bf16 compute: loss within 1e-2 relative, gradients within 5e-2 relative Frobenius error.
-Then 30 steps: the loss falls.
+Then 30 steps: the loss falls. A training step (after the first) makes one synchronizing CUDA call, the read-back of
+the logged loss and gradient norm (``torch.cuda.set_sync_debug_mode``), with the fused AdamW.
 """
 
 from __future__ import annotations
 
 import socket
+import warnings
 
 import pytest
 import torch
@@ -73,3 +75,22 @@ def test_first_step_matches_plain_model_and_loss_falls(nccl_group, tmp_path) -> 
     trainer.optimizer.zero_grad(set_to_none=True)
     losses = trainer.train()
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_a_training_step_syncs_with_the_host_once(nccl_group, tmp_path) -> None:
+    cfg = load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"])
+    trainer = Trainer(cfg)
+    assert trainer.optimizer.defaults["fused"] is True
+    batches = iter(trainer.loader)
+    trainer.train_step([next(batches)])  # the first step creates AdamW's states and the communicators
+    batch = next(batches)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step([batch])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, syncs
