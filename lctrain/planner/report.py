@@ -23,7 +23,7 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     )
 
 
-PHASES = {"forward": "fwd", "backward": "bwd", "grads": "grads", "optimizer": "optim"}  # the table's "at" column
+PHASES = {"forward": "fwd", "backward": "bwd", "grads": "grads"}  # the table's "at" column
 
 
 def _count(n: float) -> str:
@@ -128,6 +128,8 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         lines.append("  pp_schedule: 1F1B")
     if work.offload:
         lines.append("  activation_offload: true")
+    if work.cpu_offload:
+        lines.append("  cpu_offload: true")
     if work.mlp_chunk_tokens:
         lines.append(f"  mlp_chunk_tokens: {work.mlp_chunk_tokens}")
     default_bytes = 2 if hw.device == "cuda" else 4  # param_dtype auto: bf16 on CUDA, fp32 on CPU

@@ -245,3 +245,14 @@ def test_check_job_refuses_offload_without_checkpointing_and_negative_chunks() -
         check(["parallel.mlp_chunk_tokens=-1"])
     check(["parallel.activation_offload=true", "parallel.activation_checkpointing=selective"])
     check(["parallel.mlp_chunk_tokens=256"])
+
+
+def test_check_job_warns_that_cpu_offload_on_a_cpu_device_only_adds_copies(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="lctrain"):
+        check(["parallel.cpu_offload=true", "train.device=cpu"])
+    assert "parallel.cpu_offload=true with train.device=cpu" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lctrain"):
+        check(["parallel.cpu_offload=true", "train.device=cuda"])
+        check(["parallel.cpu_offload=false", "train.device=cpu"])
+    assert caplog.text == ""
