@@ -59,7 +59,7 @@ class HostOffload:
         host, on_host = self._to_host(tensor)
         entry = Offloaded(tensor.device, host, on_host)
         with self._lock:
-            self._pending.append(weakref.ref(entry))
+            self._pending = [ref for ref in self._pending if ref() is not None] + [weakref.ref(entry)]
         return entry
 
     def unpack(self, packed: Tensor | Offloaded) -> Tensor:
