@@ -60,7 +60,6 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
-from report import machine_line, table
 from bench_trainer import (
     BudgetWatchdog,
     Rows,
@@ -71,6 +70,7 @@ from bench_trainer import (
     peak_since_reset,
     reset_peak,
 )
+from report import machine_line, table
 
 from lctrain.testing import run_distributed
 

@@ -7,15 +7,15 @@ Run from the repository root::
     python benchmarks/bench_trainer.py --quick    # small sizes, a smoke run of a few minutes
     python benchmarks/bench_trainer.py --only throughput --seq 8192 --steps 20
 
-Both sides train the tiny model of the default job (``lctrain/configs/recipe/tiny_cpu.yaml``; ``--override`` changes the job
-config of both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
-on the same synthetic batches: random tokens, one document per row (``cu_seqlens = [0, S]``), so both do the same
-causal attention and predict the same S−1 tokens per row. Both use lctrain's AdamW (``build_optimizer``: same
-parameter groups), its warmup + cosine schedule and clipping to ``optim.max_grad_norm``. The baseline is the usual
-loop: ``loss = model(input_ids=x, labels=x).loss`` (sdpa attention, full logits, Hugging Face's own loss),
-``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``, ``zero_grad()``. lctrain is
-``Trainer(cfg).train_step([batch])`` on a gloo process group: USP attention, FSDP2 (also at world size 1), the
-chunked cross-entropy (``train.loss_chunk_tokens``), ``activation_checkpointing`` as configured.
+Both sides train the tiny model of the default job (``lctrain/configs/recipe/tiny_cpu.yaml``; ``--override`` changes the
+job config of both) in fp32 from the same initial weights (``lctrain.models.random_init_source`` with the job's seed),
+on the same synthetic batches: random tokens, one document per row (``cu_seqlens = [0, S]``), so both do the same causal
+attention and predict the same S−1 tokens per row. Both use lctrain's AdamW (``build_optimizer``: same parameter
+groups), its warmup + cosine schedule and clipping to ``optim.max_grad_norm``. The baseline is the usual loop: ``loss =
+model(input_ids=x, labels=x).loss`` (sdpa attention, full logits, Hugging Face's own loss), ``loss.backward()``,
+``clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``, ``zero_grad()``. lctrain is
+``Trainer(cfg).train_step([batch])`` on a gloo process group: USP attention, FSDP2 (also at world size 1), the chunked
+cross-entropy (``train.loss_chunk_tokens``), ``activation_checkpointing`` as configured.
 
 1. Throughput (world size 1, no activation checkpointing on either side). Each side lives in its own spawned
    process, both with ``--threads`` torch threads (default 1: the figures do not depend on what else the cores do
@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import multiprocessing.connection
 import os
@@ -89,7 +88,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from report import machine_line, one_document_batch, table
+from report import machine_line, one_document_batch, peak_since_reset, reset_peak, table
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
@@ -141,24 +140,6 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Memory (inside a process)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def reset_peak() -> int:
-    """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
-
-
-def peak_since_reset() -> int:
-    return _status_bytes("VmHWM")
 
 
 class BudgetWatchdog:

@@ -9,9 +9,9 @@ Run from the repository root::
 For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this file as the worker
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
 to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
-instead of keeping the high-water mark of a heap). The worker trains the tiny model of ``lctrain/configs/recipe/tiny_cpu.yaml`` on
-a small generated jsonl corpus (``tests/corpus.py``), case after case, each a fresh ``Trainer`` on the same
-process group:
+instead of keeping the high-water mark of a heap). The worker trains the tiny model of
+``lctrain/configs/recipe/tiny_cpu.yaml`` on a small generated jsonl corpus (``tests/corpus.py``), case after case,
+each a fresh ``Trainer`` on the same process group:
 
 1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
    leftovers: the baseline, which the planner does not model);
@@ -159,8 +159,8 @@ def report(results: list[dict], seconds: float, command: str) -> str:
         f"command: {command}",
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
         f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        "model: tiny (lctrain/configs/recipe/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, gloo, one thread "
-        "per rank; memory in MiB per rank (the largest rank)",
+        "model: tiny (lctrain/configs/recipe/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, gloo, "
+        "one thread per rank; memory in MiB per rank (the largest rank)",
         "",
         "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
         "recompute + backward + loss (phase) | estimate | measured | error | baseline | total error |",
