@@ -49,7 +49,6 @@ from gpu_sides import CHECKPOINTING, REPO, ROWS, SIDES, add_shape_args, num_para
 from report import document_lengths, table
 
 from lctrain.flops import document_flops_per_token, flops_per_token
-from lctrain.train.metrics import known_peak_flops
 
 GIB = 2**30
 LABELS = {"lctrain": "lctrain", "hf": "HF loop"}
@@ -133,7 +132,7 @@ def figures(run_: dict[str, Any], shape: dict[str, int], peak_tflops: float | No
     result, spec = run_["result"], run_["spec"]
     step = statistics.median(result["step_s"])
     tokens_per_s = spec["seq"] / step
-    peak = peak_tflops * 1e12 if peak_tflops else known_peak_flops(result["device_name"])
+    peak = peak_tflops * 1e12 if peak_tflops else result["peak_flops"]
     params = num_params(shape)
     causal = flops_per_token(params, shape["layers"], shape["hidden"], spec["seq"])
     mfu = None if peak is None else tokens_per_s * causal / peak

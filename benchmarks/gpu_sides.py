@@ -258,11 +258,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from report import peak_since_reset, reset_peak
 
+    from lctrain.train.metrics import peak_flops
+
     device = torch.device(spec["device"], 0) if spec["device"] == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     result: dict[str, Any] = {"ok": True, "error": None, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result["peak_flops"] = peak_flops(device, None)  # a known GPU's dense bf16 peak; None on CPU
     rss_base = reset_peak()
     vocab, seq = spec["shape"]["vocab"], spec["seq"]
 

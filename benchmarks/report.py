@@ -1,5 +1,6 @@
 """What the benchmarks share: the markdown table and machine line every report prints, synthetic batches, and the
-resident-set peak that stands for device memory on CPU."""
+resident-set peak that stands for device memory on CPU. torch is imported where a function needs it: the GPU
+benchmarks' driver processes only format reports."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from lctrain.data import IGNORE_INDEX
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -32,7 +32,7 @@ def machine_line() -> str:
     )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
-        f"{os.cpu_count()} CPU cores ({model}), torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores ({model}), torch {importlib.metadata.version('torch')}, "
         f"transformers {importlib.metadata.version('transformers')}, python {platform.python_version()}, "
         f"load average at start {load}"
     )
@@ -41,6 +41,10 @@ def machine_line() -> str:
 def one_document_batch(input_ids: Tensor, shard: Callable[[Tensor], Tensor] = lambda x: x) -> dict:
     """A trainer micro-batch of the full rows ``input_ids`` ``[B, S]``, one document per row: labels shifted on the
     global row (the last token predicts nothing), positions 0..S-1, cut to this rank's part by ``shard``."""
+    import torch
+
+    from lctrain.data import IGNORE_INDEX
+
     batch, seq = input_ids.shape
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, :-1] = input_ids[:, 1:]
@@ -62,6 +66,10 @@ def packed_batch(input_ids: Tensor, doc_len: int, shard: Callable[[Tensor], Tens
     """A trainer micro-batch of the full rows ``input_ids`` ``[B, S]``, each packed with documents of ``doc_len``
     tokens (``document_lengths``): labels shifted within each document (a document's last token predicts nothing),
     positions restarting at 0 at each document start, cut to this rank's part by ``shard``."""
+    import torch
+
+    from lctrain.data import IGNORE_INDEX
+
     batch, seq = input_ids.shape
     lengths = document_lengths(seq, doc_len)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

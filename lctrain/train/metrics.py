@@ -19,17 +19,15 @@ logger = logging.getLogger("lctrain")
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def known_peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak FLOP/s of a GPU we know, from its name (``torch.cuda.get_device_name``); None if unknown."""
-    return next((flops for key, flops in _PEAK_FLOPS.items() if key in device_name), None)
-
-
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
     """The device's peak FLOP/s for the MFU estimate: the configured one, or a known GPU's; None if unknown."""
     if override_tflops is not None:
         return override_tflops * 1e12
     if device.type == "cuda":
-        return known_peak_flops(torch.cuda.get_device_name(device))
+        name = torch.cuda.get_device_name(device)
+        for key, flops in _PEAK_FLOPS.items():
+            if key in name:
+                return flops
     return None
 
 
