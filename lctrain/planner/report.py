@@ -88,13 +88,15 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         f"# Planned by: {command}",
         f"# Hardware: {work.nodes} node(s) x {work.gpus_per_node} {hw.name} ({hw.tflops:g} TFLOP/s, {hw.mem_gib:g} GiB,"
         f" intra-node {hw.intra_gbps:g} GB/s, inter-node {hw.inter_gbps:g} GB/s per GPU).",
-        f"# Estimated peak memory per GPU: {gib['total']:.1f} GiB of {hw.mem_gib:g} (states {gib['states']:.1f}, "
+        f"# Predicted (not measured) peak memory per GPU: {gib['total']:.1f} GiB of {hw.mem_gib:g} (states "
+        f"{gib['states']:.1f}, "
         f"gathered params {gib['gathered']:.1f},",
         f"#   activations {gib['activations']:.1f}, recompute {gib['recompute']:.1f}, backward {gib['backward']:.1f}, "
         f"loss {gib['loss']:.1f}).",
         ring_line,
         f"# About {plan.time.tokens_per_s:.3g} tokens/s at MFU {work.mfu:g} ({plan.time.total_s:.3g} s per step of "
-        f"{plan.time.tokens_per_step:,} tokens). How these are estimated: docs/planner.md.",
+        f"{plan.time.tokens_per_step:,} tokens).",
+        "# How these are predicted, and their error against measured peaks: docs/planner.md.",
     ]
     if model.path is not None:
         lines += ["defaults:", "  - override /model: hf", "", "model:", f"  path: {model.path}"]
