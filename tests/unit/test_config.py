@@ -312,9 +312,7 @@ LLAMA3_8B = {
     "rope_theta": 500000.0,
     "tie_word_embeddings": False,
 }
-SBATCH_GPUS = re.search(
-    r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm/train.sbatch").read_text()
-)
+SBATCH_GPUS = re.search(r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm/train.sbatch").read_text())
 
 
 def recipe_model(path: str, tmp_path: Path) -> Path:

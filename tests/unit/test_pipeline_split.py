@@ -39,6 +39,7 @@ def test_chained_stages_compute_the_models_loss_and_gradients() -> None:
     model = build_empty_model(config)
     materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
     layers = stage_layers(5, 3, ["model.layers.2", "model.layers.4"])
+
     def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=7)[0]
 
