@@ -292,29 +292,27 @@ def offload_section(bench: Bench) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Each section is printed (and the JSON rewritten) as soon as it is done: a run stopped by a timeout keeps what
+    it measured."""
     args = parse_args(argv)
     command = shlex.join(["python", "benchmarks/bench_gpu_context.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.perf_counter()
     bench = Bench(args)
     shape = shape_of(args)
-    sections = []
-    if "search" in args.sections:
-        sections += search_section(bench)
-    if "layers" in args.sections:
-        sections += layers_section(bench)
-    if "offload" in args.sections:
-        sections += offload_section(bench)
-    device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
     print("# Longest context on one GPU: lctrain vs a plain Hugging Face loop\n")
     print(f"- command: `{command}`")
     print(
-        f"- device: {device}; model: hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
-        f"{shape['layers']} layers, {shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']} (untied)"
+        f"- model: hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
+        f"{shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']} (untied)\n",
+        flush=True,
     )
-    print(f"- {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s\n")
-    print("\n".join(sections))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "probes": bench.log}, indent=1))
+    sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
+    for name in args.sections:
+        print("\n".join(sections[name](bench)), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command, "probes": bench.log}, indent=1))
+    device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
+    print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
