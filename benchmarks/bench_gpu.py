@@ -351,10 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         outcome = result.get("stderr_tail") or result["error"]
         outcome = outcome or f"median step {statistics.median(result['step_s']):.3f} s"
         print(f"    {outcome} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    text = report(args, runs, time.perf_counter() - started, command)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "runs": runs}, indent=1))
+        if args.json:  # after every run: a benchmark stopped by a timeout keeps what it measured
+            done = [r for r in runs if "result" in r]
+            Path(args.json).write_text(json.dumps({"command": command, "runs": done}, indent=1))
+    print(report(args, runs, time.perf_counter() - started, command))
 
 
 if __name__ == "__main__":
