@@ -67,10 +67,8 @@ from harness import (
     job_config,
     log,
     malloc_env,
-    peak_since_reset,
-    reset_peak,
 )
-from report import machine_line, table
+from report import machine_line, peak_since_reset, reset_peak, table
 
 from lctrain.testing import run_distributed
 

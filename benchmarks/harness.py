@@ -1,11 +1,10 @@
 """What the CPU benchmarks share: the two training sides they compare (lctrain's ``Trainer.train_step`` and the
 plain Hugging Face loop on the same model, weights, optimizer and schedule), the job config they run, and memory
-measurement inside a process (the resident set's high-water mark, a watchdog that ends a step that cannot fit)."""
+a watchdog that ends a step that cannot fit (the resident-set helpers are in ``report.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from report import one_document_batch
+from report import one_document_batch, peak_since_reset
 from torch import Tensor
 
 from lctrain.attention import shard_sequence
@@ -62,24 +61,6 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Memory (inside a process)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def reset_peak() -> int:
-    """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
-
-
-def peak_since_reset() -> int:
-    return _status_bytes("VmHWM")
 
 
 class BudgetWatchdog:

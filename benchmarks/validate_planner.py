@@ -1,17 +1,24 @@
-"""Check ``lctrain plan``'s memory estimate against peaks measured on this machine (CPU, fp32, gloo).
+"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16).
 
 Run from the repository root::
 
     python benchmarks/validate_planner.py            # every case below, 3-8 minutes on 2 shared cores
     python benchmarks/validate_planner.py --quick    # the one-process cases only, about 2 minutes
     python benchmarks/validate_planner.py --save m.json; python benchmarks/validate_planner.py --load m.json  # re-score
+    python benchmarks/validate_planner.py --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
+
+On CUDA (``--device cuda``, ``CUDA_CASES``): Llama-3.2-1B's sizes with an untied head, one GPU, bf16
+(``parallel.param_dtype=bfloat16``), three cases whose peaks lie in different phases (the loss's forward without
+checkpointing, the backward with full checkpointing, small loss chunks); measured = ``torch.cuda.max_memory_allocated``
+over the second step − the memory allocated before the ``Trainer`` was built, against the estimate in bf16 on CUDA.
+The caching allocator's reserve beyond that (fragmentation) is what the planner's ``--headroom`` covers, not this.
 
 For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this file as the worker
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
 to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
-instead of keeping the high-water mark of a heap). The worker trains the tiny model of recipe ``tiny_cpu`` on
-a small generated jsonl corpus (``tests/corpus.py``), case after case, each a fresh ``Trainer`` on the same
-process group:
+instead of keeping the high-water mark of a heap). The worker trains the tiny model of
+``lctrain/configs/recipe/tiny_cpu.yaml`` on a small generated jsonl corpus (``tests/corpus.py``), case after case,
+each a fresh ``Trainer`` on the same process group:
 
 1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
    leftovers: the baseline, which the planner does not model);
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -63,10 +71,36 @@ CASES = [
 ]
 
 
-def overrides(case: list, corpus: str, run_dir: str) -> list[str]:
+# one GPU: Llama-3.2-1B's sizes with an untied head, bf16 (the GPU benchmarks' shape), at world size 1
+CUDA_MODEL = {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "vocab": 128256}
+CUDA_CASES = [
+    (1, 1, 1, 1, 1, "none", 16384, 1, 1024),  # the peak in the loss's forward
+    (1, 1, 1, 1, 1, "full", 65536, 1, 1024),  # in the last layer's backward
+    (1, 1, 1, 1, 1, "full", 32768, 1, 256),  # small loss chunks
+]
+
+
+def model_overrides(device: str) -> list[str]:
+    if device == "cpu":
+        return ["recipe=tiny_cpu", "train.device=cpu"]
+    m = CUDA_MODEL
+    return [
+        f"model.hidden_size={m['hidden']}",
+        f"model.intermediate_size={m['intermediate']}",
+        f"model.num_layers={m['layers']}",
+        f"model.num_heads={m['heads']}",
+        f"model.num_kv_heads={m['kv_heads']}",
+        f"model.vocab_size={m['vocab']}",
+        "model.tie_word_embeddings=false",
+        "parallel.param_dtype=bfloat16",
+        "train.device=cuda",
+    ]
+
+
+def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> list[str]:
     _, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
     return [
-        "recipe=tiny_cpu",
+        *model_overrides(device),
         f"parallel.pp={pp}",
         f"parallel.dp={dp}",
         f"parallel.ring={ring}",
@@ -76,7 +110,6 @@ def overrides(case: list, corpus: str, run_dir: str) -> list[str]:
         f"data.batch_size={rows}",
         f"train.loss_chunk_tokens={chunk}",
         f"data.paths=['{corpus}']",
-        "train.device=cpu",
         "train.steps=2",
         "checkpoint.resume=none",
         "checkpoint.export_hf=false",
@@ -94,32 +127,40 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def worker(cases: list[list], corpus: str, out: str, scratch: str) -> None:
+def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: str) -> None:
     """Runs under torchrun: measure every case, rank 0 writes the results."""
     import torch
     import torch.distributed as dist
 
     from lctrain.config import load_config
-    from lctrain.runtime import init_distributed
+    from lctrain.runtime import init_distributed, resolve_device
     from lctrain.train.trainer import Trainer
 
-    init_distributed(torch.device("cpu"), timeout_s=1800)
+    device = resolve_device(device_type)
+    init_distributed(device, timeout_s=1800)
+    cuda = device.type == "cuda"
     rank = dist.get_rank()
     results = []
     warmup = [cases[0][0], *cases[0][1:6], 256, *cases[0][7:]]
     for index, case in enumerate([warmup, *cases]):
-        cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}"))
+        cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}", device_type))
         gc.collect()
-        baseline = _status("VmRSS")
+        if cuda:
+            torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated(device) if cuda else _status("VmRSS")
         trainer = Trainer(cfg)
         batches = iter(trainer.loader)
         rows = [next(batches) for _ in range(2)]
         trainer.train_step(rows[:1])
         dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         start = time.perf_counter()
         trainer.train_step(rows[1:])
-        peak, seconds = _status("VmHWM"), time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) if cuda else _status("VmHWM")
+        seconds = time.perf_counter() - start
         del trainer, batches, rows
         gc.collect()
         per_rank = [None] * dist.get_world_size()
@@ -131,21 +172,30 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str) -> None:
     dist.destroy_process_group()
 
 
-def estimate(case: list) -> dict:
-    from lctrain.planner import GIB, NAMED_MODELS, Layout, Workload, estimate_memory
+def estimate(case: list, device: str = "cpu") -> dict:
+    from lctrain.planner import GIB, NAMED_MODELS, Layout, ModelSpec, Workload, estimate_memory
 
     world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
     layout = Layout(pp, dp, ring, ulysses, ac)
-    work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=4, loss_chunk_tokens=chunk, device="cpu")
-    memory = estimate_memory(NAMED_MODELS["tiny"], layout, work)
+    e = 4 if device == "cpu" else 2
+    work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=e, loss_chunk_tokens=chunk, device=device)
+    m = CUDA_MODEL
+    gpu_model = ModelSpec(
+        "llama3.2-1b-untied", m["hidden"], m["intermediate"], m["layers"], m["heads"], m["kv_heads"], m["vocab"], 64
+    )
+    memory = estimate_memory(NAMED_MODELS["tiny"] if device == "cpu" else gpu_model, layout, work)
     return {k: v * GIB / MIB for k, v in memory.gib().items() if isinstance(v, float)} | {"phase": memory.phase}
 
 
-def run(world: int, cases: list[list], corpus: Path, scratch: Path) -> list[dict]:
+def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str = "cpu") -> list[dict]:
     out = scratch / f"world{world}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if device == "cpu":
+        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    elif "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # what lctrain's CLI sets
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    command += [__file__, "--worker", json.dumps(cases), str(corpus), str(out), str(scratch)]
+    command += [__file__, "--worker", json.dumps(cases), str(corpus), str(out), str(scratch), device]
     log = scratch / f"world{world}.log"
     with log.open("w") as f:
         proc = subprocess.run(command, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
@@ -154,13 +204,27 @@ def run(world: int, cases: list[list], corpus: Path, scratch: Path) -> list[dict
     return json.loads(out.read_text())
 
 
-def report(results: list[dict], seconds: float, command: str) -> str:
+def report(results: list[dict], seconds: float, command: str, device: str = "cpu", machine: str = "") -> str:
+    if device == "cpu":
+        model = (
+            "model: tiny (lctrain/configs/recipe/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, "
+            "gloo, one thread per rank; memory in MiB per rank (the largest rank): resident set"
+        )
+    else:
+        m = CUDA_MODEL
+        model = (
+            f"model: width {m['hidden']}, MLP {m['intermediate']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} "
+            f"heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
+            "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)"
+        )
     lines = [
         f"command: {command}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        "model: tiny (recipe tiny_cpu: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, gloo, one thread "
-        "per rank; memory in MiB per rank (the largest rank)",
+        machine
+        or (
+            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+            f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        ),
+        model,
         "",
         "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
         "recompute + backward + loss (phase) | estimate | measured | error | baseline | total error |",
@@ -170,7 +234,7 @@ def report(results: list[dict], seconds: float, command: str) -> str:
     for result in results:
         case = result["case"]
         world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
-        est = estimate(case)
+        est = estimate(case, device)
         worst = max(result["ranks"], key=lambda r: r["peak"] - r["baseline"])
         measured = (worst["peak"] - worst["baseline"]) / MIB
         baseline = worst["baseline"] / MIB
@@ -186,8 +250,8 @@ def report(results: list[dict], seconds: float, command: str) -> str:
         )
     lines += [
         "",
-        f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} (of the measured step peak); on the "
-        f"whole resident set mean {sum(total_errors) / len(total_errors):.1%}, max {max(total_errors):.1%}",
+        f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} (of the measured step peak); with "
+        f"the baseline mean {sum(total_errors) / len(total_errors):.1%}, max {max(total_errors):.1%}",
         f"total wall time {seconds:.0f} s",
     ]
     return "\n".join(lines)
@@ -195,10 +259,11 @@ def report(results: list[dict], seconds: float, command: str) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        cases, corpus, out, scratch = sys.argv[2:6]
-        worker(json.loads(cases), corpus, out, scratch)
+        cases, corpus, out, scratch, device = sys.argv[2:7]
+        worker(json.loads(cases), corpus, out, scratch, device)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: CUDA_CASES on one GPU")
     parser.add_argument("--quick", action="store_true", help="only the one-process cases")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to run")
     parser.add_argument("--save", metavar="JSON", help="also write the raw measurements here")
@@ -206,27 +271,35 @@ def main() -> None:
     args = parser.parse_args()
     if args.load:
         saved = json.loads(Path(args.load).read_text())
-        print(report(saved["results"], saved["seconds"], saved["command"]))
+        device = saved.get("device", "cpu")
+        print(report(saved["results"], saved["seconds"], saved["command"], device, saved.get("machine", "")))
         return
     sys.path.insert(0, str(REPO))
     from tests.corpus import write_corpus
 
-    worlds = [1] if args.quick else args.worlds
+    worlds = [1] if args.quick or args.device == "cuda" else args.worlds
+    all_cases = CUDA_CASES if args.device == "cuda" else CASES
     start = time.perf_counter()
     command = "python benchmarks/validate_planner.py " + " ".join(sys.argv[1:])
+    machine = ""
+    if args.device == "cuda":
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+        machine = f"machine: {gpu[0] if gpu else 'a GPU'}, torch {importlib.metadata.version('torch')}"
     with tempfile.TemporaryDirectory(prefix="validate_planner_") as tmp:
         scratch = Path(tmp)
         corpus = write_corpus(scratch / "corpus.jsonl", documents=2000)
         results = []
         for world in worlds:
-            cases = [list(case) for case in CASES if case[0] == world]
+            cases = [list(case) for case in all_cases if case[0] == world]
             if cases:
-                results += run(world, cases, corpus, scratch)
+                results += run(world, cases, corpus, scratch, args.device)
                 print(f"world size {world}: {len(cases)} cases done ({time.perf_counter() - start:.0f} s)", flush=True)
     seconds = time.perf_counter() - start
     if args.save:
-        Path(args.save).write_text(json.dumps({"results": results, "seconds": seconds, "command": command.strip()}))
-    print(report(results, seconds, command.strip()))
+        saved = {"results": results, "seconds": seconds, "command": command.strip(), "device": args.device}
+        Path(args.save).write_text(json.dumps(saved | {"machine": machine}))
+    print(report(results, seconds, command.strip(), args.device, machine))
 
 
 if __name__ == "__main__":

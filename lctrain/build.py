@@ -5,7 +5,7 @@ every check of the job against that model, and where the weights come from. ``bu
 then put the model on the job's mesh, applying parallelism in one fixed order:
 
     empty model (meta) -> USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (training)
-    -> FSDP over dp_cp -> weights, one full tensor at a time
+    -> FSDP over dp_cp (parameters in host memory with parallel.cpu_offload) -> weights, one full tensor at a time
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def build_model(
             param_dtype=resolve_dtype(par.param_dtype, device),
             reduce_dtype=resolve_dtype(par.reduce_dtype, device),
             reshard_after_forward=par.pp == 1,
+            cpu_offload=par.cpu_offload,
         )
-        materialize(part, prepared.source, device)
+        materialize(part, prepared.source, device, params_device=torch.device("cpu") if par.cpu_offload else None)
         part.train(training)
     return BuiltModel(merge_stages(stages) if stages else model, stages, num_params)

@@ -4,7 +4,9 @@ for several ranks), ``plan`` (a layout planner; ``--help`` lists its options).""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from collections.abc import MutableMapping
 
 # command -> the module whose main(argv) runs it (imported only when used: torch and transformers load slowly)
 COMMANDS = {"train": "lctrain.train.trainer", "eval": "lctrain.eval.run", "plan": "lctrain.planner.cli"}
@@ -14,10 +16,24 @@ USAGE = (
 )
 
 
+# CUDA's caching allocator for long sequences: activations of many sizes, allocated and freed every layer, fragment
+# fixed-size segments; expandable segments grow in place (benchmarks/bench_gpu.py measures what it saves)
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+
+
+def set_allocator_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set the allocator (that variable, or
+    ``PYTORCH_ALLOC_CONF``, its newer name). Must run before torch initialises CUDA: here, before torch is imported
+    (``scripts/launch.sh`` does the same for the processes torchrun starts)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(USAGE)
+    set_allocator_defaults()
     importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 

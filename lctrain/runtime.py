@@ -75,12 +75,20 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> None:
-    """The default process group from torchrun's environment, or a group of one for a plain ``python`` run.
-    A collective that waits ``timeout_s`` for the other ranks raises instead of hanging."""
+def process_group_backend(device: torch.device, *, host_collectives: bool = False) -> str:
+    """gloo on CPU; NCCL on CUDA, with gloo beside it for tensors in host memory when ``host_collectives``
+    (``parallel.cpu_offload``: the gradients, and so the gradient norm's reductions, are on the host)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+
+
+def init_distributed(device: torch.device, timeout_s: float, *, host_collectives: bool = False) -> None:
+    """The default process group (``process_group_backend``) from torchrun's environment, or a group of one for a
+    plain ``python`` run. A collective that waits ``timeout_s`` for the other ranks raises instead of hanging."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device, host_collectives=host_collectives)
     device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -165,7 +173,7 @@ def run_command(
         _exit_before_group(str(error))
     sigterm = _TerminateOnce()
     signal.signal(signal.SIGTERM, sigterm)
-    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s)
+    init_distributed(resolve_device(cfg.train.device), cfg.train.timeout_s, host_collectives=cfg.parallel.cpu_offload)
     setup_logging(dist.get_rank())
     try:
         job(cfg)

@@ -1,23 +1,58 @@
 #!/usr/bin/env bash
-# The CUDA checks, as one run on a GPU machine: CUDA tests, the single-device ring compute benchmark, and a short
-# training run on one GPU (bf16) whose metrics give tokens/s, MFU and peak memory.
-#   bash scripts/gpu_check.sh [OUTPUT_DIR]
-# Uses the machine's python3 and its torch; lctrain is imported from this checkout. Python packages the machine
-# lacks can be put in .whl/ (see docs/testing.md); they are installed into /tmp/site first.
+# The GPU checks, prepared for a lent one-GPU machine (an H200: 15 device minutes in all, at most 10 per command, a
+# machine start costs 1-2). Every step has a timeout and writes into OUT; see docs/testing.md.
+#
+#   bash scripts/gpu_check.sh OUT tests speed planner   # call 1 (~7 min): tests/gpu, bench_gpu.py, validate_planner.py
+#   bash scripts/gpu_check.sh OUT context               # call 2 (~7 min): bench_gpu_context.py
+#   bash scripts/gpu_check.sh OUT                       # all four steps in that order (longer than one call allows)
+#
+# Steps: tests (pytest tests/gpu), speed (benchmarks/bench_gpu.py defaults), planner (benchmarks/validate_planner.py
+# --device cuda), context (benchmarks/bench_gpu_context.py defaults); on request also offload (bench_gpu.py: the cost
+# of parallel.cpu_offload and parallel.activation_offload at 64K) and ring (benchmarks/bench_ring_compute.py).
+# Uses the machine's python3 and its torch; lctrain is imported from this checkout. Python packages the machine lacks
+# are carried as wheels in .whl/ (docs/testing.md) and installed into /tmp/site first. OUT/status.txt lists each
+# step's exit status (124: its timeout).
 set -uo pipefail
-out=${1:-.}
+out=${1:?usage: bash scripts/gpu_check.sh OUT [tests] [speed] [planner] [context] [offload] [ring]}
+shift
+steps=("$@")
+if [[ ${#steps[@]} -eq 0 ]]; then
+  steps=(tests speed planner context)
+fi
+mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
-python3 benchmarks/bench_ring_compute.py 2>&1 | tee "$out/gpu_bench.log"
-# One GPU, world size 1: the model of lctrain/configs/recipe/tiny_cpu.yaml scaled up, 16K tokens per step, bf16 params.
-python3 -m lctrain train train.device=cuda parallel.param_dtype=bfloat16 model.hidden_size=1024 \
-  model.intermediate_size=2816 model.num_layers=8 model.num_heads=16 model.num_kv_heads=4 data.seq_len=16384 \
-  train.steps=30 train.run_dir=/tmp/gpu_train checkpoint.every=0 checkpoint.export_hf=false \
-  logging.progress_bar=false logging.every=5 2>&1 | grep -v Warning | tee "$out/gpu_train.log"
-cp /tmp/gpu_train/metrics.jsonl "$out/gpu_train_metrics.jsonl"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD 2> /dev/null || echo "commit: unknown (no .git)"
+} 2>&1 | tee "$out/machine.txt"
+
+# step NAME SECONDS COMMAND...: run with a timeout (then SIGKILL 10 s later), stdout to OUT/NAME.md, stderr to
+# OUT/NAME.log, exit status to OUT/status.txt
+step() {
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (timeout ${seconds} s): $*" | tee -a "$out/status.txt"
+  local start=$SECONDS
+  timeout -k 10 "$seconds" "$@" > "$out/$name.md" 2> "$out/$name.log"
+  local status=$?
+  echo "== $name: exit $status after $((SECONDS - start)) s" | tee -a "$out/status.txt"
+  tail -n 40 "$out/$name.md"
+}
+
+for name in "${steps[@]}"; do
+  case $name in
+    tests) step tests 240 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider ;;
+    speed) step speed 270 python3 benchmarks/bench_gpu.py --json "$out/speed.json" ;;
+    planner) step planner 180 python3 benchmarks/validate_planner.py --device cuda --save "$out/planner.json" ;;
+    context) step context 560 python3 benchmarks/bench_gpu_context.py --json "$out/context.json" ;;
+    offload) step offload 300 python3 benchmarks/bench_gpu.py --sides lctrain --seq 65536 --checkpointing full \
+      --cpu-offload --activation-offload --no-allocator-compare --json "$out/offload.json" ;;
+    ring) step ring 240 python3 benchmarks/bench_ring_compute.py ;;
+    *) echo "unknown step $name: choose from tests speed planner context offload ring" >&2; exit 2 ;;
+  esac
+done

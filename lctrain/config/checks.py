@@ -84,6 +84,11 @@ def check_job(
     if par.ac_every < 1:
         raise ValueError(f"parallel.ac_every={par.ac_every} must be >= 1")
     check_activation_offload(par.activation_offload, par.activation_checkpointing)
+    if par.cpu_offload and train.device == "cpu":
+        logger.warning(
+            "parallel.cpu_offload=true with train.device=cpu: the parameters and optimizer states are in host memory "
+            "already, so the offload only adds copies; set parallel.cpu_offload=false on CPU"
+        )
     if par.mlp_chunk_tokens < 0:
         raise ValueError(f"parallel.mlp_chunk_tokens={par.mlp_chunk_tokens} must be >= 0 (0 = no chunking)")
     for name in ("param_dtype", "reduce_dtype"):

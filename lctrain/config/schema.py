@@ -63,6 +63,9 @@ class ParallelConfig:
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
     activation_offload: bool = False  # checkpointed layers keep their input in host memory (needs checkpointing)
     mlp_chunk_tokens: int = 0  # MLP over this many tokens at a time, each chunk recomputed in backward; 0 = off
+    # FSDP2's CPU offload: sharded fp32 parameters, gradients and AdamW states in (pinned) host memory, the optimizer
+    # step on the CPU; the device holds only the gathered parameters and the activations
+    cpu_offload: bool = False
     param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
     # pp > 1: a step's rows (data.batch_size x train.grad_accum) are the micro-batches of one schedule run

@@ -153,20 +153,25 @@ def safetensors_source(path: str | Path) -> TensorSource:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, source: TensorSource, device: torch.device) -> None:
+def materialize(
+    model: nn.Module, source: TensorSource, device: torch.device, *, params_device: torch.device | None = None
+) -> None:
     """Allocate the (sharded) parameters on ``device`` and fill them from ``source``, one full tensor at a time.
 
-    Buffers keep the values they were built with. Works on FSDP-sharded (DTensor) and plain parameters.
+    Buffers keep the values they were built with, on ``device``. ``params_device``: where the parameters live when
+    not on ``device`` (host memory, for FSDP2's CPU offload). Works on FSDP-sharded (DTensor) and plain parameters.
     """
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-    model.to_empty(device=device)
-    for name, buf in model.named_buffers():
-        buf.copy_(buffers[name])
+    model.to_empty(device=params_device or device)
+    for module_name, module in model.named_modules():
+        for key in dict(module.named_buffers(recurse=False)):
+            module._buffers[key] = buffers[f"{module_name}.{key}" if module_name else key].to(device)
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
             full = source(hf_name(name), param.shape).to(device=device, dtype=param.dtype)
             # every rank holds the full tensor, so each keeps its own shard with no communication
-            param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())  # to the parameter's own memory, on the host or the device
         else:
             param.copy_(source(hf_name(name), param.shape))
 

@@ -34,7 +34,7 @@ class FinalHiddenStates:
             input_ids=input_ids,
             position_ids=position_ids,
             cu_seq_lens_q=cu_seqlens,
-            logits_to_keep=torch.empty(0, dtype=torch.long),
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),  # no host-to-device copy
         )
         hidden, self._hidden = self._hidden, None
         return hidden

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PreTrainedModel
 
 
@@ -16,6 +16,7 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard ``model`` (a Hugging Face model, or one ``PipelineStageModule``) in place over the 1-D ``mesh``
     (``dp_cp``): one all-gather unit per decoder layer, and the root (embeddings, final norm, LM head).
@@ -28,15 +29,21 @@ def apply_fsdp(
     backward: for a pipeline stage, which runs many micro-batches' forwards before their backwards (one all-gather
     per step instead of one per micro-batch), and which the zero-bubble schedules need (their deferred weight
     gradients land in the gathered parameters).
+
+    ``cpu_offload`` (``parallel.cpu_offload``): FSDP2's ``CPUOffloadPolicy``, the sharded parameters and gradients in
+    host memory (pinned when the mesh is on CUDA), copied to the device for each all-gather; the optimizer then steps
+    on the CPU. The model must then be materialized with its parameters on the host (``materialize``'s
+    ``params_device``).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.model.layers
     layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else layers
     for index, layer in enumerate(layers):
         # the last layer is all-gathered again at once for the backward: keep it unsharded after the forward
         reshard = reshard_after_forward and index < len(layers) - 1
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

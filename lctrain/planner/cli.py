@@ -59,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
     p.add_argument("--mlp-chunk-tokens", type=int, default=0, help="parallel.mlp_chunk_tokens (0 = off)")
     p.add_argument("--offload", action="store_true", help="parallel.activation_offload (needs checkpointing)")
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="parallel.cpu_offload: sharded weights, gradients and AdamW states in host memory",
+    )
     p.add_argument("--top", type=int, default=12, help="feasible layouts shown (default 12)")
     p.add_argument("--all", action="store_true", help="also show the refused layouts and why")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -89,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         offload=args.offload,
+        cpu_offload=args.cpu_offload,
         mfu=args.mfu,
         link_efficiency=args.link_efficiency,
         headroom=args.headroom,

@@ -62,7 +62,7 @@ class MemoryEstimate:
     recompute: float  # one checkpointed layer's activations, rebuilt in the backward
     backward: float  # one layer's backward working set (gradients, ring buffers, all-to-all buffers)
     loss: float  # the chunked loss: logits of one chunk, the LM head's gradient
-    phase: str  # where the peak is: forward (in the loss), backward (the last layer's), grads or optimizer (the end)
+    phase: str  # where the peak is: forward (in the loss), backward (the last layer's) or grads (the end)
     stage: int  # the pipeline stage (0 when pp = 1)
 
     @property
@@ -76,17 +76,19 @@ class MemoryEstimate:
 
 def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[MemoryEstimate]:
     """The peak memory per GPU (bytes) of each pipeline stage: the largest of three moments of a step (see
-    ``docs/planner.md``):
+    ``docs/planner.md``; fused AdamW updates in place, so its step adds nothing to the end of the backward):
 
     - forward, in the loss: weights and AdamW states, gathered parameters, every kept activation, the loss's buffers;
     - backward, in the last layer's backward: the same less the loss's forward buffers, plus the recomputed layer,
       the layer's backward working set and the LM head's gradient;
     - grads, the end of the backward: activations are gone, the sharded gradients exist, the unsharded gradients
-      of the root (embeddings, head; with pp > 1 all the stage's layers) are reduce-scattered;
-    - optimizer: AdamW's step (on CUDA its foreach implementation holds one fp32 temporary per parameter).
+      of the root (embeddings, head; with pp > 1 all the stage's layers) are reduce-scattered.
 
     Sharded gradients exist only from the reduce-scatters on (``zero_grad(set_to_none=True)`` frees them every
-    step), so the first two moments count 12 of the 16 bytes of state per parameter.
+    step), so the first two moments count 12 of the 16 bytes of state per parameter. With ``cpu_offload`` on CUDA
+    (FSDP2's ``CPUOffloadPolicy``) the sharded states live in host memory and the optimizer steps there: ``states``
+    is 0 in every moment (the shard copied to the device for each all-gather is a transient of one layer, within
+    the gathered parameters' margin).
     """
     e = work.dtype_bytes
     tokens = work.seq_len // (layout.ring * layout.ulysses)  # local tokens of one row on one GPU
@@ -135,12 +137,12 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
             loss_fwd = max(logits + vocab * h * FP32, head_grad) + 2 * tokens * h * e
             loss_bwd = vocab * h * e  # the head's unsharded gradient, until the root's reduce-scatter
         states = stage_params * STATE_BYTES / layout.shard
-        optimizer_temp = FP32 if work.device == "cuda" else 0  # foreach AdamW: one fp32 temporary per parameter
+        if work.cpu_offload and work.device == "cuda":  # sharded states and the optimizer step in host memory
+            live_states = states = 0
         phases = {
             "forward": (live_states, gathered_fwd, activations, 0, 0, loss_fwd),
             "backward": (live_states, gathered_bwd, activations_bwd, recompute, backward, loss_bwd),
             "grads": (states, gathered_fwd + unsharded_grads, 0, 0, 0, 0),
-            "optimizer": (states + stage_params * optimizer_temp / layout.shard, 0, 0, 0, 0, 0),
         }
         phase = max(phases, key=lambda name: sum(phases[name]))
         estimates.append(MemoryEstimate(*(float(term) for term in phases[phase]), phase, index))

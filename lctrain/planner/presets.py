@@ -166,6 +166,7 @@ class Workload:
     loss_chunk_tokens: int = 1024  # train.loss_chunk_tokens
     mlp_chunk_tokens: int = 0  # parallel.mlp_chunk_tokens (0 = off)
     offload: bool = False  # parallel.activation_offload (checkpointed layers' inputs in host memory)
+    cpu_offload: bool = False  # parallel.cpu_offload (FSDP-sharded weights, gradients, AdamW states in host memory)
     mfu: float = 0.4  # achieved fraction of peak FLOP/s, for matmuls and attention alike
     link_efficiency: float = 0.8  # achieved fraction of the nominal link bandwidths
     headroom: float = 0.15  # fraction of device memory kept free (allocator fragmentation, CUDA context, NCCL)

@@ -23,7 +23,7 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     )
 
 
-PHASES = {"forward": "fwd", "backward": "bwd", "grads": "grads", "optimizer": "optim"}  # the table's "at" column
+PHASES = {"forward": "fwd", "backward": "bwd", "grads": "grads"}  # the table's "at" column
 
 
 def _count(n: float) -> str:
@@ -88,13 +88,15 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         f"# Planned by: {command}",
         f"# Hardware: {work.nodes} node(s) x {work.gpus_per_node} {hw.name} ({hw.tflops:g} TFLOP/s, {hw.mem_gib:g} GiB,"
         f" intra-node {hw.intra_gbps:g} GB/s, inter-node {hw.inter_gbps:g} GB/s per GPU).",
-        f"# Estimated peak memory per GPU: {gib['total']:.1f} GiB of {hw.mem_gib:g} (states {gib['states']:.1f}, "
+        f"# Predicted (not measured) peak memory per GPU: {gib['total']:.1f} GiB of {hw.mem_gib:g} (states "
+        f"{gib['states']:.1f}, "
         f"gathered params {gib['gathered']:.1f},",
         f"#   activations {gib['activations']:.1f}, recompute {gib['recompute']:.1f}, backward {gib['backward']:.1f}, "
         f"loss {gib['loss']:.1f}).",
         ring_line,
         f"# About {plan.time.tokens_per_s:.3g} tokens/s at MFU {work.mfu:g} ({plan.time.total_s:.3g} s per step of "
-        f"{plan.time.tokens_per_step:,} tokens). How these are estimated: docs/planner.md.",
+        f"{plan.time.tokens_per_step:,} tokens).",
+        "# How these are predicted, and their error against measured peaks: docs/planner.md.",
     ]
     if model.path is not None:
         lines += ["defaults:", "  - override /model: hf", "", "model:", f"  path: {model.path}"]
@@ -128,6 +130,8 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         lines.append("  pp_schedule: 1F1B")
     if work.offload:
         lines.append("  activation_offload: true")
+    if work.cpu_offload:
+        lines.append("  cpu_offload: true")
     if work.mlp_chunk_tokens:
         lines.append(f"  mlp_chunk_tokens: {work.mlp_chunk_tokens}")
     default_bytes = 2 if hw.device == "cuda" else 4  # param_dtype auto: bf16 on CUDA, fp32 on CPU

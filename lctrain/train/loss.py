@@ -6,6 +6,12 @@ logits are computed, reduced to a loss *and to its gradients* (softmax − one-h
 freed. The backward only scales the stored gradients of the hidden states and the head's weight, so nothing is
 recomputed: three matmuls per chunk, as for the full logits.
 
+Precision. The head's weight gradient sums over every token, so it is accumulated in fp32 over the chunks (never
+rounded to the compute dtype between chunks). With bf16 inputs on CUDA the three matmuls run in bf16 on tensor cores
+with fp32 outputs (``torch.mm``/``torch.baddbmm`` with ``out_dtype=torch.float32``, torch 2.8+): fp32 logits, and
+the weight gradient added by the GEMM itself into the fp32 accumulator. Elsewhere (CPU; fp32 or fp16 weights) the
+logits are the matmul in the inputs' dtype, then upcast, and the weight gradient an fp32 ``addmm_``.
+
 The caller divides the sum by the number of valid tokens over every rank that shares the step (dp × ring ×
 ulysses and the gradient-accumulation micro-batches), so that the loss equals the mean over the global batch.
 """
@@ -16,6 +22,25 @@ import torch
 from torch import Tensor
 
 from lctrain.data.packing import IGNORE_INDEX
+
+
+def _tensor_cores(hidden: Tensor, weight: Tensor) -> bool:
+    """Whether the chunks' matmuls run in bf16 with fp32 outputs: bf16 inputs on CUDA (CPU has no such kernel).
+    fp16 stays on the fp32 path: rounding the softmax gradient (~1/vocab) to fp16 would lose it to subnormals."""
+    return weight.is_cuda and weight.dtype == torch.bfloat16 and hidden.dtype == weight.dtype
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of bf16 ``[m, k]`` and ``[k, n]`` as an fp32 ``[m, n]``, on tensor cores."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def _addmm_fp32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
+    """``accumulator += a @ b`` in place: fp32 ``[m, n]``, bf16 ``a [m, k]`` and ``b [k, n]``; the GEMM adds into
+    the fp32 accumulator itself (``addmm`` with ``out_dtype`` wants its input in the inputs' dtype, ``baddbmm``
+    does not)."""
+    accumulator = accumulator[None]
+    torch.baddbmm(accumulator, a[None], b[None], out_dtype=torch.float32, out=accumulator)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -30,12 +55,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if needs_grad and weight.requires_grad
             else None
         )
+        tensor_cores = _tensor_cores(hidden, weight)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             chunk, targets = hidden[rows], labels[rows]
             valid = targets != IGNORE_INDEX
             targets = targets.clamp(min=0)[:, None]  # ignored rows pick class 0, then are masked out
-            logits = (chunk @ weight.t()).float()  # [chunk, V]
+            logits = _mm_fp32(chunk, weight.t()) if tensor_cores else (chunk @ weight.t()).float()  # [chunk, V]
             lse = torch.logsumexp(logits, dim=-1)
             total += ((lse - logits.gather(1, targets).squeeze(1)) * valid).sum()
             if grad_hidden is None and grad_weight is None:
@@ -44,9 +70,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = logits.sub_(lse[:, None]).exp_()
             grad_logits.scatter_add_(1, targets, torch.full_like(lse[:, None], -1.0))
             grad_logits.mul_(valid[:, None])
+            if tensor_cores:
+                grad_logits = grad_logits.to(weight.dtype)  # bf16, as the other input of both matmuls
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
-            if grad_weight is not None:
+            if grad_weight is not None and tensor_cores:
+                _addmm_fp32_(grad_weight, grad_logits.t(), chunk)
+            elif grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return total
@@ -70,7 +100,8 @@ def chunked_cross_entropy(
     """(summed loss, number of valid tokens) of ``logits = hidden @ weight.T`` against ``labels``.
 
     hidden ``[..., H]``, weight ``[vocab, H]`` (the LM head, no bias), labels ``[...]`` already shifted, with
-    ``IGNORE_INDEX`` for tokens that predict nothing. Logits are computed in fp32, ``chunk_tokens`` at a time.
+    ``IGNORE_INDEX`` for tokens that predict nothing. Logits are reduced in fp32, ``chunk_tokens`` at a time (the
+    module docstring says where the matmuls run).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")

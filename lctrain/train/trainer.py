@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
-from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from lctrain.train.stages import check_stages, pending_stages
 
 logger = logging.getLogger("lctrain")
@@ -172,23 +173,28 @@ class Trainer:
         path = self.checkpointer.save(self.step, self.model, self.optimizer, extra)
         logger.info("checkpoint %s", path)
 
+    def _to_device(self, tensor: Tensor) -> Tensor:
+        """A host tensor of the batch on the device, without waiting for the device (a blocking copy would wait for
+        all queued work): the copy is queued behind it."""
+        return tensor.to(self.device, non_blocking=True)
+
     def forward_loss_sum(self, batch: Batch, row: int) -> torch.Tensor:
         """The token-summed loss of one row of this rank's micro-batch (``[1, S_local]`` tokens)."""
         rows = slice(row, row + 1)
         hidden = self.hidden_states(
-            batch["input_ids"][rows].to(self.device),
-            batch["position_ids"][rows].to(self.device),
-            batch["cu_seqlens"][row],
+            self._to_device(batch["input_ids"][rows]),
+            self._to_device(batch["position_ids"][rows]),
+            batch["cu_seqlens"][row],  # on the host: the attention plans its blocks from it
         )
         # the LM head was all-gathered by the root's forward and is kept for its backward
-        return self._loss_sum(hidden, self.model.lm_head.weight, batch["labels"][rows].to(self.device))
+        return self._loss_sum(hidden, self.model.lm_head.weight, self._to_device(batch["labels"][rows]))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
         """Accumulate the gradients of the step's global mean loss over ``micro_batches``; returns this rank's share
         of that loss (summed over dp_cp it is the global mean)."""
         # valid tokens of the whole step, summed over dp_cp: each rank's loss is its token sum / this count, so the
         # gradients summed over dp_cp (apply_fsdp) and accumulated over micro-batches are the global mean's
-        valid = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches).to(self.device)
+        valid = self._to_device(sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches))
         dist.all_reduce(valid, group=self.dp_cp_group)
         valid = valid.clamp(min=1)
         if self.schedule is not None:
@@ -208,10 +214,10 @@ class Trainer:
         bounds = [row_bounds for batch in micro_batches for row_bounds in batch["cu_seqlens"]]
         self._valid_tokens = valid
         losses: list[torch.Tensor] = []
-        labels = rows["labels"].to(self.device)
+        labels = self._to_device(rows["labels"])
         self.schedule.step(
-            rows["input_ids"].to(self.device),
-            position_ids=rows["position_ids"].to(self.device),
+            self._to_device(rows["input_ids"]),
+            position_ids=self._to_device(rows["position_ids"]),
             cu_seqlens=torch.nn.utils.rnn.pad_sequence(bounds, batch_first=True, padding_value=-1),
             labels=labels,
             target=labels,
@@ -222,31 +228,34 @@ class Trainer:
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip by the global gradient norm (over all shards and pipeline stages), step AdamW and the schedule;
-        returns the norm.
+        returns the norm. Reads nothing back to the host.
 
-        A NaN/inf norm (the same on every rank) stops the job, or with ``train.nonfinite=skip`` drops this update
-        (the schedule still advances, so steps and learning rates stay aligned).
+        With a NaN/inf norm (the same on every rank) AdamW's update is skipped on the device (``step_if_finite``:
+        parameters and optimizer state stay those of the previous step); the schedule still advances, so steps and
+        learning rates stay aligned. ``train_step`` then stops the job or, with ``train.nonfinite=skip``, goes on.
         """
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm, pp_group=self.pp_group)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        elif self.cfg.train.nonfinite == "stop":
-            raise FloatingPointError(
-                f"step {self.step + 1}: the gradient norm is {grad_norm.item()} (a NaN/inf loss or gradient); stopped "
-                f"before updating, so the last checkpoint is intact. Set train.nonfinite=skip to skip such steps"
-            )
-        else:
-            logger.warning("step %d: the gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
+        step_if_finite(self.optimizer, grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm."""
+        """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm,
+        read back to the host together: the step's one host sync."""
         loss = self.forward_backward(micro_batches)
         grad_norm = self.optimizer_step()
         dist.all_reduce(loss)  # the last stage's shares over dp_cp (other pipeline stages add 0)
-        return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+        # the norm is on the host already with parallel.cpu_offload (the gradients are there)
+        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device, non_blocking=True)]).tolist()
+        if not math.isfinite(norm_value):
+            if self.cfg.train.nonfinite == "stop":
+                raise FloatingPointError(
+                    f"step {self.step + 1}: the gradient norm is {norm_value} (a NaN/inf loss or gradient); stopped "
+                    f"without updating, so the last checkpoint is intact. Set train.nonfinite=skip to skip such steps"
+                )
+            logger.warning("step %d: the gradient norm is %s: update skipped", self.step + 1, norm_value)
+        return {"loss": loss_value, "grad_norm": norm_value}
 
     def train(self) -> list[float]:
         """Run to ``train.steps``; returns the losses of the steps run here."""

@@ -7,7 +7,8 @@
   torchrun line (node count, processes per node from ``--gpus-per-node``, c10d endpoint, the job id as rendezvous
   id) and the recipe and overrides arrive unchanged (spaces and brackets included); ``srun`` starts one task per
   node and stops the job when one fails.
-- ``launch.sh`` on one node uses ``--standalone``, and refuses ``NNODES > 1`` without ``MASTER_ADDR``.
+- ``launch.sh`` on one node uses ``--standalone``, and refuses ``NNODES > 1`` without ``MASTER_ADDR``; it sets
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless either allocator variable is set.
 - Two real ``launch.sh`` runs with ``NNODES=2`` (two processes each) on loopback form one 4-rank job that trains
   the tiny recipe (ring 2 × ulysses 2, each Ulysses pair inside one "node"): its losses and gradient norms equal a
   4-process ``--standalone`` run's exactly (same ranks, same mesh, CPU fp32 gloo: bitwise deterministic).
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.corpus import corpus_overrides, write_corpus
 from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
@@ -56,6 +58,8 @@ FAKE_TORCHRUN = """
 import json, os, sys
 out = os.path.join(os.environ["RENDER_DIR"], "torchrun_" + os.environ.get("SLURM_NODEID", "local") + ".json")
 json.dump(sys.argv[1:], open(out, "w"))
+allocator = {name: os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+json.dump(allocator, open(out.replace(".json", "_allocator.json"), "w"))
 """
 
 TINY = [
@@ -130,6 +134,28 @@ def test_launch_on_one_node_is_standalone(tmp_path: Path) -> None:
         "train",
         "recipe=tiny_cpu",
     ]
+
+
+@pytest.mark.parametrize(
+    ("user", "expected"),
+    [
+        ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": None}),
+        ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": None}),
+        (
+            {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"},
+            {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"},
+        ),
+    ],
+    ids=["unset", "user-empty", "user-new-name"],
+)
+def test_launch_sets_expandable_segments_unless_the_user_set_the_allocator(
+    tmp_path: Path, user: dict, expected: dict
+) -> None:
+    env = fake_bin(tmp_path / "bin") | {"NPROC_PER_NODE": "1"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NNODES"):
+        env.pop(name, None)
+    subprocess.run(["bash", "scripts/launch.sh"], cwd=REPO, env=env | user, check=True)
+    assert recorded(tmp_path / "bin", "torchrun_local_allocator") == expected
 
 
 def test_launch_on_several_nodes_needs_the_rendezvous_host(tmp_path: Path) -> None:

@@ -5,10 +5,13 @@ gradients 1e-5 absolute + 1e-4 relative), and the losses and gradient norms of t
 relative).
 
 The cases run on one world-2 group, one after the other: ring 2, Ulysses 2, and pipeline parallelism (pp 2, the
-savers applied to each stage's layers). The MLP chunks do not divide the local sequence (64 tokens over 2 ranks =
-32 per rank: chunks of 12, 12, 8; or 7; pp 2: 64 tokens, chunks of 12 … 4). On CPU the offload hooks keep the
+savers applied to each stage's layers); and FSDP2's CPU offload (``parallel.cpu_offload``) with ring 2 and with
+pp 2 (GPipe). The MLP chunks do not divide the local sequence (64 tokens over 2 ranks = 32 per rank: chunks of 12,
+12, 8; or 7; pp 2: 64 tokens, chunks of 12 … 4). On CPU the offload hooks keep the
 tensors where they are (``lctrain/parallel/activation_checkpointing.py``), so what this checks is that the
-wrappers compose with USP attention, FSDP2, pipeline stages and the chunked loss, not that memory moves.
+wrappers compose with USP attention, FSDP2, pipeline stages and the chunked loss, not that memory moves. The same
+holds for ``CPUOffloadPolicy`` on a CPU device: its code runs (host shards, gradients moved to them, the optimizer on
+them, gloo), its device-memory saving only on a GPU.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ CASES = {
         2,
         4,
         ["parallel.pp=2", "parallel.activation_checkpointing=full", "parallel.activation_offload=true"],
+    ),
+    "ring2-cpu-offload-mlp12": (1, 1, 2, ["parallel.ring=2", "parallel.cpu_offload=true"]),
+    "pp2-GPipe-cpu-offload-mlp12-bs2-ga2": (
+        2,
+        2,
+        4,
+        ["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.cpu_offload=true"],
     ),
 }
 

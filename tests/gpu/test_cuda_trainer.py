@@ -2,12 +2,15 @@
 fp32 on the same GPU: the loss of the first step and its gradients. Skipped without CUDA.
 
 Tolerances are those of bf16 compute: loss within 1e-2 relative, gradients within 5e-2 relative Frobenius error.
-Then 30 steps: the loss falls.
+Then 30 steps: the loss falls. A training step (after the first) makes one synchronizing CUDA call, the read-back of
+the logged loss and gradient norm (``torch.cuda.set_sync_debug_mode``), with the fused AdamW; a NaN gradient skips
+the update on the device (parameters and AdamW's states unchanged).
 """
 
 from __future__ import annotations
 
 import socket
+import warnings
 
 import pytest
 import torch
@@ -73,3 +76,43 @@ def test_first_step_matches_plain_model_and_loss_falls(nccl_group, tmp_path) -> 
     trainer.optimizer.zero_grad(set_to_none=True)
     losses = trainer.train()
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_a_training_step_syncs_with_the_host_once(nccl_group, tmp_path) -> None:
+    cfg = load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"])
+    trainer = Trainer(cfg)
+    assert trainer.optimizer.defaults["fused"] is True
+    batches = iter(trainer.loader)
+    trainer.train_step([next(batches)])  # the first step creates AdamW's states and the communicators
+    batch = next(batches)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step([batch])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, syncs
+
+
+def test_a_nan_gradient_skips_the_update_on_the_device(nccl_group, tmp_path) -> None:
+    """Fused AdamW on CUDA with FSDP2's DTensors: a NaN gradient leaves parameters and AdamW's states as they were."""
+    trainer = Trainer(load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"]))
+    batches = iter(trainer.loader)
+    trainer.train_step([next(batches)])
+    params = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    first = next(trainer.model.parameters())
+    states = {
+        k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+        for k, v in trainer.optimizer.state[first].items()
+    }
+    trainer.forward_backward([next(batches)])
+    first.grad.to_local().view(-1)[0] = float("nan")
+    norm = trainer.optimizer_step()
+    assert not torch.isfinite(norm).item()
+    assert all(torch.equal(p.full_tensor(), params[n]) for n, p in trainer.model.named_parameters())
+    for key, value in trainer.optimizer.state[first].items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        assert torch.equal(local, states[key]), key

@@ -66,3 +66,39 @@ def test_bf16_inputs_give_an_fp32_loss_and_bf16_gradients() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
     for got, want in ((hidden.grad, h.grad), (weight.grad, w.grad)):
         assert (got.float() - want).norm() <= 1e-2 * want.norm()  # bf16 rounding of logits and gradients
+
+
+def test_tensor_core_path_accumulates_the_head_gradient_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 path that CUDA takes (fp32-output matmuls, the head's gradient added into an fp32 accumulator), run on
+    CPU with the two CUDA-only matmuls emulated in fp32 (exact products of the bf16 inputs). Many chunks give the
+    gradient of one chunk up to fp32 summation order: nothing is rounded to bf16 between chunks. Against the fp32
+    reference the errors are those of rounding the softmax gradient to bf16 (``tests/gpu/test_cuda_loss.py`` runs
+    the real kernels)."""
+    from lctrain.train import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_tensor_cores", lambda hidden, weight: True)
+    monkeypatch.setattr(loss_module, "_mm_fp32", lambda a, b: a.float() @ b.float())
+    monkeypatch.setattr(loss_module, "_addmm_fp32_", lambda acc, a, b: acc.addmm_(a.float(), b.float()))
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(512, 32, generator=gen).bfloat16()
+    weight = (0.3 * torch.randn(300, 32, generator=gen)).bfloat16()
+    labels = torch.randint(0, 300, (512,), generator=gen)
+    labels[::7] = IGNORE_INDEX
+
+    def run(chunk_tokens: int) -> tuple[torch.Tensor, ...]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = chunked_cross_entropy(h, w, labels, chunk_tokens=chunk_tokens)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    one_chunk, many_chunks = run(512), run(8)
+    assert many_chunks[2].dtype == torch.bfloat16 and many_chunks[0].dtype == torch.float32
+    torch.testing.assert_close(many_chunks[0], one_chunk[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(many_chunks[1], one_chunk[1], rtol=0, atol=0)  # per-token rows: the same products
+    torch.testing.assert_close(many_chunks[2], one_chunk[2], rtol=8e-3, atol=0)  # one bf16 rounding, at the end
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    expected = F.cross_entropy(h @ w.t(), labels, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(many_chunks[0], expected, rtol=1e-6, atol=0)  # fp32 logits: no bf16 rounding
+    for got, want in ((many_chunks[1], h.grad), (many_chunks[2], w.grad)):
+        assert (got.float() - want).norm() <= 5e-3 * want.norm()

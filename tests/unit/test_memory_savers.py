@@ -1,8 +1,9 @@
 """Memory savers on one process: the chunked MLP (``lctrain.models.chunked_mlp``) computes what the plain MLP
 computes and keeps only its input for the backward; activation offload
 (``lctrain.parallel.activation_checkpointing``) sends exactly the checkpointed layers' inputs through its
-pack/unpack hooks, frees the device copy, and changes no result; ``check_job`` refuses offload without
-checkpointing.
+pack/unpack hooks, frees the device copy, copies each input back one layer ahead of its use, and changes no result
+(the CUDA copies replaced by clones on the CPU; ``tests/gpu/test_cuda_memory.py`` runs the streams); ``check_job``
+refuses offload without checkpointing.
 
 Tolerances (fp32): chunked vs plain outputs and gradients within 1e-6 absolute + 1e-6 relative (the chunks change
 only the order in which weight gradients are summed over tokens); offload on a CPU device changes nothing at all
@@ -23,8 +24,7 @@ from lctrain.config.schema import ModelConfig
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.chunked_mlp import apply_chunked_mlp, chunked_mlp
 from lctrain.models.hf import hf_name
-from lctrain.parallel import activation_checkpointing as checkpointing
-from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from lctrain.parallel.activation_checkpointing import HostOffload, Offloaded, apply_activation_checkpointing
 
 VOCAB = 97
 HIDDEN, INTERMEDIATE, LAYERS = 32, 88, 3
@@ -143,28 +143,49 @@ def test_apply_chunked_mlp_names_the_setting_for_a_layer_without_mlp() -> None:
 
 
 class CountingHooks:
-    """Wraps the pack/unpack hooks of ``checkpointing`` to record the shapes they see; ``copy`` makes pack store a
-    copy (as a real move to host memory does on a GPU) instead of the CPU tensor itself."""
+    """Wraps ``HostOffload``'s hooks to record the shapes they see. ``device=True`` makes the CPU play the device:
+    every tensor is "offloaded", the copies are clones, and ``ops`` records each copy and each use in order
+    (``("host", i)``, ``("device", i)``, ``("use", i)`` for the i-th packed tensor)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, copy: bool = False):
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, device: bool = False):
         self.packed: list[tuple[int, ...]] = []
         self.unpacked: list[tuple[int, ...]] = []
         self.same_tensor: list[bool] = []
-        pack, unpack = checkpointing.offload_to_host, checkpointing.reload_to_device
+        self.ops: list[tuple[str, int]] = []
+        self.hosts: list[torch.Tensor] = []
+        pack, unpack = HostOffload.pack, HostOffload.unpack
 
-        def counting_pack(tensor: torch.Tensor) -> checkpointing.Packed:
+        def counting_pack(offload: HostOffload, tensor: torch.Tensor) -> object:
             self.packed.append(tuple(tensor.shape))
-            device, stored = pack(tensor)
+            stored = pack(offload, tensor)
             self.same_tensor.append(stored is tensor)
-            return device, stored.clone() if copy else stored
+            return stored
 
-        def counting_unpack(packed: checkpointing.Packed) -> torch.Tensor:
-            tensor = unpack(packed)
+        def counting_unpack(offload: HostOffload, packed: object) -> torch.Tensor:
+            tensor = unpack(offload, packed)
             self.unpacked.append(tuple(tensor.shape))
+            if isinstance(packed, Offloaded):
+                self.ops.append(("use", next(i for i, h in enumerate(self.hosts) if h is packed.host)))
             return tensor
 
-        monkeypatch.setattr(checkpointing, "offload_to_host", counting_pack)
-        monkeypatch.setattr(checkpointing, "reload_to_device", counting_unpack)
+        monkeypatch.setattr(HostOffload, "pack", counting_pack)
+        monkeypatch.setattr(HostOffload, "unpack", counting_unpack)
+        if not device:
+            return
+
+        def to_host(offload: HostOffload, tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+            self.ops.append(("host", len(self.hosts)))
+            self.hosts.append(tensor.detach().clone())
+            return self.hosts[-1], None
+
+        def to_device(offload: HostOffload, entry: Offloaded) -> tuple[torch.Tensor, None]:
+            self.ops.append(("device", next(i for i, h in enumerate(self.hosts) if h is entry.host)))
+            return entry.host.clone(), None
+
+        monkeypatch.setattr(HostOffload, "_offloads", lambda offload, tensor: True)
+        monkeypatch.setattr(HostOffload, "_to_host", to_host)
+        monkeypatch.setattr(HostOffload, "_to_device", to_device)
+        monkeypatch.setattr(HostOffload, "_use", lambda offload, tensor, ready: tensor)
 
 
 @pytest.mark.parametrize(("mode", "every", "checkpointed"), [("full", 1, 3), ("selective", 2, 2)])
@@ -192,12 +213,37 @@ def test_offload_packs_each_checkpointed_layer_input_once_and_changes_nothing_on
     assert all(torch.equal(grads[name], grad) for name, grad in ref_grads.items())
 
 
+def test_offload_copies_each_input_out_once_and_back_one_layer_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order of the copies, with the CPU playing the device: the forward copies the three layers' inputs out;
+    the backward copies the last layer's back when it needs it and, before using it, starts the copy of the input
+    of the layer before, and so on: each copied back once, one layer ahead of its use. The gradients are those
+    without offload, exactly."""
+    hooks = CountingHooks(monkeypatch, device=True)
+    plain, offloaded = tiny_model(), tiny_model()
+    apply_activation_checkpointing(plain.model.layers, "full")
+    host_offload = apply_activation_checkpointing(offloaded.model.layers, "full", offload=True)
+    ids = tokens()
+    loss, grads = loss_and_grads(offloaded, ids)
+    forward = [("host", 0), ("host", 1), ("host", 2)]
+    backward = [("device", 2), ("device", 1), ("use", 2), ("device", 0), ("use", 1), ("use", 0)]
+    assert hooks.ops == forward + backward
+    assert not any(hooks.same_tensor)
+    ref_loss, ref_grads = loss_and_grads(plain, ids)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[name], grad) for name, grad in ref_grads.items())
+    hooks.ops.clear()
+    offloaded(input_ids=ids).logits.sum()  # a graph dropped without a backward: its host copies go with it
+    gc.collect()
+    assert hooks.ops == [("host", 3), ("host", 4), ("host", 5)]
+    assert host_offload is not None and all(ref() is None for ref in host_offload._pending)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_offload_frees_the_layer_input_until_the_backward(monkeypatch: pytest.MonkeyPatch, offload: bool) -> None:
-    """With a pack hook that stores a copy (what the move to host memory does on a GPU), the checkpointed layer no
-    longer references its input after the forward: the device memory is free until the backward; the gradients
-    are the same. Without offload the checkpoint holds the input."""
-    hooks = CountingHooks(monkeypatch, copy=True)
+    """With the CPU playing the device (the pack hook stores a copy, as the move to host memory does on a GPU), the
+    checkpointed layer no longer references its input after the forward: the device memory is free until the
+    backward; the gradients are the same. Without offload the checkpoint holds the input."""
+    hooks = CountingHooks(monkeypatch, device=True)
     model = tiny_model()
     apply_activation_checkpointing(model.model.layers, "full", offload=offload)
     layer = model.model.layers[1]
@@ -210,7 +256,7 @@ def test_offload_frees_the_layer_input_until_the_backward(monkeypatch: pytest.Mo
     del hidden
     gc.collect()
     assert (alive() is None) == offload
-    assert len(hooks.packed) == int(offload)
+    assert hooks.ops == ([("host", 0)] if offload else [])
     out.sum().backward()
     assert len(hooks.unpacked) == int(offload)
     grad = x.grad.clone()
@@ -245,3 +291,14 @@ def test_check_job_refuses_offload_without_checkpointing_and_negative_chunks() -
         check(["parallel.mlp_chunk_tokens=-1"])
     check(["parallel.activation_offload=true", "parallel.activation_checkpointing=selective"])
     check(["parallel.mlp_chunk_tokens=256"])
+
+
+def test_check_job_warns_that_cpu_offload_on_a_cpu_device_only_adds_copies(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="lctrain"):
+        check(["parallel.cpu_offload=true", "train.device=cpu"])
+    assert "parallel.cpu_offload=true with train.device=cpu" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lctrain"):
+        check(["parallel.cpu_offload=true", "train.device=cuda"])
+        check(["parallel.cpu_offload=false", "train.device=cpu"])
+    assert caplog.text == ""

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from lctrain.config import LoggingConfig, ModelConfig, OptimConfig
-from lctrain.flops import flops_per_token
+from lctrain.flops import document_flops_per_token, flops_per_token
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
 from lctrain.models.hf import hf_name
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -106,6 +106,13 @@ def test_activation_checkpointing_wraps_the_chosen_layers(mode: str, every: int,
 
 def test_flops_per_token_counts_parameters_and_causal_attention() -> None:
     assert flops_per_token(1000, 3, 32, 64) == 6 * 1000 + 6 * 3 * 32 * 64
+
+
+def test_document_flops_count_the_visible_attention_of_packed_rows() -> None:
+    assert document_flops_per_token(1000, 3, 32, [64]) == flops_per_token(1000, 3, 32, 64)
+    attention = flops_per_token(0, 3, 32, 64)
+    assert document_flops_per_token(0, 3, 32, [16] * 4) == attention / 4  # 4 documents: 1/4 of the pairs
+    assert document_flops_per_token(1000, 3, 32, [48, 16]) == 6 * 1000 + attention * (48**2 + 16**2) / 64**2
 
 
 def test_metrics_jsonl_drops_steps_after_the_resumed_one_and_plots(tmp_path: Path) -> None:
