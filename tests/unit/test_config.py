@@ -138,7 +138,11 @@ BAD_JOBS = {
         1,
         [f"model.vocab_size=999 is smaller than the tokenizer's {VOCAB} tokens", f"set model.vocab_size >= {VOCAB}"],
     ),
-    "family": (["model.family=gpt2"], 1, ["model.family='gpt2' must be one of", "'llama'", "or set model.path"]),
+    "family": (
+        ["model.family=gpt2"],
+        1,
+        ["model.family='gpt2' is a 'gpt2' model", "Supported model types: llama, mistral, qwen2, qwen3"],
+    ),
     "min_lr_ratio": (["optim.min_lr_ratio=1.5"], 1, ["optim.min_lr_ratio=1.5 must be in [0, 1]"]),
     "betas": (["optim.betas=[0.9]"], 1, ["optim.betas=[0.9] must be two numbers"]),
     "device": (["train.device=tpu"], 1, ["train.device='tpu' must be auto, cuda or cpu"]),
