@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
+from lctrain.models.families import check_family, check_model_features, model_source
 from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import (
     check_activation_offload,
@@ -20,7 +21,6 @@ from lctrain.rules import (
     ulysses_inside_nodes,
 )
 
-MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 logger = logging.getLogger("lctrain")
@@ -37,10 +37,12 @@ def check_job(
     vocab_size: int,
     local_world_size: int | None = None,
     max_position_embeddings: int | None = None,
+    rope_type: str | None = None,
 ) -> None:
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
-    ``max_position_embeddings`` is the model config's (after ``model.*`` overrides). ``local_world_size`` is the
+    ``max_position_embeddings`` and ``rope_type`` are the model config's (after ``model.*`` overrides: a
+    checkpoint's own RoPE type when ``model.rope_scaling.type`` is unset). ``local_world_size`` is the
     processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it before any process group work:
     every rank raises the same error, nothing has been written.
     """
@@ -75,7 +77,7 @@ def check_job(
             data.batch_size * train.grad_accum,
             tied_embeddings=tied_embeddings,
         )
-    check_rope(cfg, max_position_embeddings)
+    check_rope(cfg, max_position_embeddings, rope_type)
     if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(
             f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "
@@ -94,8 +96,8 @@ def check_job(
     for name in ("param_dtype", "reduce_dtype"):
         if getattr(par, name) not in DTYPES:
             raise ValueError(f"parallel.{name}={getattr(par, name)!r} must be one of {DTYPES}")
-    if cfg.model.path is None and cfg.model.family not in MODEL_FAMILIES:
-        raise ValueError(f"model.family={cfg.model.family!r} must be one of {MODEL_FAMILIES} (or set model.path)")
+    if cfg.model.path is None:
+        check_family(cfg.model.family, model_source(None, cfg.model.family))
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab_size:
         raise ValueError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
@@ -129,8 +131,13 @@ def check_job(
 
 
 def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:
-    """``check_job`` with the sizes of the transformers ``config`` the job builds (after its ``model.*`` settings)
-    and the processes per node from torchrun's environment (``LOCAL_WORLD_SIZE``)."""
+    """The model first (a family lctrain runs exactly, the config features and ``model.sliding_window`` it can
+    honour: ``lctrain.models.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
+    builds (after its ``model.*`` settings) and the processes per node from torchrun's environment
+    (``LOCAL_WORLD_SIZE``)."""
+    source = model_source(cfg.model.path, cfg.model.family)
+    check_family(config.model_type, source)
+    check_model_features(config, source, cfg.model.sliding_window)
     check_job(
         cfg,
         world_size,
@@ -141,31 +148,34 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
         vocab_size=vocab_size,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         max_position_embeddings=config.max_position_embeddings,
+        rope_type=config.rope_parameters.get("rope_type"),
     )
 
 
-def check_rope(cfg: JobConfig, max_position_embeddings: int | None) -> None:
+def check_rope(cfg: JobConfig, max_position_embeddings: int | None, rope_type: str | None = None) -> None:
     """The RoPE scaling settings: a type transformers supports for Llama, its required fields, and no dynamic
-    scaling that context-parallel ranks would compute differently."""
+    scaling (set here, or the checkpoint's own ``rope_type``) that context-parallel ranks would compute
+    differently."""
     scaling = cfg.model.rope_scaling
-    if scaling.type is None:
-        return
-    if scaling.type not in ROPE_TYPES:
-        raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_TYPES} (or null)")
-    if scaling.factor < 1:
-        raise ValueError(
-            f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the checkpoint "
-            f"was trained at (e.g. 16 for 8K -> 128K)"
-        )
-    if scaling.type in ("yarn", "llama3") and scaling.original_max_position_embeddings is None:
-        raise ValueError(
-            f"model.rope_scaling.type={scaling.type} needs model.rope_scaling.original_max_position_embeddings: set it "
-            f"to the context the checkpoint was trained at (e.g. 8192)"
-        )
+    if scaling.type is not None:
+        if scaling.type not in ROPE_TYPES:
+            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_TYPES} (or null)")
+        if scaling.factor < 1:
+            raise ValueError(
+                f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the "
+                f"checkpoint was trained at (e.g. 16 for 8K -> 128K)"
+            )
+        if scaling.type in ("yarn", "llama3") and scaling.original_max_position_embeddings is None:
+            raise ValueError(
+                f"model.rope_scaling.type={scaling.type} needs model.rope_scaling.original_max_position_embeddings: "
+                f"set it to the context the checkpoint was trained at (e.g. 8192)"
+            )
     cp = cfg.parallel.ring * cfg.parallel.ulysses
-    if scaling.type == "dynamic" and cp > 1 and (max_position_embeddings or 0) < cfg.data.seq_len:
+    dynamic = scaling.type == "dynamic" or (scaling.type is None and rope_type == "dynamic")
+    if dynamic and cp > 1 and (max_position_embeddings or 0) < cfg.data.seq_len:
+        setting = "model.rope_scaling.type=dynamic" if scaling.type else f"{cfg.model.path}'s RoPE type dynamic"
         raise ValueError(
-            f"model.rope_scaling.type=dynamic rescales RoPE by the largest position each rank sees, which differs "
+            f"{setting} rescales RoPE by the largest position each rank sees, which differs "
             f"between the {cp} context-parallel ranks once data.seq_len={cfg.data.seq_len} exceeds "
             f"max_position_embeddings={max_position_embeddings}: set model.max_position_embeddings >= "
             f"{cfg.data.seq_len} (training then uses the base frequencies and inference scales beyond), or use "

@@ -33,7 +33,7 @@ class ModelConfig:
     """A Llama-style model: a local Hugging Face checkpoint directory, or a fresh one built from these sizes."""
 
     path: str | None = None  # a local HF model directory (config.json + *.safetensors); None = random init
-    family: str = "llama"  # for random init: llama, mistral or qwen2 (the transformers model type)
+    family: str = "llama"  # for random init: llama, mistral, qwen2 or qwen3 (the transformers model type)
     hidden_size: int = 256  # model width (random init)
     intermediate_size: int = 688  # MLP width (random init)
     num_layers: int = 4  # decoder layers (random init)
@@ -45,6 +45,10 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     rope_theta: float | None = None  # RoPE base; None = the checkpoint's, or 10000 for random init
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # the sliding window (tokens each query sees, itself included): null = the checkpoint's own on each layer (random
+    # init: none); 0 = none on any layer; W > 0 = W on every layer that has one (Mistral: every layer; Qwen: its
+    # sliding_attention layers; random init: every layer; Llama has none). Written into the exported config.json
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
     init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
 

@@ -9,8 +9,8 @@ state dicts remove, so checkpoints and exports keep the Hugging Face names. It c
 checkpointing of the whole layer (the chunks are then checkpoints nested in the layer's: in the backward the layer
 is recomputed, and inside it each MLP chunk once more), with FSDP2 on the layer, and with pipeline stages.
 
-The MLP must be token-wise (each output token depends only on the same input token): true of the Llama, Mistral
-and Qwen2 MLPs (``down(act(gate(x)) * up(x))``), not of a mixture-of-experts block with a sequence-level router.
+The MLP must be token-wise (each output token depends only on the same input token): true of the Llama, Mistral,
+Qwen2 and Qwen3 MLPs (``down(act(gate(x)) * up(x))``), not of a mixture-of-experts block with a sequence-level router.
 """
 
 from __future__ import annotations

@@ -27,6 +27,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lctrain.config.schema import ModelConfig
+from lctrain.models.families import (
+    apply_sliding_window,
+    check_family,
+    layer_windows,
+    model_source,
+    random_init_window_kwargs,
+)
 
 logger = logging.getLogger("lctrain")
 
@@ -46,7 +53,13 @@ def hf_name(name: str) -> str:
 
 
 def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
-    """The transformers config: read from ``cfg.path``, or built from the sizes in ``cfg`` (random init)."""
+    """The transformers config: read from ``cfg.path``, or built from the sizes in ``cfg`` (random init), with the
+    job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.models.families``).
+
+    Random init builds ``cfg.family`` (one of ``FAMILIES``) with ``head_dim = hidden_size / num_heads`` (Qwen3's
+    config class would default to 128) and no sliding window unless ``model.sliding_window`` > 0, then on every
+    layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's
+    sizes)."""
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -54,7 +67,11 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
         config = AutoConfig.from_pretrained(path)
+        check_family(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
+        apply_sliding_window(config, cfg.sliding_window)
     else:
+        check_family(cfg.family, model_source(None, cfg.family))
+        extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family == "qwen3" else {}
         config = AutoConfig.for_model(
             cfg.family,
             hidden_size=cfg.hidden_size,
@@ -68,16 +85,19 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
             tie_word_embeddings=cfg.tie_word_embeddings,
             initializer_range=cfg.init_std,
             attention_dropout=0.0,
+            **extra,
+            **random_init_window_kwargs(cfg.family, cfg.sliding_window),
         )
     set_rope(config, cfg)
-    if getattr(config, "sliding_window", None) is not None:
-        logger.warning(
-            "model %s declares sliding_window=%s; lctrain trains it with full causal attention (sliding_window=None), "
-            "and the exported config.json says so",
-            cfg.path or cfg.family,
-            config.sliding_window,
+    windows = [window for window in layer_windows(config) if window]
+    if windows:
+        logger.info(
+            "%s: a sliding window of %s tokens on %d of %d layers (model.sliding_window=0 turns it off)",
+            model_source(cfg.path, cfg.family),
+            "/".join(str(window) for window in sorted(set(windows))),
+            len(windows),
+            config.num_hidden_layers,
         )
-        config.sliding_window = None
     config.use_cache = False
     return config
 

@@ -68,7 +68,12 @@ class ModelParts(nn.Module):
 
 class PipelineStageModule(ModelParts):
     """One pipeline stage: ``[embed_tokens] -> layers -> [norm -> chunked loss]``, as the Hugging Face model's
-    forward runs them (attention is whatever implementation the model was patched with)."""
+    forward runs them (attention is whatever implementation the model was patched with).
+
+    The decoder layers of every family lctrain runs (``lctrain.models.families``: Llama, Mistral, Qwen2, Qwen3) take
+    the same call, and each layer's sliding window lives in its own attention module (Qwen) or the config (Mistral),
+    so the windows need no mask here: the model's forward would only build masks, which USP attention does not
+    take."""
 
     def __init__(
         self,

@@ -26,10 +26,14 @@ def layer_activation_bytes(model: ModelSpec, e: int, ulysses: int, *, mlp_chunke
     - attention: q, k, v and the output (plus the output after the all-to-all back when U > 1, a separate tensor
       that o_proj keeps), and the fp32 log-sum-exp per head;
     - MLP: gate, SiLU(gate), up and their product, each [tokens, intermediate] (none with a chunked MLP, which
-      keeps only its input, the norm's output).
+      keeps only its input, the norm's output);
+    - Qwen3's q/k RMSNorms (on this rank's tokens, every head, before any all-to-all): each its input in fp32 (a
+      copy for bf16) and the normalized value in the compute dtype, and the fp32 rsqrt per head.
     """
     h, q, inter = model.hidden, model.q_dim, model.intermediate
     norms = 2 * (h * (FP32 + 2 * e) + FP32)
+    if model.qk_norm:
+        norms += (q + model.kv_dim) * (FP32 + e) + (model.heads + model.kv_heads) * FP32
     attention = q * e * (3 if ulysses > 1 else 2) + 2 * kv_width(model, ulysses) * e + model.heads * FP32
     mlp = 0 if mlp_chunked else 4 * inter * e
     return norms + attention + mlp

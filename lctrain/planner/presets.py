@@ -13,7 +13,7 @@ FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accum
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2) that memory, FLOPs and bytes depend on."""
+    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3) that memory, FLOPs and bytes depend on."""
 
     name: str
     hidden: int
@@ -28,6 +28,7 @@ class ModelSpec:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama with attention_bias)
     o_bias: bool = False  # the output projection has a bias (Llama with attention_bias)
     mlp_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys (Qwen3): 2 · head_dim weights per layer
     rope_theta: float | None = None
     path: str | None = None  # a Hugging Face model directory (the recipe then uses model=hf)
 
@@ -41,11 +42,12 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorm weights."""
+        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorm weights (and
+        Qwen3's q/k RMSNorm weights)."""
         h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         attention = 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
-        return attention + mlp + 2 * h
+        return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm
 
     @property
     def embed_params(self) -> int:
@@ -63,7 +65,8 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (Llama, Mistral or Qwen2 field names)."""
+        """From a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 or Qwen3 field names). Biases as transformers
+        builds them: Qwen2 always on q/k/v, never on o; Llama and Qwen3 on all four with ``attention_bias``."""
         missing = [
             key
             for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -88,13 +91,14 @@ class ModelSpec:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
             rope_theta=config.get("rope_theta"),
             path=path,
         )
 
 
 def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw) -> ModelSpec:
-    return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, hidden // heads, **kw)
+    return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, kw.pop("head_dim", hidden // heads), **kw)
 
 
 # Published sizes (the models' config.json files). `tiny` is recipe tiny_cpu with the default tokenizer.
@@ -108,6 +112,9 @@ NAMED_MODELS = {
         _named("llama3-70b", 8192, 28672, 80, 64, 8, 128256, rope_theta=500000.0),
         _named("llama2-7b", 4096, 11008, 32, 32, 32, 32000, rope_theta=10000.0),
         _named("llama2-13b", 5120, 13824, 40, 40, 40, 32000, rope_theta=10000.0),
+        _named("mistral-7b", 4096, 14336, 32, 32, 8, 32000, family="mistral", rope_theta=10000.0),
+        _named("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, family="qwen2", qkv_bias=True, rope_theta=1e6),
+        _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
     )
 }
 

@@ -13,6 +13,7 @@ documents and documents continue across rows; the reference asserts both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lctrain.build import tokenizer_path
 from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
-from lctrain.models import build_empty_model, materialize, model_config, random_init_source
+from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
 from lctrain.models.hf import hf_name
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
@@ -40,9 +42,10 @@ def job_config(
     batch_size: int = 1,
     grad_accum: int = 1,
     parallel: Sequence[str] = (),
+    model: Sequence[str] = (),
 ) -> JobConfig:
     """The tiny fp32 job of the parity tests on ``<workdir>/corpus.jsonl``; ``parallel`` = ``parallel.*``
-    overrides."""
+    overrides, ``model`` = ``model.*`` overrides (another family, a window, a checkpoint)."""
     return load_config(
         [
             "model.hidden_size=64",
@@ -50,6 +53,7 @@ def job_config(
             f"model.num_layers={num_layers}",
             "model.num_heads=4",
             "model.num_kv_heads=2",
+            *model,
             f"data.paths=[{workdir}/corpus.jsonl]",
             f"data.seq_len={SEQ_LEN}",
             f"data.batch_size={batch_size}",
@@ -123,14 +127,27 @@ def document_pieces(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, to
 
 @functools.cache
 def reference(
-    workdir: str, *, steps: int, dp: int, batch_size: int, grad_accum: int, num_layers: int = 2
+    workdir: str,
+    *,
+    steps: int,
+    dp: int,
+    batch_size: int,
+    grad_accum: int,
+    num_layers: int = 2,
+    model: tuple[str, ...] = (),
 ) -> tuple[list[float], list[float], dict]:
     """Losses, pre-clipping gradient norms and first-step gradients of the plain model over the same rows."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: extra threads only spin, and the machine runs the ranks too
     try:
         cfg = job_config(
-            workdir, workdir, steps=steps, num_layers=num_layers, batch_size=batch_size, grad_accum=grad_accum
+            workdir,
+            workdir,
+            steps=steps,
+            num_layers=num_layers,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            model=model,
         )
         return _reference(cfg, dp)
     finally:
@@ -138,13 +155,18 @@ def reference(
 
 
 def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]:
-    hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(cfg.data.tokenizer)))
+    hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(tokenizer_path(cfg))))
     model = build_empty_model(hf_config)
-    materialize(model, random_init_source(hf_config, cfg.train.seed), torch.device("cpu"))
+    if cfg.model.path is not None:
+        source = safetensors_source(cfg.model.path)
+    else:
+        source = random_init_source(hf_config, cfg.train.seed)
+    materialize(model, source, torch.device("cpu"))
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    loaders = [iter(PackedLoader(cfg.data, dp_rank=d, dp_size=dp)) for d in range(dp)]
+    data = dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg))  # as the trainer reads it
+    loaders = [iter(PackedLoader(data, dp_rank=d, dp_size=dp)) for d in range(dp)]
     losses, norms, grads = [], [], {}
     cu_seqlens, first_positions = [], []
     for _ in range(cfg.train.steps):

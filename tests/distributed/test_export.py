@@ -4,12 +4,12 @@ trained lctrain model computes.
 One spawned gloo group of 2 ranks trains two small jobs for 3 steps each on a small jsonl corpus
 (``tests/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with untied
 embeddings and no activation checkpointing, and ``parallel.ulysses=2`` with tied embeddings and full activation
-checkpointing (wrapped parameter names, one shared tensor). After ``trainer.train()`` each rank runs the trained,
-still sharded lctrain model (USP attention) on its zigzag shard of a fixed 64-token input; the logit shards are
-all-gathered and unsharded on rank 0. The test process then loads ``run_dir/hf`` with
-``AutoModelForCausalLM.from_pretrained`` (plain SDPA attention, one process) and compares its logits on the same
-input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2, exactly equal for
-ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
+checkpointing (wrapped parameter names, one shared tensor) with Llama 3.2's ``llama3`` RoPE type. After
+``trainer.train()`` each rank runs the trained, still sharded lctrain model (USP attention) on its zigzag shard of a
+fixed 64-token input; the logit shards are all-gathered and unsharded on rank 0. The test process then loads
+``run_dir/hf`` with ``AutoModelForCausalLM.from_pretrained`` (plain SDPA attention, one process) and compares its
+logits on the same input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2,
+exactly equal for ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
 ``AutoTokenizer.from_pretrained(run_dir/"hf")`` loads the training tokenizer (same vocabulary, same token ids on a
 sample text). Finally a fine-tuning job with ``model=hf model.path=<the ring=2 export>`` (ring=2, weights read shard
 by shard from the safetensors file, the tokenizer taken from the same directory) computes, before any step, the
@@ -18,6 +18,13 @@ transformers supports for Llama (linear with a new ``rope_theta``, dynamic, yarn
 and base into the exported ``config.json`` (``rope_parameters``), and ``from_pretrained`` of it reproduces the
 sharded lctrain model's logits (same tolerance), which the default RoPE would not (they differ by more than 1e-3;
 except dynamic, which up to ``max_position_embeddings`` uses the base frequencies).
+
+Each other family, trained one step and exported, reloads with ``from_pretrained`` with the sliding windows it was
+trained with in its ``config.json`` and the sharded model's logits (same tolerance), which the same weights without
+the windows do not give: a random-init Mistral with ``model.sliding_window=8`` (ring 2), a random-init Qwen3 (q/k
+norms; Ulysses 2), a Qwen2 checkpoint loaded with ``model.path`` whose layer 1 alone has a window of 8
+(``use_sliding_window``, ``max_window_layers=1``; ring 2), and that Mistral's export fine-tuned with
+``model.sliding_window=0``, whose export has no window.
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lctrain.attention import shard_sequence, unshard_sequence
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import random_init_source
+from lctrain.models.families import apply_sliding_window, layer_windows
 from lctrain.testing import run_distributed
 from tests.corpus import corpus_overrides, write_corpus
 
@@ -45,7 +53,29 @@ SEQ_LEN = 64
 SAMPLE_TEXT = "def export(model, out_dir):\n    return model.save_pretrained(out_dir)  # ok\n"
 CASES = {
     "untied": ["parallel.ring=2", "model.tie_word_embeddings=false", "parallel.activation_checkpointing=none"],
-    "tied_ac": ["parallel.ulysses=2", "model.tie_word_embeddings=true", "parallel.activation_checkpointing=full"],
+    "tied_ac": [  # Llama 3.2's form: tied embeddings and the llama3 RoPE type
+        "parallel.ulysses=2",
+        "model.tie_word_embeddings=true",
+        "parallel.activation_checkpointing=full",
+        "model.rope_scaling.type=llama3",
+        "model.rope_scaling.factor=8",
+        "model.rope_scaling.original_max_position_embeddings=32",
+        "model.max_position_embeddings=256",
+    ],
+}
+WINDOW = 8
+# the other families, one step each: (overrides, the window of each of the 2 layers in the exported config.json);
+# <root> is the test's directory (QWEN2_CHECKPOINT: a Qwen2 checkpoint with a window on layer 1 only)
+QWEN2_CHECKPOINT = "qwen2_checkpoint"
+FAMILY_CASES = {
+    "mistral_window": (["parallel.ring=2", "model.family=mistral", f"model.sliding_window={WINDOW}"], [WINDOW, WINDOW]),
+    "qwen3": (["parallel.ulysses=2", "model.family=qwen3"], [None, None]),
+    "qwen2_layers": (["parallel.ring=2", "model=hf", f"model.path=<root>/{QWEN2_CHECKPOINT}"], [None, WINDOW]),
+    # the Mistral export fine-tuned with its window turned off: the export says so
+    "mistral_window_off": (
+        ["parallel.ring=2", "model=hf", "model.path=<root>/family_mistral_window/hf", "model.sliding_window=0"],
+        [None, None],
+    ),
 }
 # fine-tuning the untied export with new RoPE settings (ring=2, one step): each type transformers supports for Llama
 ROPE_CASES = {
@@ -132,13 +162,40 @@ def train_and_logits(root: str) -> dict[str, Any] | None:
         trainer = Trainer(load_config([*BASE, *corpus, *model, f"train.run_dir={run_dir}"]))
         trainer.train()
         out[f"rope_{name}"] = {"logits": sharded_logits(trainer)}
+    for name, (overrides, _) in FAMILY_CASES.items():
+        model = [item.replace("<root>", root) for item in overrides]
+        run_dir = Path(root) / f"family_{name}"
+        trainer = Trainer(load_config([*BASE, *corpus, "train.steps=1", *model, f"train.run_dir={run_dir}"]))
+        trainer.train()
+        out[f"family_{name}"] = {"logits": sharded_logits(trainer)}
     return out if dist.get_rank() == 0 else None
+
+
+def write_qwen2_checkpoint(path: Path) -> None:
+    """A small Qwen2 checkpoint (seeded weights, the embedded tokenizer) with a sliding window on layer 1 only."""
+    tokenizer = load_tokenizer(None)
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer) + 64,  # padded, as Qwen's are (transformers reloads it as a Qwen2Tokenizer: +1)
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("export")
     write_corpus(root / "corpus.jsonl")
+    write_qwen2_checkpoint(root / QWEN2_CHECKPOINT)
     return root, run_distributed(train_and_logits, WORLD, str(root))[0]
 
 
@@ -214,3 +271,27 @@ def test_finetuning_loads_the_export_shard_by_shard(trained: tuple[Path, dict[st
     with torch.no_grad():
         expected = model(input_ids=fixed_input(model.config.vocab_size)).logits
     torch.testing.assert_close(results["finetune"]["logits"], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_export_of_each_family_reloads_with_its_windows_and_logits(
+    trained: tuple[Path, dict[str, Any]], case: str
+) -> None:
+    root, results = trained
+    hf_dir = root / f"family_{case}" / "hf"
+    windows = FAMILY_CASES[case][1]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert model.config.model_type == case.split("_")[0]
+    assert layer_windows(model.config) == windows  # the exported config.json says which windows were trained
+    with torch.no_grad():
+        expected = model(input_ids=fixed_input(model.config.vocab_size)).logits
+    torch.testing.assert_close(results[f"family_{case}"]["logits"], expected, atol=1e-5, rtol=1e-5)
+    if any(windows):  # the windows matter: without them the same weights give other logits
+        config = AutoConfig.from_pretrained(hf_dir)
+        apply_sliding_window(config, 0)  # model.sliding_window=0
+        assert not any(layer_windows(config))
+        unwindowed = AutoModelForCausalLM.from_pretrained(hf_dir, config=config)
+        with torch.no_grad():
+            assert not torch.allclose(
+                unwindowed(input_ids=fixed_input(model.config.vocab_size)).logits, expected, atol=1e-3
+            )

@@ -1,4 +1,5 @@
-"""A Hugging Face model with USP attention on a (ring × ulysses) mesh reproduces the single-process model.
+"""A Hugging Face model of each family with USP attention on a (ring × ulysses) mesh reproduces the
+single-process model.
 
 Every rank holds the full model (same seed) and its zigzag shard of one packed row (input ids, global position
 ids, labels shifted on the global row); ``cu_seq_lens_q`` carries the document boundaries. The loss is the
@@ -6,8 +7,12 @@ token-summed cross-entropy (``chunked_cross_entropy``) divided by the number of 
 context-parallel group, and the
 gradients are summed over that group (each rank's are partial sums over its tokens). The reference runs the plain
 model (sdpa attention) on each document separately. Tolerances (fp32): loss within 1e-5 relative; every parameter
-gradient within 1e-5 absolute + 1e-4 relative. ``mistral_window`` is Mistral with a sliding window of 5 tokens:
-transformers' own sliding-window mask in the reference, the window of USP attention in the sharded model.
+gradient within 1e-5 absolute + 1e-4 relative. The families, each on (ring 2), (ulysses 2) and (ring 2 × ulysses 2)
+(Llama on three more meshes): Llama; Llama 3.2's form (tied embeddings, the ``llama3`` RoPE type); Mistral with a
+sliding window of 5 tokens on every layer (as Mistral-7B-v0.1 declares one); Qwen2 (q/k/v biases) and Qwen3 (q/k
+RMSNorm) with ``use_sliding_window`` and ``max_window_layers=1``: layer 0 full, layer 1 windowed. In the reference
+the windows are transformers' own sliding-window masks, in the sharded model the window USP attention receives
+from each layer; the row holds documents longer than the window.
 """
 
 from __future__ import annotations
@@ -19,44 +24,57 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.attention import shard_sequence
 from lctrain.models import patch_attention
+from lctrain.models.families import layer_windows
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.testing import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
 
-FAMILIES = {  # name: config class, model class, sliding window
-    "llama": (LlamaConfig, LlamaForCausalLM, None),
-    "mistral": (MistralConfig, MistralForCausalLM, None),
-    "mistral_window": (MistralConfig, MistralForCausalLM, 5),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, None),
+VOCAB = 97
+WINDOW = 5
+SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1024,
+}
+LLAMA3_ROPE = {  # Llama 3.1/3.2's RoPE type, its original context shrunk so it changes these positions' frequencies
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}  # layer 1 slides
+FAMILIES = {  # name: (transformers config fields beyond SIZES, the window of each layer)
+    "llama": ({"model_type": "llama"}, [None, None]),
+    "llama3.2": ({"model_type": "llama", "tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}, [None, None]),
+    "mistral": ({"model_type": "mistral", "sliding_window": WINDOW}, [WINDOW, WINDOW]),  # as Mistral-7B-v0.1
+    "qwen2": ({"model_type": "qwen2", **QWEN_WINDOW}, [None, WINDOW]),
+    "qwen3": ({"model_type": "qwen3", "head_dim": 16, **QWEN_WINDOW}, [None, WINDOW]),  # q/k norms
 }
 MESHES = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)], 8: [(4, 2), (2, 4)]}  # (ring, ulysses) per world size
 CASES = [(world, ring, ulysses, "llama") for world, meshes in MESHES.items() for ring, ulysses in meshes] + [
-    (4, 2, 2, "mistral"),
-    (4, 2, 2, "mistral_window"),
-    (4, 2, 2, "qwen2"),
+    (world, ring, ulysses, family)
+    for family in FAMILIES
+    if family != "llama"
+    for world, ring, ulysses in [(2, 2, 1), (2, 1, 2), (4, 2, 2)]
 ]
-VOCAB = 97
 
 
 def build_model(family: str) -> torch.nn.Module:
-    config_cls, model_cls, sliding_window = FAMILIES[family]
-    config = config_cls(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        sliding_window=sliding_window,
-        attn_implementation="sdpa",
-    )
+    fields, windows = FAMILIES[family]
+    config = AutoConfig.for_model(**fields, **SIZES)
+    assert layer_windows(config) == windows
     torch.manual_seed(0)
-    return model_cls(config)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def packed_row(seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -126,6 +144,7 @@ def test_sharded_model_matches_single_process_model(world: int, ring: int, ulyss
     loss, grads = results_for(world)[(ring, ulysses, family)]
     model = build_model(family)
     input_ids, _, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
+    assert len(bounds) > 3 and max(b - a for a, b in zip(bounds, bounds[1:])) > WINDOW  # the window matters
     total = sum(loss_sum(model(input_ids=input_ids[:, a:b]).logits, labels[:, a:b]) for a, b in zip(bounds, bounds[1:]))
     expected = total / (labels != -100).sum()
     expected.backward()

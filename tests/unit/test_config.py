@@ -18,6 +18,7 @@ from hydra.errors import HydraException
 
 from lctrain.config import CONFIG_DIR, check_job, load_config
 from lctrain.models import model_config, safetensors_source
+from lctrain.models.families import layer_windows
 from lctrain.train.stages import check_stage_jobs, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +139,11 @@ BAD_JOBS = {
         1,
         [f"model.vocab_size=999 is smaller than the tokenizer's {VOCAB} tokens", f"set model.vocab_size >= {VOCAB}"],
     ),
-    "family": (["model.family=gpt2"], 1, ["model.family='gpt2' must be one of", "'llama'", "or set model.path"]),
+    "family": (
+        ["model.family=gpt2"],
+        1,
+        ["model.family='gpt2' is a 'gpt2' model", "Supported model types: llama, mistral, qwen2, qwen3"],
+    ),
     "min_lr_ratio": (["optim.min_lr_ratio=1.5"], 1, ["optim.min_lr_ratio=1.5 must be in [0, 1]"]),
     "betas": (["optim.betas=[0.9]"], 1, ["optim.betas=[0.9] must be two numbers"]),
     "device": (["train.device=tpu"], 1, ["train.device='tpu' must be auto, cuda or cpu"]),
@@ -312,16 +317,58 @@ LLAMA3_8B = {
     "rope_theta": 500000.0,
     "tie_word_embeddings": False,
 }
+# Qwen3-8B and Mistral-7B-v0.1 as published on the Hugging Face Hub (written from the public config.json files; the
+# fields lctrain reads, and those that decide the windows)
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 36,
+    "tie_word_embeddings": False,
+}
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+}
+CHECKPOINTS = {
+    "/models/Meta-Llama-3-8B": LLAMA3_8B,
+    "/models/Qwen3-8B": QWEN3_8B,
+    "/models/Mistral-7B-v0.1": MISTRAL_7B_V01,
+}
 SBATCH_GPUS = re.search(r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm/train.sbatch").read_text())
 
 
 def recipe_model(path: str, tmp_path: Path) -> Path:
     """A local directory with the config.json of the checkpoint a recipe names."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     if path == "runs/tiny_cpu/hf":  # what `make train` exports
         config = model_config(load_config(["recipe=tiny_cpu"]).model, vocab_size=8192).to_dict()
     else:
-        assert path == "/models/Meta-Llama-3-8B", f"add the config of {path} to this test"
-        config = LLAMA3_8B
+        assert path in CHECKPOINTS, f"add the config of {path} to this test"
+        config = CHECKPOINTS[path]
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -353,3 +400,20 @@ def test_recipe_starts_with_its_launch_line_and_composes(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     jobs = stage_configs(cfg)
     check_stage_jobs(jobs, world_size, model, model.vocab_size)
+
+
+def test_family_recipes_train_the_published_architecture(tmp_path: Path) -> None:
+    """Mistral-7B keeps its 4,096-token window on every layer; Qwen3-8B has none and is extended with YaRN."""
+    mistral = load_config(["recipe=mistral_7b_32k"])
+    mistral.model.path = str(recipe_model(mistral.model.path, tmp_path / "mistral"))
+    assert layer_windows(model_config(mistral.model, vocab_size=32000)) == [4096] * 32
+    qwen = load_config(["recipe=qwen3_8b_128k"])
+    qwen.model.path = str(recipe_model(qwen.model.path, tmp_path / "qwen"))
+    config = model_config(qwen.model, vocab_size=151936)
+    assert layer_windows(config) == [None] * 36 and config.head_dim == 128
+    assert config.rope_parameters == {
+        "rope_theta": 1000000,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }

@@ -50,10 +50,17 @@ def bad_job_count() -> int:
     return len(BAD_JOBS)
 
 
+def refused_model_count() -> int:
+    from tests.unit.test_model_families import REFUSED
+
+    return len(REFUSED)
+
+
 # (doc, a pattern whose group is a figure the code determines, the figure)
 FIGURES = [
     ("docs/faults.md", r"\((\d+) cases\)", bad_job_count),
     ("docs/testing.md", r"(\d+) bad configs", bad_job_count),
+    ("docs/testing.md", r"(\d+) refusals of models", refused_model_count),
 ]
 
 

@@ -66,8 +66,14 @@ def hf_param_count(**sizes: object) -> int:
         (TINY, {}),
         (dataclasses.replace(TINY, tied=True), {"tie_word_embeddings": True}),
         (dataclasses.replace(TINY, family="qwen2", qkv_bias=True), {"family": "qwen2"}),
+        (dataclasses.replace(TINY, family="qwen3", qk_norm=True), {"family": "qwen3"}),
+        (dataclasses.replace(TINY, family="mistral"), {"family": "mistral"}),
+        (
+            dataclasses.replace(TINY, family="qwen3", qk_norm=True, tied=True),
+            {"family": "qwen3", "tie_word_embeddings": True},
+        ),
     ],
-    ids=["tiny", "tied", "qwen2_bias"],
+    ids=["tiny", "tied", "qwen2_bias", "qwen3_qk_norm", "mistral", "qwen3_tied"],
 )
 def test_parameter_count_equals_the_hf_model(spec: ModelSpec, sizes: dict) -> None:
     tiny = {"hidden_size": 128, "intermediate_size": 352, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
@@ -80,27 +86,47 @@ def test_tiny_by_hand_and_llama3_8b_published_count() -> None:
     assert TINY.num_params == 2 * 8192 * 128 + 4 * 184_576 + 128 == 2_835_584
     assert NAMED_MODELS["llama3-8b"].num_params == 8_030_261_248  # Meta-Llama-3-8B's published count
     assert NAMED_MODELS["llama3.2-1b"].num_params == 1_235_814_400  # Llama-3.2-1B (tied embeddings)
+    assert NAMED_MODELS["mistral-7b"].num_params == 7_241_732_096  # Mistral-7B-v0.1
+    assert NAMED_MODELS["qwen2.5-7b"].num_params == 7_615_616_512  # Qwen2.5-7B (q/k/v biases)
+    # Qwen3-8B: 8.19B, 6.95B without the embeddings (q/k norms: 2 · 128 weights per layer)
+    assert NAMED_MODELS["qwen3-8b"].num_params == 8_190_735_360
+    assert NAMED_MODELS["qwen3-8b"].num_params - 2 * 151936 * 4096 == 6_946_075_648
 
 
-def test_hf_directory_is_read_like_transformers(tmp_path: Path) -> None:
+SMALL_HF = {"hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": 3, "num_attention_heads": 6}
+# config.json fields beyond SMALL_HF, and the spec's (head_dim, kv_heads, qkv_bias, o_bias, qk_norm, tied)
+HF_DIRECTORIES = {
+    "llama_bias": (
+        {"model_type": "llama", "num_key_value_heads": 2, "head_dim": 32, "attention_bias": True, "mlp_bias": True},
+        (32, 2, True, True, False, False),
+    ),
+    "llama3.2": (
+        {"model_type": "llama", "num_key_value_heads": 2, "tie_word_embeddings": True},
+        (16, 2, False, False, False, True),
+    ),
+    "mistral": (
+        {"model_type": "mistral", "num_key_value_heads": 3, "sliding_window": 64},
+        (16, 3, False, False, False, False),
+    ),
+    "qwen2": ({"model_type": "qwen2", "num_key_value_heads": 2}, (16, 2, True, False, False, False)),
+    "qwen3": ({"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24}, (24, 2, False, False, True, False)),
+    "qwen3_bias": (
+        {"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24, "attention_bias": True},
+        (24, 2, True, True, True, False),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_DIRECTORIES))
+def test_hf_directory_is_read_like_transformers(case: str, tmp_path: Path) -> None:
     from lctrain.config.schema import ModelConfig
     from lctrain.models import build_empty_model, model_config
 
-    config = {
-        "model_type": "llama",
-        "hidden_size": 96,
-        "intermediate_size": 200,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 2,
-        "head_dim": 32,  # not hidden / heads
-        "attention_bias": True,
-        "mlp_bias": True,
-        "vocab_size": 500,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    fields, expected = HF_DIRECTORIES[case]
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, **fields, "vocab_size": 500}))
     spec = load_model(str(tmp_path))
-    assert (spec.path, spec.head_dim, spec.kv_heads, spec.qkv_bias, spec.o_bias) == (str(tmp_path), 32, 2, True, True)
+    assert spec.path == str(tmp_path) and spec.family == fields["model_type"]
+    assert (spec.head_dim, spec.kv_heads, spec.qkv_bias, spec.o_bias, spec.qk_norm, spec.tied) == expected
     model = build_empty_model(model_config(ModelConfig(path=str(tmp_path)), 500))
     assert spec.num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="neither a named size"):
@@ -122,13 +148,16 @@ def test_layer_activations_by_hand() -> None:
     assert layer_activation_bytes(TINY, 4, 1, mlp_chunked=True) == 10_264 - 5632
 
 
-def test_layer_activations_equal_what_autograd_saves() -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_layer_activations_equal_what_autograd_saves(family: str) -> None:
     """One patched decoder layer, fp32, one process: the bytes of every tensor autograd keeps (parameters and RoPE
-    cos/sin, shared by all layers, left out) equal the formula exactly."""
+    cos/sin, shared by all layers, left out) equal the formula exactly (Qwen3: with its q/k norms)."""
     from lctrain.config.schema import ModelConfig
     from lctrain.models import build_empty_model, materialize, model_config, patch_attention, random_init_source
 
-    hf = model_config(ModelConfig(hidden_size=128, intermediate_size=352, num_heads=4, num_kv_heads=2), 8192)
+    sizes = ModelConfig(family=family, hidden_size=128, intermediate_size=352, num_heads=4, num_kv_heads=2)
+    hf = model_config(sizes, 8192)
+    spec = dataclasses.replace(TINY, family=family, qk_norm=family == "qwen3")
     model = build_empty_model(hf)
     materialize(model, random_init_source(hf, 0), torch.device("cpu"))
     patch_attention(model, ulysses_group=None, ring_group=None)
@@ -148,7 +177,7 @@ def test_layer_activations_equal_what_autograd_saves() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
-    assert sum(saved.values()) == tokens * layer_activation_bytes(TINY, 4, 1)
+    assert sum(saved.values()) == tokens * layer_activation_bytes(spec, 4, 1)
 
 
 def memory(layout: Layout, seq_len: int = 65536, **work: object) -> planner.MemoryEstimate:

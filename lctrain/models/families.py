@@ -1,0 +1,172 @@
+"""The model families lctrain runs exactly, the sliding window each of their layers has, and what it refuses.
+
+A family is a transformers ``model_type`` whose decoder lctrain patches (USP attention through
+``AttentionInterface``), replays in pipeline stages (``PipelineStageModule``), chunks (``chunked_mlp``) and counts
+(``lctrain.planner``), and whose every parity test compares it with the plain transformers model:
+
+- ``llama`` (Llama 2, Llama 3, 3.1, 3.2: the ``llama3`` RoPE type, tied embeddings on the small ones): no sliding
+  window (``LlamaAttention`` passes none to the attention function);
+- ``mistral``: ``config.sliding_window`` on every layer (``MistralAttention`` passes it; Mistral-7B-v0.1 declares
+  4096, v0.2/v0.3 none);
+- ``qwen2``, ``qwen3`` (q/k RMSNorm in attention): ``config.sliding_window`` on the layers whose
+  ``config.layer_types[i]`` is ``sliding_attention``, none on the others (``Qwen2Attention``, ``Qwen3Attention``).
+  transformers derives ``layer_types`` from ``use_sliding_window``, ``sliding_window`` and ``max_window_layers``
+  (layers ``i >= max_window_layers`` slide) unless the config lists them, and drops ``sliding_window`` when
+  ``use_sliding_window`` is false.
+
+``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
+attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
+the window, in the config the model is built from and exported with. Pure functions of a transformers config:
+this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# how each family's attention module gets its sliding window: never, the config's on every layer, per layer_types
+WINDOWS = {"llama": "none", "mistral": "model", "qwen2": "layers", "qwen3": "layers"}
+# RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py); the others
+# (longrope: short or long factors by the longest position in the batch, which differs between context-parallel
+# ranks; proportional) are refused
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_MOE = (
+    "it is a mixture-of-experts model (a router and experts in each layer): lctrain's loss has no router "
+    "load-balancing term, and its chunked MLP, FSDP wrapping and planner assume one dense MLP per decoder layer"
+)
+_ALIBI = "its attention adds ALiBi position biases to the scores, which USP attention does not compute"
+# why some model types people ask for are refused (any other type: not one of FAMILIES)
+REFUSED = {
+    "gemma2": "its attention soft-caps the scores (attn_logit_softcapping), which USP attention does not compute",
+    "gemma3_text": "its sliding layers use their own RoPE base and its attention a query_pre_attn_scalar scale, which "
+    "lctrain's pipeline stages (one rotary embedding) and tests do not cover",
+    "gemma3": "a vision-language model: lctrain trains text-only decoders",
+    "phi3": "it uses longrope RoPE (factors chosen by the longest position in the batch, which differs between "
+    "context-parallel ranks) and fused qkv/gate_up projections lctrain does not test",
+    "falcon": "its decoder layer (attention and MLP in parallel, a fused query_key_value projection, ALiBi in some "
+    "checkpoints) is not the Llama layer lctrain's pipeline stages, chunked MLP and planner assume",
+    "bloom": _ALIBI,
+    "mpt": _ALIBI,
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
+    "deepseek_v2": _MOE,
+    "deepseek_v3": _MOE,
+    "olmoe": _MOE,
+    "dbrx": _MOE,
+}
+
+
+def model_source(path: str | None, family: str) -> str:
+    """How the job names its model in messages: ``model.path='...'`` or ``model.family='...'``."""
+    return f"model.path={path!r}" if path is not None else f"model.family={family!r}"
+
+
+def check_family(model_type: str, source: str) -> None:
+    """Refuse a model type lctrain cannot run exactly, naming it and the reason."""
+    if model_type in FAMILIES:
+        return
+    reason = REFUSED.get(model_type, "lctrain has not been made and checked to run it exactly")
+    raise ValueError(
+        f"{source} is a {model_type!r} model, which lctrain does not train: {reason}. Supported model types: "
+        f"{', '.join(FAMILIES)}"
+    )
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """The sliding window each decoder layer's attention receives from transformers (None = full causal)."""
+    layers = config.num_hidden_layers
+    rule = WINDOWS[config.model_type]
+    if rule == "none":
+        return [None] * layers
+    window = getattr(config, "sliding_window", None)
+    if rule == "model":
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in config.layer_types]
+
+
+def random_init_window_kwargs(family: str, setting: int | None) -> dict[str, Any]:
+    """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
+    (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
+    every layer. Llama has no window (a positive setting is refused by ``check_model_features``)."""
+    window = setting if setting and setting > 0 else None
+    if WINDOWS.get(family) == "model":
+        return {"sliding_window": window}
+    if WINDOWS.get(family) == "layers":  # layers i >= max_window_layers slide: all of them
+        return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+    return {}
+
+
+def apply_sliding_window(config: Any, setting: int | None) -> None:
+    """``model.sliding_window`` on a checkpoint's config, in place: None keeps the checkpoint's own windows; 0
+    removes every window (full causal attention on every layer); W > 0 makes W the window of every layer that
+    has one (Mistral: every layer, also when the checkpoint declares none; Qwen: the layers ``layer_types`` marks
+    ``sliding_attention``). The config is what the model is built from and what the export writes, so the
+    exported ``config.json`` says which windows were trained."""
+    rule = WINDOWS.get(config.model_type)
+    if setting is None or rule in (None, "none"):
+        return  # a positive window on a family without one is refused by check_model_features
+    if setting == 0:
+        config.sliding_window = None
+        if rule == "layers":
+            config.use_sliding_window = False
+            config.layer_types = ["full_attention"] * config.num_hidden_layers
+        return
+    if rule == "model":
+        config.sliding_window = setting
+    elif "sliding_attention" in config.layer_types:
+        config.sliding_window = setting
+        config.use_sliding_window = True  # transformers drops sliding_window on reload without it
+
+
+def check_model_features(config: Any, source: str, window_setting: int | None) -> None:
+    """Refuse what a supported family's config asks for that lctrain cannot honour exactly, and a
+    ``model.sliding_window`` that the model cannot have. ``config`` has the job's ``model.*`` settings applied."""
+    model_type = config.model_type
+    if (
+        isinstance(window_setting, bool)
+        or not isinstance(window_setting, (int, type(None)))
+        or (window_setting is not None and window_setting < 0)
+    ):
+        raise ValueError(
+            f"model.sliding_window={window_setting!r} must be null (the checkpoint's own windows), 0 (no window on "
+            f"any layer) or a positive number of tokens"
+        )
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise ValueError(
+            f"{source} sets attention_dropout={dropout}: USP attention has no dropout, so training would not be the "
+            f"model's; set attention_dropout to 0 in its config.json"
+        )
+    if getattr(config, "quantization_config", None):
+        raise ValueError(
+            f"{source} holds quantized weights (quantization_config in its config.json): lctrain trains full-"
+            f"precision weights; use the unquantized checkpoint"
+        )
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
+            f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
+            f"replaces it)"
+        )
+    if WINDOWS[model_type] == "layers":
+        unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {LAYER_TYPES} layers exactly")
+    if window_setting and not any(layer_windows(config)):
+        if WINDOWS[model_type] == "none":
+            reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
+        else:
+            reason = (
+                "it has no sliding-window layers (use_sliding_window=false, or no layer_types entry "
+                "sliding_attention): the setting sizes the windows the checkpoint declares; to add windowed layers "
+                "set use_sliding_window, sliding_window and max_window_layers (or layer_types) in its config.json"
+            )
+        raise ValueError(
+            f"model.sliding_window={window_setting} for {source}: {reason}. Set model.sliding_window to null (the "
+            f"checkpoint's own) or 0 (none)"
+        )
