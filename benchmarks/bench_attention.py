@@ -66,11 +66,13 @@ class Config:
 
 @dataclass
 class Measurement:
-    """One rank's figures for one implementation: per-iteration seconds and peak RSS growth in bytes."""
+    """One rank's figures for one implementation: per-iteration wall and CPU seconds (this process, all its
+    threads) and peak RSS growth in bytes."""
 
     times: list[float]
     peak_bytes: int
     checks: dict[str, float] = field(default_factory=dict)
+    cpu_times: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,9 +122,10 @@ def measure(cases: dict[str, Case], cfg: Config) -> dict[str, Measurement]:
         for name, case in cases.items():
             with PeakRss() as rss:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 case.step()
                 results[name].times.append(time.perf_counter() - start)
+                results[name].cpu_times.append(time.process_time() - cpu_start)
             results[name].peak_bytes = max(results[name].peak_bytes, rss.growth)
     return results
 
@@ -329,6 +332,12 @@ def time_ms(per_rank: list[Measurement]) -> float:
     return 1e3 * statistics.median(max(times) for times in zip(*(m.times for m in per_rank), strict=True))
 
 
+def cpu_ms(per_rank: list[Measurement]) -> float:
+    """Median over iterations of the busiest rank's CPU time (its process, all threads), in milliseconds: on a
+    machine shared with other jobs it moves less than the wall time, which counts the time spent descheduled."""
+    return 1e3 * statistics.median(max(times) for times in zip(*(m.cpu_times for m in per_rank), strict=True))
+
+
 def peak_mib(per_rank: list[Measurement]) -> float:
     return max(m.peak_bytes for m in per_rank) / MIB
 
@@ -386,6 +395,7 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
                 f"{time_ms(b):.1f}",
                 f"{peak_mib(b):.1f}",
                 f"{time_ms(a) / time_ms(b):.2f}",
+                f"{cpu_ms(a) / cpu_ms(b):.2f} ({cpu_ms(a):.0f} / {cpu_ms(b):.0f} ms)",
                 f"{peak_mib(a) / peak_mib(b):.2f}",
                 f"{check(b, 'out'):.1e} / {check(b, 'grads'):.1e} "
                 f"(max \\|out\\| {check(b, 'out_max'):.2f}, \\|grad\\| {check(b, 'grads_max'):.2f})",
@@ -402,6 +412,7 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
                 "ms",
                 "MiB/rank",
                 "time ours/theirs",
+                "CPU time ours/theirs (busiest rank)",
                 "mem ours/theirs",
                 "max abs diff out / grads",
             ],
