@@ -412,8 +412,8 @@ def _unpack_lse(lse: Tensor, batch: int) -> Tensor:
 
 
 def _pack_lse(lse: Tensor) -> Tensor:
-    """``[B, H, S]`` -> the varlen layout ``[H, B·S]``, contiguous."""
-    return lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
+    """``[B, H, S]`` -> the varlen layout ``[H, B·S]``, fp32, contiguous."""
+    return lse.float().transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -619,7 +619,7 @@ def _torch_cuda_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     window = _flash_window(q.shape[1], k.shape[1], causal=causal, window_left=window_left)
     return _torch_flash_backward_call(
-        dout, q, k, v, out.to(q.dtype), lse.contiguous(), None, causal=causal, scale=scale, window=window
+        dout, q, k, v, out.to(q.dtype), lse.float().contiguous(), None, causal=causal, scale=scale, window=window
     )
 
 
@@ -706,7 +706,7 @@ def _cudnn_backward(
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: not read
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         *_bhsd(dout, q, k, v, out.to(q.dtype)),
-        lse.contiguous().unsqueeze(-1),  # [B, H, S, 1], as the forward returns it
+        lse.float().contiguous().unsqueeze(-1),  # [B, H, S, 1] fp32, as the forward returns it
         seed,
         offset,
         None,  # attn_bias: None, not an empty tensor
@@ -763,7 +763,7 @@ def _flash_attn_backward(
         k=k,
         v=v,
         out=out.to(q.dtype),
-        softmax_lse=lse.contiguous(),
+        softmax_lse=lse.float().contiguous(),
         dq=dq,
         dk=dk,
         dv=dv,
@@ -931,7 +931,7 @@ def _fa3_backward(
         k,
         v,
         out.to(q.dtype),
-        lse.contiguous(),
+        lse.float().contiguous(),
         causal=causal,
         scale=scale,
         window=window,

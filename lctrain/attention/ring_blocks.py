@@ -187,9 +187,23 @@ def _band_cuts(rows: int, window_left: int | None) -> bool:
     return window_left is not None and rows - 1 > window_left
 
 
-@functools.lru_cache(maxsize=256)
-def group_documents(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
+BlockKey = tuple[int, int, int, int, bool, int | None, tuple[tuple[int, int], ...] | None]
+
+
+def _key(block: Block) -> BlockKey:
+    rows, cols = block.rows, block.cols
+    return (rows.start, rows.stop, cols.start, cols.stop, block.causal, block.window_left, block.segments)
+
+
+def group_documents(blocks: Sequence[Block]) -> tuple[Block, ...]:
     """``blocks`` (of one step) with each run of document rectangles that lie end to end, in rows and in columns,
+    merged into one block with ``segments`` (see ``_group_documents``); cached, as the plan repeats every layer."""
+    return _group_documents(tuple(_key(b) for b in blocks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_documents(keys: tuple[BlockKey, ...]) -> tuple[Block, ...]:
+    """The blocks of ``keys`` with each run of document rectangles that lie end to end, in rows and in columns,
     merged into one block with ``segments``; every other block unchanged. The pairs computed stay the same.
 
     A run shares ``causal``. Causal squares (the documents of a chunk against themselves) may mix banded and
@@ -197,6 +211,7 @@ def group_documents(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
     others, which are at most ``window_left + 1`` long. Non-causal rectangles are grouped without a band only.
     Every segment then needs the same flash-attn window (``kernels._varlen_window``). Runs of one stay as they are.
     """
+    blocks = [Block(slice(k[0], k[1]), slice(k[2], k[3]), k[4], k[5], k[6]) for k in keys]
     groups: list[list[Block]] = []
     bands: list[int | None] = []
     for block in sorted(blocks, key=lambda b: (b.causal, b.rows.start, b.cols.start)):
