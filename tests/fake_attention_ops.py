@@ -9,7 +9,9 @@ on CPU. They compute in float64 and check the arguments the real ops check.
 - ``aten._scaled_dot_product_cudnn_attention(_backward)``: ``[B, H, S, D]``, top-left causal mask, lse
   ``[B, H, Sq, 1]``, ``attn_bias`` None.
 
-``patched()`` installs them on ``torch.ops.aten`` and counts the calls.
+``patched()`` installs them on ``torch.ops.aten`` and counts the calls; ``h200_auto_kernel()`` is what
+``parallel.attention_kernel=auto`` resolves to on the H200 (cuDNN; banded blocks and document groups on PyTorch's
+flash kernels), usable on CPU tensors of any float dtype under ``patched()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from lctrain.attention import kernels
 
 
 def _flash_mask(q_len: int, k_len: int, causal: bool, left: int | None, right: int | None) -> Tensor:
@@ -229,3 +233,9 @@ def patched() -> Iterator[Counter]:
     finally:
         for name, original in originals.items():
             setattr(torch.ops.aten, name, original)
+
+
+def h200_auto_kernel() -> kernels.AttentionKernel:
+    h200 = kernels.Platform("cuda", (9, 0), 91900)  # torch 2.11, cuDNN 9.19, no flash-attn (docs/benchmarks.md)
+    case = kernels.KernelCase(torch.bfloat16, 64, 8, 2)
+    return kernels.resolve(torch.device("cuda"), case, platform=h200).kernel()

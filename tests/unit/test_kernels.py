@@ -223,13 +223,6 @@ def test_varlen_group_equals_one_call_per_rectangle(kernel, group) -> None:  # n
         torch.testing.assert_close(grad.double(), expected, atol=1e-5, rtol=0)
 
 
-def fake_h200_kernel() -> kernels.AttentionKernel:
-    """What auto resolves to on the H200 (no flash-attn): cuDNN, banded blocks and document groups on PyTorch's
-    flash kernels."""
-    h200 = kernels.Platform("cuda", (9, 0), 91900)
-    return kernels.resolve(torch.device("cuda"), kernels.KernelCase(torch.bfloat16, 16, 8, 2), platform=h200).kernel()
-
-
 @pytest.mark.parametrize(
     "bounds,window,expected_calls",
     [
@@ -246,7 +239,7 @@ def test_ring_of_one_with_the_h200_kernels_equals_reference(bounds, window, expe
     from lctrain.attention import ring, ring_attention
     from tests.reference import reference_grads
 
-    monkeypatch.setattr(ring, "resolve_kernel", lambda *args, **kwargs: fake_h200_kernel())
+    monkeypatch.setattr(ring, "resolve_kernel", lambda *args, **kwargs: fake_attention_ops.h200_auto_kernel())
     q, k, v, dout = make(48, 48, 8, 2, 16, torch.float64)
     cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
