@@ -512,7 +512,7 @@ def test_h200_kernels_group_documents_into_one_call_per_run(case: Case) -> None:
     q, k, v, dout = make_inputs(case)
     expected = reference_grads(q, k, v, dout, causal=True, bounds=case.bounds, window=case.window)
     for name, actual, reference in zip(("out", "dq", "dk", "dv"), tensors, expected):
-        torch.testing.assert_close(actual, reference, atol=1e-7, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
+        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
     bounds = None if case.bounds is None else tuple(case.bounds)
     piece = case.tokens_per_rank * case.ulysses
     for rank, rank_result in enumerate(per_rank):
