@@ -418,8 +418,8 @@ def _pack_lse(lse: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------
 # PyTorch's CPU flash op. It takes [B, H, S, D]; blocks are copied into that layout, contiguous, in the compute
-# dtype (one copy, the cast the op needs anyway): at S = 8192 the op runs 10-14 % faster on contiguous inputs
-# than on transposed views of [B, S, H, D] (docs/benchmarks.md, "CPU ring").
+# dtype (one copy, the cast the op needs anyway): on a zigzag ring's blocks at S = 8K and 16K the op runs up to
+# 14 % faster on contiguous inputs than on transposed views of [B, S, H, D] (docs/benchmarks.md, "CPU ring").
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -428,9 +428,10 @@ def _bhsd(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 # The CPU op's compute dtype for half-precision blocks, per pass, chosen by measurement (benchmarks/
-# bench_attention.py --only kernel; docs/benchmarks.md): on the development machine (Xeon, AVX-512 without bf16
-# instructions) the bf16 forward takes 0.97-1.04x the fp32 time (no gain, and its output is rounded) and the bf16
-# backward 3.3-3.9x. Re-measure on a CPU with native bf16 (AMX) before changing them.
+# bench_attention.py --only kernel; docs/benchmarks.md, "CPU ring"): on the development machine (Xeon, AVX-512
+# without bf16 instructions) the bf16 forward took 0.92-1.49x the fp32 time on a zigzag ring's blocks at S = 8K
+# and 16K (no consistent gain, and its output is rounded) and the bf16 backward 3.1-4.2x. Re-measure on a CPU
+# with native bf16 (AMX) before changing them.
 CPU_FORWARD_DTYPE = torch.float32
 CPU_BACKWARD_DTYPE = torch.float32
 
