@@ -1039,11 +1039,18 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 @functools.cache
 def detect_platform(device: torch.device) -> Platform:
+    """``device``'s ``Platform``: on CUDA its compute capability, cuDNN's version, flash-attn 2's version, whether
+    flash-attn 3 is importable and whether torch's flash op takes a window (nothing is imported to find out, except
+    flash_attn when its version is not in the installed metadata)."""
     if device.type != "cuda":
         return Platform(device.type)
     flash_attn_version = None
     if importlib.util.find_spec("flash_attn") is not None:
-        flash_attn_version = _version_tuple(importlib.metadata.version("flash_attn"))
+        try:
+            version = importlib.metadata.version("flash-attn")
+        except importlib.metadata.PackageNotFoundError:  # e.g. built into a source tree
+            version = getattr(importlib.import_module("flash_attn"), "__version__", "0")
+        flash_attn_version = _version_tuple(version)
     return Platform(
         "cuda",
         capability=torch.cuda.get_device_capability(device),
