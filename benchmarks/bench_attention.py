@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_attention.py                        # everything, S=16384, bf16, P=2
     python benchmarks/bench_attention.py --seq 2048 --iters 1 --only efficiency,baselines
+    python benchmarks/bench_attention.py --only kernel          # the CPU op per pass: bf16 or fp32, layout
 
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
@@ -37,13 +38,13 @@ import torch.nn.functional as F
 from report import machine_line, table
 from torch import Tensor
 
-from lctrain.attention import ring_attention, shard_sequence, ulysses_attention, usp_attention
-from lctrain.attention.kernels import accumulation_dtype, resolve_kernel
+from lctrain.attention import kernels, ring_attention, shard_sequence, ulysses_attention, usp_attention
+from lctrain.attention.kernels import accumulation_dtype
 from lctrain.attention.ring_blocks import plan_ring
 from lctrain.testing import run_distributed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SECTIONS = ("efficiency", "baselines", "memory")
+SECTIONS = ("efficiency", "baselines", "memory", "kernel")
 MALLOC_MMAP_THRESHOLD = "65536"
 MIB = 2**20
 
@@ -66,11 +67,13 @@ class Config:
 
 @dataclass
 class Measurement:
-    """One rank's figures for one implementation: per-iteration seconds and peak RSS growth in bytes."""
+    """One rank's figures for one implementation: per-iteration wall and CPU seconds (this process, all its
+    threads) and peak RSS growth in bytes."""
 
     times: list[float]
     peak_bytes: int
     checks: dict[str, float] = field(default_factory=dict)
+    cpu_times: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,9 +123,10 @@ def measure(cases: dict[str, Case], cfg: Config) -> dict[str, Measurement]:
         for name, case in cases.items():
             with PeakRss() as rss:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 case.step()
                 results[name].times.append(time.perf_counter() - start)
+                results[name].cpu_times.append(time.process_time() - cpu_start)
             results[name].peak_bytes = max(results[name].peak_bytes, rss.growth)
     return results
 
@@ -177,9 +181,10 @@ def outputs_and_grads(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def cpu_compute(t: Tensor) -> Tensor:
-    """``t`` in the dtype lctrain's CPU kernel computes its blocks in (its ``compute_dtype``: fp32 for half inputs)."""
-    return t.to(resolve_kernel(t.device, t.dtype).compute_dtype(t.dtype))
+def cpu_compute(t: Tensor, pass_dtype: torch.dtype = kernels.CPU_FORWARD_DTYPE) -> Tensor:
+    """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.CPU_FORWARD_DTYPE`` or
+    ``CPU_BACKWARD_DTYPE`` for half inputs; other dtypes as they are)."""
+    return t.to(pass_dtype) if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -188,12 +193,12 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(*map(cpu_compute, (q, k, v)), is_causal=True).to(q.dtype)
 
 
-def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
-    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts its blocks (``cpu_compute``)."""
+def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_dtype: torch.dtype) -> Callable[..., tuple[Tensor, ...]]:
+    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts a pass's blocks (``cpu_compute``)."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
-        args = tuple(cpu_compute(a) if isinstance(a, Tensor) else a for a in args)
-        kwargs = {name: cpu_compute(a) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
+        args = tuple(cpu_compute(a, pass_dtype) if isinstance(a, Tensor) else a for a in args)
+        kwargs = {name: cpu_compute(a, pass_dtype) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
         return op(*args, **kwargs)
 
     return run
@@ -221,8 +226,12 @@ def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
 
     q, k, v, dout = (t.detach().transpose(1, 2).contiguous() for t in shard(full, "zigzag"))  # [B, H, S/P, D]
     group = dist.group.WORLD
-    forward_op = cpu_compute_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
-    backward_op = cpu_compute_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    forward_op = cpu_compute_op(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, kernels.CPU_FORWARD_DTYPE
+    )
+    backward_op = cpu_compute_op(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, kernels.CPU_BACKWARD_DTYPE
+    )
 
     def forward_backward() -> tuple[Tensor, ...]:
         out, lse = cp._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True, dropout_p=0.0)
@@ -329,6 +338,12 @@ def time_ms(per_rank: list[Measurement]) -> float:
     return 1e3 * statistics.median(max(times) for times in zip(*(m.times for m in per_rank), strict=True))
 
 
+def cpu_ms(per_rank: list[Measurement]) -> float:
+    """Median over iterations of the busiest rank's CPU time (its process, all threads), in milliseconds: on a
+    machine shared with other jobs it moves less than the wall time, which counts the time spent descheduled."""
+    return 1e3 * statistics.median(max(times) for times in zip(*(m.cpu_times for m in per_rank), strict=True))
+
+
 def peak_mib(per_rank: list[Measurement]) -> float:
     return max(m.peak_bytes for m in per_rank) / MIB
 
@@ -339,6 +354,63 @@ def check(per_rank: list[Measurement], key: str) -> float:
 
 def deepspeed_version() -> str | None:
     return importlib.metadata.version("deepspeed") if importlib.util.find_spec("deepspeed") else None
+
+
+def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
+    """CPU time (this thread, min of ``reps``) of PyTorch's CPU flash op on the blocks of a zigzag ring of two
+    (the causal diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), forward and backward, for each compute dtype
+    and input layout: what ``kernels.CPU_FORWARD_DTYPE`` / ``CPU_BACKWARD_DTYPE`` and the contiguous copy are
+    chosen from. Each timing includes the copy of the bf16 inputs into the op's dtype and layout."""
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    piece = cfg.seq // 2
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for q_len, k_len, causal in ((piece, piece, True), (piece, piece // 2, False)):
+        shapes = [(q_len, cfg.heads), (k_len, cfg.kv_heads), (k_len, cfg.kv_heads), (q_len, cfg.heads)]
+        q, k, v, dout = (torch.randn(1, n, h, cfg.head_dim, generator=generator).bfloat16() for n, h in shapes)
+        results = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            for layout in ("contiguous", "transposed view"):
+
+                def operands(*tensors: Tensor, dtype: torch.dtype = dtype, layout: str = layout) -> list[Tensor]:
+                    if layout == "contiguous":
+                        return [t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in tensors]
+                    return [t.to(dtype).transpose(1, 2) for t in tensors]
+
+                forward, backward = [], []
+                for _ in range(reps):
+                    start = time.thread_time()
+                    qo, ko, vo = operands(q, k, v)
+                    out, lse = forward_op(qo, ko, vo, 0.0, causal)
+                    forward.append(time.thread_time() - start)
+                    start = time.thread_time()
+                    backward_op(*operands(dout), qo, ko, vo, out.to(dtype), lse, 0.0, causal)
+                    backward.append(time.thread_time() - start)
+                results[(dtype, layout)] = (min(forward), min(backward))
+        base_forward, base_backward = results[(torch.float32, "contiguous")]
+        for (dtype, layout), (forward, backward) in results.items():
+            rows.append(
+                [
+                    f"{q_len}×{k_len}{' causal' if causal else ''}",
+                    str(dtype).removeprefix("torch."),
+                    layout,
+                    f"{forward * 1e3:.0f} ({forward / base_forward:.2f}×)",
+                    f"{backward * 1e3:.0f} ({backward / base_backward:.2f}×)",
+                ]
+            )
+    return rows
+
+
+def report_kernel(cfg: Config, reps: int) -> None:
+    torch.set_num_threads(1)
+    rows = kernel_pass_times(cfg, reps)
+    print(f"\n## 4. The CPU op per pass (blocks of a zigzag ring of 2 at S={cfg.seq}, one thread)\n")
+    print(table(["block", "compute dtype", "input layout", "forward ms (vs fp32 contiguous)", "backward ms"], rows))
+    print(
+        f"\nThread CPU time, min of {reps}, bf16 inputs copied into the op's dtype and layout inside the timing. "
+        f"lctrain uses {kernels.CPU_FORWARD_DTYPE} forward, {kernels.CPU_BACKWARD_DTYPE} backward, contiguous."
+    )
 
 
 def report_efficiency(cfg: Config, results: dict[str, list[Measurement]], ranks: int) -> None:
@@ -386,6 +458,7 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
                 f"{time_ms(b):.1f}",
                 f"{peak_mib(b):.1f}",
                 f"{time_ms(a) / time_ms(b):.2f}",
+                f"{cpu_ms(a) / cpu_ms(b):.2f} ({cpu_ms(a):.0f} / {cpu_ms(b):.0f} ms)",
                 f"{peak_mib(a) / peak_mib(b):.2f}",
                 f"{check(b, 'out'):.1e} / {check(b, 'grads'):.1e} "
                 f"(max \\|out\\| {check(b, 'out_max'):.2f}, \\|grad\\| {check(b, 'grads_max'):.2f})",
@@ -402,6 +475,7 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
                 "ms",
                 "MiB/rank",
                 "time ours/theirs",
+                "CPU time ours/theirs (busiest rank)",
                 "mem ours/theirs",
                 "max abs diff out / grads",
             ],
@@ -477,7 +551,7 @@ def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[s
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--only", default=",".join(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--seq", type=int, default=16384, help="global sequence length for sections 1 and 2")
     parser.add_argument("--ranks", type=int, default=2, help="P for sections 1 and 2")
     parser.add_argument("--seq-per-rank", type=int, default=4096, help="S/P for section 3")
@@ -530,6 +604,9 @@ def main() -> None:
     if "baselines" in args.only:
         report_baselines(cfg, results, args.ranks)
         sys.stdout.flush()
+    if "kernel" in args.only:
+        report_kernel(cfg, max(cfg.iters, 3))
+        sys.stdout.flush()
     if "memory" in args.only:
         memory_ranks = [int(p) for p in args.memory_ranks.split(",")]
         report_memory(
@@ -537,13 +614,16 @@ def main() -> None:
             args.seq_per_rank,
             {p: run_distributed(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks},
         )
-    compute = cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype])).dtype
-    if compute != DTYPES[cfg.dtype]:
+    forward, backward = (
+        cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype]), d).dtype
+        for d in (kernels.CPU_FORWARD_DTYPE, kernels.CPU_BACKWARD_DTYPE)
+    )
+    if (forward, backward) != (DTYPES[cfg.dtype],) * 2:
         print(
-            f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {compute} "
-            f"(its `compute_dtype`); T1, PyTorch's ring op and DeepSpeed's local SDPA get the same cast (inputs, "
-            f"outputs and everything communicated stay {cfg.dtype}), because PyTorch emulates bf16 on CPUs without "
-            f"native bf16 and its bf16 flash backward there is several times slower than fp32."
+            f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {forward} forward and {backward} "
+            f"backward (`kernels.CPU_FORWARD_DTYPE`, `CPU_BACKWARD_DTYPE`, chosen per pass by section 4); T1, "
+            f"PyTorch's ring op and DeepSpeed's local SDPA get the same cast per pass (inputs, outputs and everything "
+            f"communicated stay {cfg.dtype})."
         )
     print(
         "\nPeak memory = VmHWM − VmRSS around a forward+backward (VmHWM reset by writing 5 to /proc/self/clear_refs "

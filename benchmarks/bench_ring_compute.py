@@ -2,10 +2,13 @@
 
     python benchmarks/bench_ring_compute.py                    # CUDA if present, else CPU (smaller sizes)
     python benchmarks/bench_ring_compute.py --seq 131072 --ring 8
+    python benchmarks/bench_ring_compute.py --seq 16384 --ring 1 --head-dim 128 --heads 16 --kv-heads 16 \
+        --kernels auto,cudnn,torch_cuda_flash,flash_attn,flash_attn3   # the kernel table of docs/benchmarks.md
 
 For each sequence length it times, forward+backward, causal:
 - ``sdpa``: PyTorch's fused SDPA on the whole sequence (the single-device baseline);
-- ``kernel``: lctrain's resolved blockwise kernel on the whole sequence (one block);
+- ``kernel``: lctrain's resolved blockwise kernel on the whole sequence (one block), for each ``--kernels`` choice
+  (``parallel.attention_kernel``; one that cannot run here is skipped with the reason);
 - ``rank r``: the blocks ring rank r of a zigzag ring of size R computes (its kernel calls and online-softmax
   merges, forward and backward, exactly as ``ring_attention`` runs them), with the other ranks' K/V taken from
   the full tensors instead of received.
@@ -49,9 +52,17 @@ def sdpa_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     out.backward(dout.transpose(1, 2))
 
 
-def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, rank: int, ring: int):  # noqa: ANN201
+def resolved(q: torch.Tensor, k: torch.Tensor, choice: str):  # noqa: ANN201
+    return resolve_kernel(
+        q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
+    )
+
+
+def rank_work(  # noqa: ANN201
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, rank: int, ring: int, choice: str = "auto"
+):
     """Returns a closure running ring rank ``rank``'s blocks (forward then backward) of a zigzag ring."""
-    kernel = resolve_kernel(q.device, q.dtype)
+    kernel = resolved(q, k, choice)
     scale = default_scale(q.shape[-1])
 
     def piece(x: torch.Tensor, r: int) -> torch.Tensor:
@@ -109,13 +120,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128 if cuda else 64)
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--iters", type=int, default=5 if cuda else 1)
+    parser.add_argument("--kernels", default="auto", help="comma-separated parallel.attention_kernel choices")
     args = parser.parse_args()
+    choices = [c.strip() for c in args.kernels.split(",") if c.strip()]
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"device: {name}  torch {torch.__version__}  dtype {args.dtype}  heads {args.heads}/{args.kv_heads}  "
-        f"head_dim {args.head_dim}  kernel {resolve_kernel(device, dtype).name}"
+        f"head_dim {args.head_dim}"
     )
     print("| S | what | fwd+bwd ms | TFLOP/s | compute efficiency |")
     print("|---|---|---|---|---|")
@@ -128,17 +141,25 @@ def main() -> None:
 
         t_sdpa = timed(functools.partial(sdpa_fwd_bwd, q, k, v, dout), device, args.iters)
         print(f"| {seq} | sdpa (one device) | {t_sdpa * 1e3:.1f} | {flops / t_sdpa / 1e12:.1f} | |")
-        t_kernel = timed(rank_work(q, k, v, dout, 0, 1), device, args.iters)
-        print(
-            f"| {seq} | lctrain kernel, whole sequence | {t_kernel * 1e3:.1f} | {flops / t_kernel / 1e12:.1f} | "
-            f"{t_sdpa / t_kernel:.3f} (vs sdpa) |"
-        )
-        for ring in args.ring:
-            per_rank = [timed(rank_work(q, k, v, dout, r, ring), device, args.iters) for r in range(ring)]
+        t_first = None
+        for choice in choices:
+            try:
+                name = resolved(q, k, choice).name
+            except ValueError as error:
+                print(f"| {seq} | kernel {choice}: skipped ({error}) | | | |")
+                continue
+            t_kernel = timed(rank_work(q, k, v, dout, 0, 1, choice), device, args.iters)
+            t_first = t_kernel if t_first is None else t_first
+            print(
+                f"| {seq} | kernel {choice} = {name}, whole sequence | {t_kernel * 1e3:.1f} | "
+                f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |"
+            )
+        for ring in [r for r in args.ring if r > 1 and t_first is not None]:
+            per_rank = [timed(rank_work(q, k, v, dout, r, ring, choices[0]), device, args.iters) for r in range(ring)]
             slowest = max(per_rank)
             print(
                 f"| {seq} | zigzag ring R={ring}: slowest rank (min {min(per_rank) * 1e3:.1f}) | "
-                f"{slowest * 1e3:.1f} | {flops / ring / slowest / 1e12:.1f} | {t_kernel / (ring * slowest):.3f} |"
+                f"{slowest * 1e3:.1f} | {flops / ring / slowest / 1e12:.1f} | {t_first / (ring * slowest):.3f} |"
             )
 
 

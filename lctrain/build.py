@@ -99,7 +99,13 @@ def build_model(
     model = build_empty_model(prepared.config)
     num_params = sum(p.numel() for p in model.parameters())
     patch_attention(
-        model, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"), layout=par.layout
+        model,
+        ulysses_group=mesh.get_group("ulysses"),
+        ring_group=mesh.get_group("ring"),
+        layout=par.layout,
+        kernel=par.attention_kernel,
+        device=device,
+        dtype=resolve_dtype(par.param_dtype, device),
     )
     if par.pp > 1:
         assert stage_loss is not None, "a pipeline's last stage computes the loss: pass stage_loss"

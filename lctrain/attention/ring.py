@@ -19,6 +19,9 @@ What each step computes comes from the plan: blocks that the causal mask, the do
 (``cu_seqlens``) or the window hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one
 document every rank does the same work at every step: the diagonal block, then either all queries against the
 first half of the source's keys (only that half travels) or the second half of the queries against all of them.
+With a kernel that has a varlen mode, the document rectangles of a step that lie end to end go to it in one call
+(``group_documents``). The kernel of each kind of block comes from ``resolve_kernel`` (``kernel="auto"`` or a
+name: ``kernels.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.kernels import (
+    KERNEL_CHOICES,
     AttentionKernel,
     accumulation_dtype,
     check_window,
@@ -38,7 +42,7 @@ from lctrain.attention.kernels import (
 )
 from lctrain.attention.layout import check_layout
 from lctrain.attention.merge import merge_block
-from lctrain.attention.ring_blocks import Step, plan_ring
+from lctrain.attention.ring_blocks import Block, Step, group_documents, plan_ring
 
 
 def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -95,6 +99,40 @@ def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, 
     return transfer, k_in, v_in
 
 
+def _calls(step: Step, kernel: AttentionKernel) -> tuple[Block, ...]:
+    """The kernel calls of a step: its blocks, with document runs grouped when the kernel has a varlen mode."""
+    if kernel.varlen_forward is None or len(step.blocks) < 2:
+        return step.blocks
+    return group_documents(step.blocks)
+
+
+def _block_forward(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float):  # noqa: ANN202
+    q, k, v = q[:, block.rows], k[:, block.cols], v[:, block.cols]
+    options = dict(causal=block.causal, scale=scale, window_left=block.window_left)
+    if block.segments is not None:
+        return kernel.varlen_forward(q, k, v, block.segments, **options)
+    return kernel.forward(q, k, v, **options)
+
+
+def _block_backward(  # noqa: ANN202
+    kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    block: Block,
+    scale: float,
+):
+    rows, cols = block.rows, block.cols
+    tensors = (dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, :, rows])
+    options = dict(causal=block.causal, scale=scale, window_left=block.window_left)
+    if block.segments is not None:
+        return kernel.varlen_backward(*tensors, block.segments, **options)
+    return kernel.backward(*tensors, **options)
+
+
 def _ring_forward(
     q: Tensor,
     k: Tensor,
@@ -115,15 +153,8 @@ def _ring_forward(
         transfer.wait()
         if index + 1 < len(plan):  # the next step's keys travel while this step computes
             fetched = _fetch(peers, plan[index + 1], k, v)
-        for block in step.blocks:
-            out_block, lse_block = kernel.forward(
-                q[:, block.rows],
-                k_step[:, block.cols],
-                v_step[:, block.cols],
-                causal=block.causal,
-                scale=scale,
-                window_left=block.window_left,
-            )
+        for block in _calls(step, kernel):
+            out_block, lse_block = _block_forward(kernel, q, k_step, v_step, block, scale)
             if out is None and block.rows == slice(0, seq_len):  # a first block over every row starts the accumulators
                 out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
                 continue
@@ -168,18 +199,8 @@ def _ring_backward(
         if index + 1 < len(plan):
             fetched = _fetch(peers, plan[index + 1], k, v)
         dk_step = dv_step = None  # this rank's part of the gradients of the keys fetched at this step
-        for block in step.blocks:
-            dq_block, dk_block, dv_block = kernel.backward(
-                dout[:, block.rows],
-                q[:, block.rows],
-                k_step[:, block.cols],
-                v_step[:, block.cols],
-                out[:, block.rows],
-                lse[:, :, block.rows],
-                causal=block.causal,
-                scale=scale,
-                window_left=block.window_left,
-            )
+        for block in _calls(step, kernel):
+            dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
             dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
             dk_step = _accumulate(dk_step, block.cols, dk_block, k_step, acc_dtype)
             dv_step = _accumulate(dv_step, block.cols, dv_block, v_step, acc_dtype)
@@ -212,8 +233,10 @@ def _add_returned(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, scale):  # noqa: ANN001, ANN205 (autograd signature)
-        kernel = resolve_kernel(q.device, q.dtype)
+    def forward(ctx, q, k, v, group, plan, scale, choice):  # noqa: ANN001, ANN205 (autograd signature)
+        kernel = resolve_kernel(
+            q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
+        )
         input_dtype = q.dtype
         if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
             q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
@@ -241,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
             kernel=options["kernel"],
         )
         dtype = options["input_dtype"]
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -261,6 +284,11 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel={kernel!r} must be one of {KERNEL_CHOICES} (auto picks per device and case)")
 
 
 def check_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int) -> list[int] | None:
@@ -304,6 +332,7 @@ def ring_attention(
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
     window: int | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` with ``shard_sequence(layout=layout)``.
 
@@ -312,11 +341,13 @@ def ring_attention(
     0 to S) are the document boundaries of the global sequence, the same on every rank and for every batch row;
     tokens then attend only inside their document. ``window`` (needs ``causal``): query ``i`` sees only keys
     ``j`` with ``i - window < j <= i`` (``window`` keys, itself included: Hugging Face's ``sliding_window``), in
-    its document; ``window >= S`` is the same as no window.
+    its document; ``window >= S`` is the same as no window. ``kernel``: ``"auto"`` or a kernel name
+    (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block.
     """
     check_qkv(q, k, v)
     check_layout(layout)
     check_window(window, causal)
+    check_kernel(kernel)
     rank, size = _group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"
@@ -333,4 +364,4 @@ def ring_attention(
         cu_seqlens=None if bounds is None else tuple(bounds),
         window=None if window is None or window >= seq_len else window,
     )
-    return _RingAttention.apply(q, k, v, group, plan, scale)
+    return _RingAttention.apply(q, k, v, group, plan, scale, kernel)

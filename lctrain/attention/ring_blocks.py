@@ -15,6 +15,10 @@ document present in both, the rectangle that document occupies, clipped to the r
 reaches: a causal square when the two chunks are the same tokens, a full rectangle when the keys come earlier.
 A block the window boundary cuts carries ``window_left``, which the kernel applies as a band; blocks wholly
 inside the window stay plain, blocks wholly outside it are skipped.
+
+``group_documents`` merges the document rectangles of a step that lie end to end (block-diagonal: the documents
+of a chunk against the same chunk) into one block with ``segments``, for kernels with a varlen mode: one kernel
+call per group instead of one per document.
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ class Block:
 
     ``causal``: top-left causal mask (square blocks only). ``window_left``: the sliding window's edge, top-left
     aligned too: query row ``a`` sees key columns ``b >= a - window_left``; None when the window cuts nothing here.
+    ``segments``: None for one rectangle; else the (query rows, key rows) of the document rectangles laid end to
+    end along ``rows`` and ``cols`` (block-diagonal), each masked by ``causal`` and ``window_left`` on its own.
     """
 
     rows: slice
     cols: slice
     causal: bool
     window_left: int | None = None
+    segments: tuple[tuple[int, int], ...] | None = None
 
 
 def visible_pairs(block: Block) -> int:
@@ -46,6 +53,11 @@ def visible_pairs(block: Block) -> int:
 
     Row ``a`` sees columns ``max(0, a - window_left)`` to ``min(a, cols - 1)`` (causal) or ``cols - 1``.
     """
+    if block.segments is not None:
+        return sum(
+            visible_pairs(Block(slice(0, rows), slice(0, cols), block.causal, block.window_left))
+            for rows, cols in block.segments
+        )
     rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
 
     def triangle(n: int) -> int:  # 0 + 1 + ... + n
@@ -165,7 +177,80 @@ def _rows_needed(blocks: Sequence[Block]) -> slice:
 
 
 def _shifted(block: Block, start: int) -> Block:
-    return Block(block.rows, slice(block.cols.start - start, block.cols.stop - start), block.causal, block.window_left)
+    cols = slice(block.cols.start - start, block.cols.stop - start)
+    return Block(block.rows, cols, block.causal, block.window_left, block.segments)
+
+
+def _band_cuts(rows: int, window_left: int | None) -> bool:
+    """Whether a band ``window_left`` hides anything in a block of ``rows`` query rows (its last row's first
+    visible column is past the first column)."""
+    return window_left is not None and rows - 1 > window_left
+
+
+BlockKey = tuple[int, int, int, int, bool, int | None, tuple[tuple[int, int], ...] | None]
+
+
+def _key(block: Block) -> BlockKey:
+    rows, cols = block.rows, block.cols
+    return (rows.start, rows.stop, cols.start, cols.stop, block.causal, block.window_left, block.segments)
+
+
+def group_documents(blocks: Sequence[Block]) -> tuple[Block, ...]:
+    """``blocks`` (of one step) with each run of document rectangles that lie end to end, in rows and in columns,
+    merged into one block with ``segments`` (see ``_group_documents``); cached, as the plan repeats every layer."""
+    return _group_documents(tuple(_key(b) for b in blocks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_documents(keys: tuple[BlockKey, ...]) -> tuple[Block, ...]:
+    """The blocks of ``keys`` with each run of document rectangles that lie end to end, in rows and in columns,
+    merged into one block with ``segments``; every other block unchanged. The pairs computed stay the same.
+
+    A run shares ``causal``. Causal squares (the documents of a chunk against themselves) may mix banded and
+    unbanded documents: the run's band is that of its banded members (all the same) and cuts nothing in the
+    others, which are at most ``window_left + 1`` long. Non-causal rectangles are grouped without a band only.
+    Every segment then needs the same flash-attn window (``kernels._varlen_window``). Runs of one stay as they are.
+    """
+    blocks = [Block(slice(k[0], k[1]), slice(k[2], k[3]), k[4], k[5], k[6]) for k in keys]
+    groups: list[list[Block]] = []
+    bands: list[int | None] = []
+    for block in sorted(blocks, key=lambda b: (b.causal, b.rows.start, b.cols.start)):
+        rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
+        last = groups[-1][-1] if groups else None
+        joins = (
+            last is not None
+            and last.causal == block.causal
+            and (last.rows.stop, last.cols.stop) == (block.rows.start, block.cols.start)
+        )
+        band = bands[-1] if groups else None
+        if joins and block.causal:
+            sizes = [b.rows.stop - b.rows.start for b in groups[-1]]
+            if rows != cols:
+                joins = False
+            elif block.window_left is None:  # an unbanded document joins if the run's band cuts nothing in it
+                joins = not _band_cuts(rows, band)
+            elif band is None:  # the first banded document: its band must cut nothing in the run so far
+                joins = not any(_band_cuts(size, block.window_left) for size in sizes)
+                band = block.window_left
+            else:
+                joins = block.window_left == band
+        elif joins:
+            joins = block.window_left is None and band is None
+        if joins:
+            groups[-1].append(block)
+            bands[-1] = band
+        else:
+            groups.append([block])
+            bands.append(block.window_left)
+    merged = []
+    for group, band in zip(groups, bands):
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        segments = tuple((b.rows.stop - b.rows.start, b.cols.stop - b.cols.start) for b in group)
+        rows, cols = slice(group[0].rows.start, group[-1].rows.stop), slice(group[0].cols.start, group[-1].cols.stop)
+        merged.append(Block(rows, cols, group[0].causal, band, segments))
+    return tuple(merged)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.kernels import check_window
-from lctrain.attention.ring import check_cu_seqlens, check_qkv, ring_attention
+from lctrain.attention.ring import check_cu_seqlens, check_kernel, check_qkv, ring_attention
 from lctrain.rules import check_ulysses_heads
 
 
@@ -102,21 +102,32 @@ def ulysses_attention(
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
     window: int | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """Exact attention over a sequence split contiguously over ``group`` (ring size 1).
 
     q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``, differentiable. Needs
-    ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``. ``cu_seqlens`` and ``window`` as in
-    ``ring_attention``.
+    ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``. ``cu_seqlens``, ``window`` and
+    ``kernel`` as in ``ring_attention``.
     """
     check_qkv(q, k, v)
     check_window(window, causal)  # every check before any communication
+    check_kernel(kernel)
     size = dist.get_world_size(group) if group is not None else 1
     check_cu_seqlens(cu_seqlens, q.shape[1] * size)
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return ring_attention(
-            q, k, v, None, causal=causal, layout="contiguous", scale=scale, cu_seqlens=cu_seqlens, window=window
+            q,
+            k,
+            v,
+            None,
+            causal=causal,
+            layout="contiguous",
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            window=window,
+            kernel=kernel,
         )
 
     return attend_head_sharded(q, k, v, group, attend)

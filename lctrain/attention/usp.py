@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lctrain.attention.kernels import check_window
 from lctrain.attention.layout import check_layout
-from lctrain.attention.ring import check_cu_seqlens, check_qkv, check_zigzag_piece, ring_attention
+from lctrain.attention.ring import check_cu_seqlens, check_kernel, check_qkv, check_zigzag_piece, ring_attention
 from lctrain.attention.ulysses import attend_head_sharded
 
 
@@ -34,17 +34,19 @@ def usp_attention(
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
     window: int | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """Exact attention over a sequence sharded with ``shard_sequence`` over (ring, ulysses) ranks.
 
     q ``[B, S/(R·U), Hq, D]``, k/v ``[B, S/(R·U), Hkv, D]`` -> ``[B, S/(R·U), Hq, D]``, differentiable.
     Ulysses turns the local part into the ring rank's whole piece for ``Hq/U`` heads; ring attention then runs
-    over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding. ``cu_seqlens`` and
-    ``window`` as in ``ring_attention``.
+    over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding. ``cu_seqlens``,
+    ``window`` and ``kernel`` as in ``ring_attention``.
     """
     check_qkv(q, k, v)
     check_layout(layout)
     check_window(window, causal)
+    check_kernel(kernel)
     _check_orthogonal(ulysses_group, ring_group)
     # Every check runs before any communication, so a bad input fails on all ranks instead of hanging some.
     ulysses_size, ring_size = (dist.get_world_size(g) if g is not None else 1 for g in (ulysses_group, ring_group))
@@ -53,7 +55,16 @@ def usp_attention(
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return ring_attention(
-            q, k, v, ring_group, causal=causal, layout=layout, scale=scale, cu_seqlens=cu_seqlens, window=window
+            q,
+            k,
+            v,
+            ring_group,
+            causal=causal,
+            layout=layout,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            window=window,
+            kernel=kernel,
         )
 
     return attend_head_sharded(q, k, v, ulysses_group, attend)

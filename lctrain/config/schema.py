@@ -63,6 +63,9 @@ class ParallelConfig:
     ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
     ulysses_across_nodes: str = "error"  # a Ulysses group spanning two nodes: error (refuse the mesh) or warn
     layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
+    # attention kernel: auto (per device and case) or cudnn, flash_attn3, flash_attn, torch_cuda_flash,
+    # torch_cpu_flash, reference (first choice; cases it cannot do fall back)
+    attention_kernel: str = "auto"
     activation_checkpointing: str = "none"  # none, full (every decoder layer) or selective (every ac_every-th)
     ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
     activation_offload: bool = False  # checkpointed layers keep their input in host memory (needs checkpointing)

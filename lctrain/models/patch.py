@@ -10,12 +10,17 @@ are not touched. Per-batch metadata travels through the call: the model is calle
 from __future__ import annotations
 
 import functools
+import logging
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from lctrain.attention import usp_attention
+from lctrain.attention.kernels import KernelCase, resolve
+
+logger = logging.getLogger("lctrain")
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
@@ -32,6 +37,7 @@ def usp_attention_forward(
     ulysses_group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None,
     layout: str,
+    kernel: str = "auto",
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -56,8 +62,18 @@ def usp_attention_forward(
         scale=scaling,
         cu_seqlens=cu_seq_lens_q,
         window=sliding_window,
+        kernel=kernel,
     )
     return out, None
+
+
+def describe_attention_kernel(config: PretrainedConfig, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel runs each kind of attention block of this model's layers on ``device`` in ``dtype``, and why
+    (``kernels.Resolution.describe``). Raises ``ValueError`` when ``kernel`` names one that cannot run there."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    case = KernelCase(dtype, head_dim, heads, getattr(config, "num_key_value_heads", None) or heads)
+    return resolve(device, case, choice=kernel).describe()
 
 
 def patch_attention(
@@ -66,15 +82,26 @@ def patch_attention(
     ulysses_group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None,
     layout: str = "zigzag",
+    kernel: str = "auto",
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Select USP attention over these groups on ``model`` (in place); returns the registered implementation name.
 
-    The model's config object is changed: give each model its own config (``copy.deepcopy``) when several share one.
+    ``kernel``: ``parallel.attention_kernel`` (``auto`` or a kernel name). Given the ``device`` and the ``dtype``
+    attention will run in, the kernel choice is resolved now, logged ("attention kernel: ..."), and a kernel
+    that cannot run there stops the job here. The model's config object is changed: give each model its own
+    config (``copy.deepcopy``) when several share one.
     """
+    if device is not None and dtype is not None:
+        logger.info("attention kernel: %s", describe_attention_kernel(model.config, kernel, device, dtype))
     name = f"lctrain_usp:{layout}:{_group_name(ulysses_group)}:{_group_name(ring_group)}"
+    name += "" if kernel == "auto" else f":{kernel}"
     AttentionInterface.register(
         name,
-        functools.partial(usp_attention_forward, ulysses_group=ulysses_group, ring_group=ring_group, layout=layout),
+        functools.partial(
+            usp_attention_forward, ulysses_group=ulysses_group, ring_group=ring_group, layout=layout, kernel=kernel
+        ),
     )
     model.set_attn_implementation(name)
     return name

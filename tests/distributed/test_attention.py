@@ -25,8 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
-from lctrain.attention.ring_blocks import Block, piece_chunks, visible_pairs
+from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
 from lctrain.testing import run_distributed
+from tests import fake_attention_ops
 from tests.reference import reference_grads
 
 # (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.
@@ -186,8 +187,8 @@ class CountingKernel:
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
-    def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
-        inner = resolve_kernel(device, dtype)
+    def resolve(self, device: torch.device, dtype: torch.dtype, **case) -> AttentionKernel:  # noqa: ANN003
+        inner = resolve_kernel(device, dtype, **case)
 
         def forward(q, k, v, *, causal, scale, window_left):  # noqa: ANN001, ANN202
             self.calls.append(("fwd", q.shape[1], k.shape[1], causal, window_left))
@@ -284,9 +285,9 @@ def bf16_growth_inputs() -> list[torch.Tensor]:
     return [torch.randn(b, s, h, d, generator=gen).bfloat16() for _ in range(4)]
 
 
-def rounding_to_bf16(device: torch.device, dtype: torch.dtype) -> AttentionKernel:
+def rounding_to_bf16(device: torch.device, dtype: torch.dtype, **case) -> AttentionKernel:  # noqa: ANN003
     """The resolved kernel with every block result rounded to bf16, as a native-bf16 kernel (CUDA) returns it."""
-    inner = resolve_kernel(device, dtype)
+    inner = resolve_kernel(device, dtype, **case)
 
     def forward(q, k, v, **options):  # noqa: ANN001, ANN003, ANN202
         out, lse = inner.forward(q, k, v, **options)
@@ -317,14 +318,36 @@ def run_bf16_growth(ulysses: int, ring: int, round_blocks: bool) -> list[torch.T
     ]
 
 
+# The H200's auto kernels (cuDNN; windows and document groups on PyTorch's flash kernels, one varlen call per
+# group) through CPU stand-ins for the CUDA ops, in float64: the engine's grouping across ring steps and ranks.
+FAKE_H200_CASES = [
+    Case(u, r, True, "zigzag", 8, 2, 16, torch.float64, documents=documents, window=window)
+    for (u, r) in [(1, 2), (2, 2), (1, 4)]
+    for documents, window in (("short", None), ("random", None), ("random", 5), ("one", 5))
+]
+
+
+def run_fake_h200(case: Case, *groups) -> tuple[list[torch.Tensor], dict]:  # noqa: ANN002
+    with (
+        fake_attention_ops.patched() as calls,
+        mock.patch("lctrain.attention.ring.resolve_kernel", lambda *a, **k: fake_attention_ops.h200_auto_kernel()),
+    ):
+        tensors = run_usp(case, *groups)
+    return tensors, dict(calls)
+
+
 def world_job(world: int) -> dict:
     """Everything one spawned group of ``world`` ranks computes. Rank 0's result holds the gathered tensors."""
     results: dict = {"cases": {}}
+    results["fake_h200"] = {}
     for ulysses, ring in SPLITS[world]:
         groups = _groups(ring, ulysses)
         for case in CASES:
             if (case.ulysses, case.ring) == (ulysses, ring):
                 results["cases"][str(case)] = run_usp(case, *groups)
+        for case in FAKE_H200_CASES:
+            if (case.ulysses, case.ring) == (ulysses, ring):
+                results["fake_h200"][str(case)] = run_fake_h200(case, *groups)
     if world > 1:
         results["errors"] = bad_input_errors(world)
         results["counts"] = {}
@@ -477,3 +500,29 @@ def test_small_window_computes_the_band_and_sends_only_its_edge(world: int, layo
         assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim
         steps = 2 if layout == "contiguous" or world == 2 else 3  # sources 0, 1 (and R - 1 for zigzag)
         assert counts.exchanges == 3 * (steps - 1)  # fetch, fetch again, return dK/dV at each other step
+
+
+@pytest.mark.parametrize("case", FAKE_H200_CASES, ids=str)
+def test_h200_kernels_group_documents_into_one_call_per_run(case: Case) -> None:
+    """Every rank makes exactly the plan's grouped calls (one varlen call per run of documents lying end to end,
+    instead of one per document) and the result is exact (float64 stand-ins for the CUDA ops)."""
+    world = case.ring * case.ulysses
+    per_rank = results_for(world)
+    tensors, _ = per_rank[0]["fake_h200"][str(case)]
+    q, k, v, dout = make_inputs(case)
+    expected = reference_grads(q, k, v, dout, causal=True, bounds=case.bounds, window=case.window)
+    for name, actual, reference in zip(("out", "dq", "dk", "dv"), tensors, expected):
+        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
+    bounds = None if case.bounds is None else tuple(case.bounds)
+    piece = case.tokens_per_rank * case.ulysses
+    for rank, rank_result in enumerate(per_rank):
+        _, calls = rank_result["fake_h200"][str(case)]
+        window = case.window if case.window is not None and case.window < case.seq_len else None
+        plan = plan_ring(
+            rank // case.ulysses, case.ring, piece, causal=True, layout="zigzag", cu_seqlens=bounds, window=window
+        )
+        grouped = sum(len(group_documents(step.blocks)) for step in plan)
+        forward = calls.get("_flash_attention_forward", 0) + calls.get("_scaled_dot_product_cudnn_attention", 0)
+        assert forward == grouped, (rank, calls, grouped)
+        if case.documents == "short":  # 4-token documents: a rank's diagonal documents are one call
+            assert grouped < sum(len(step.blocks) for step in plan)
