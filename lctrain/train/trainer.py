@@ -408,6 +408,9 @@ class Terminated(Exception):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    # Only the first SIGTERM counts: slurm signals every process of a job step and torchrun passes the signal on, so a
+    # rank often gets two, and one arriving while the first is handled must not interrupt the rank's shutdown.
+    signal.signal(signum, signal.SIG_IGN)
     raise Terminated(f"received {signal.Signals(signum).name}")
 
 
