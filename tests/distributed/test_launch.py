@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from tests.corpus import corpus_overrides, write_corpus
-from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
+from tests.jobs import kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -251,3 +251,47 @@ def test_sigterm_stops_every_rank_with_the_checkpoint_to_resume_from(tmp_path: P
     assert sorted(rank for rank, _, _ in stopped) == ["0", "1"], text[-4000:]
     assert "received SIGTERM" in {reason for _, reason, _ in stopped}
     assert all(Path(path).parent == run_dir / "checkpoints" for _, _, path in stopped)
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigterm_again_during_shutdown_changes_nothing(tmp_path: Path) -> None:
+    """What ``scancel`` does under slurm: SIGTERM to every process of the job step at once (torchrun, and each
+    worker directly), then torchrun passes it on to the workers again; here each worker also gets more SIGTERMs
+    every few milliseconds while it stops. Every rank still ends with status 1 and the one-line message, and no
+    traceback (a second SIGTERM used to raise again inside the first one's handling)."""
+    corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, *corpus, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=2", "train.steps=100000"]
+    overrides += ["checkpoint.every=2", f"train.run_dir={run_dir}"]
+    log, exits = tmp_path / "job.log", tmp_path / "exits"
+    proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1", **recording_env(exits, tmp_path / "logs")}, overrides)
+    try:
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
+        workers = list(workers_by_rank(proc).values())
+        for process in [psutil.Process(proc.pid), *workers]:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(running(worker) for worker in workers):
+            for worker in workers:
+                try:
+                    worker.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+    finally:
+        kill_job(proc)
+    ends = rank_ends(exits)
+    assert sorted(ends) == [0, 1], log.read_text()[-4000:]
+    for rank, end in ends.items():
+        assert "Traceback" not in end["output"], end["output"][-4000:]
+        assert (end["status"], end["uncaught"]) == (1, None), end
+        stopped = re.findall(rf"lctrain: rank {rank} stopped: (.*)", end["output"])
+        assert len(stopped) == 1 and stopped[0].startswith("received SIGTERM. "), end["output"][-4000:]
+        assert f"Last complete checkpoint: {run_dir / 'checkpoints'}/step_" in stopped[0]
