@@ -458,6 +458,8 @@ def main(overrides: Sequence[str]) -> None:
             trainer = Trainer(job)  # starts from the previous stage's export
             trainer.train()
     except Exception as error:
+        # this rank stops now: a SIGTERM (the launcher stopping the other ranks) must not interrupt its message or exit
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise
         if isinstance(error, Terminated):
@@ -475,4 +477,5 @@ def main(overrides: Sequence[str]) -> None:
         )
         raise SystemExit(1) from None
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nor, whatever the outcome, its exit hooks
         dist.destroy_process_group()
