@@ -295,3 +295,42 @@ def test_sigterm_again_during_shutdown_changes_nothing(tmp_path: Path) -> None:
         stopped = re.findall(rf"lctrain: rank {rank} stopped: (.*)", end["output"])
         assert len(stopped) == 1 and stopped[0].startswith("received SIGTERM. "), end["output"][-4000:]
         assert f"Last complete checkpoint: {run_dir / 'checkpoints'}/step_" in stopped[0]
+
+
+def test_sigterm_while_stopping_after_a_peer_died_changes_nothing(tmp_path: Path) -> None:
+    """What a node failure does under slurm: a peer dies, the survivor's collective fails at once and it stops with
+    the one-line message, and meanwhile the launchers (``srun --kill-on-bad-exit``, torchrun) send it SIGTERM. Here
+    rank 1 is SIGKILLed and rank 0 gets SIGTERMs every few milliseconds from the moment it prints its message until
+    it is gone: it still ends with status 1, that one message, and no traceback (a SIGTERM used to raise in its exit
+    hooks)."""
+    corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, *corpus, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=2", "train.steps=100000"]
+    overrides += ["checkpoint.every=2", f"train.run_dir={run_dir}"]
+    log, exits, logs = tmp_path / "job.log", tmp_path / "exits", tmp_path / "logs"
+    proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1", **recording_env(exits, logs)}, overrides)
+    try:
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
+        workers = workers_by_rank(proc)
+        workers[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+            "lctrain: rank 0 stopped" in path.read_text() for path in logs.glob("*/attempt_0/0/std*.log")
+        ):
+            time.sleep(0.001)
+        while running(workers[0]):
+            try:
+                workers[0].send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+    finally:
+        kill_job(proc)
+    ends = rank_ends(exits)
+    assert sorted(ends) == [0], log.read_text()[-4000:]  # rank 1 was killed: it recorded nothing
+    end = ends[0]
+    assert "Traceback" not in end["output"], end["output"][-4000:]
+    assert (end["status"], end["uncaught"]) == (1, None), end
+    stopped = re.findall(r"lctrain: rank 0 stopped: (.*)", end["output"])
+    assert len(stopped) == 1 and f"Last complete checkpoint: {run_dir / 'checkpoints'}/step_" in stopped[0], stopped
