@@ -97,7 +97,8 @@ def test_slurm_script_renders_one_torchrun_per_node(tmp_path: Path) -> None:
     assert recorded(bin_dir, "scontrol") == ["gpu-a17,gpu-b03"]
     assert recorded(bin_dir, "srun") == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     expected = ["--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend", "c10d"]
-    expected += ["--rdzv-endpoint", "gpu-a17:29500", "--rdzv-id", "4242", "-m", "lctrain", "train", *args]
+    expected += ["--rdzv-endpoint", "gpu-a17:29500", "--rdzv-id", "4242", "--rdzv-conf", "join_timeout=600"]
+    expected += ["-m", "lctrain", "train", *args]
     assert recorded(bin_dir, "torchrun_0") == expected
     assert recorded(bin_dir, "torchrun_1") == expected
     header = [line for line in (REPO / "scripts/slurm/train.sbatch").read_text().splitlines() if line[:7] == "#SBATCH"]
@@ -137,6 +138,29 @@ def test_launch_on_several_nodes_needs_the_rendezvous_host(tmp_path: Path) -> No
     env.pop("MASTER_ADDR", None)
     result = subprocess.run(["bash", "scripts/launch.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "NNODES=2 needs MASTER_ADDR" in result.stderr
+
+
+def test_launch_names_a_rendezvous_that_never_completes(tmp_path: Path) -> None:
+    """One node of two starts, the other never does: after ``RDZV_TIMEOUT`` seconds torchrun gives up (with a bare
+    ``RendezvousTimeoutError`` traceback) and ``launch.sh`` adds one line naming the rendezvous and what to check."""
+    port = free_port()
+    log = tmp_path / "node.log"
+    env = {"NNODES": "2", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env |= {"RDZV_TIMEOUT": "3", "TMPDIR": str(tmp_path)}
+    proc = launch(log, env, ["recipe=tiny_cpu"])
+    try:
+        proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-4000:]
+    assert (
+        f"lctrain launch: the rendezvous at 127.0.0.1:{port} (id lctrain-127.0.0.1-{port}) failed "
+        "(RendezvousTimeoutError): every node must run scripts/launch.sh with the same NNODES=2, MASTER_ADDR, "
+        f"MASTER_PORT and RDZV_ID, and reach 127.0.0.1:{port}, within RDZV_TIMEOUT=3 s of the first"
+    ) in text, text[-4000:]
+    assert "[rank" not in text  # no rank started
+    assert not list(tmp_path.glob("lctrain-launch.*"))  # launch.sh removed its error file
 
 
 def free_port() -> int:
