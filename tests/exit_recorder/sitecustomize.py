@@ -4,10 +4,14 @@ only when it was not itself told to stop (SIGTERM: ``scancel``, preemption).
 Python imports ``sitecustomize`` at start-up from ``sys.path``; with this directory on ``PYTHONPATH`` and
 ``LCTRAIN_TEST_EXIT_DIR`` set, a process that runs a module as ``__main__`` (``python -m lctrain ...``, as torchrun
 starts its workers) writes ``rank_<RANK>_<pid>.json`` into that directory when the module returns or raises:
-``{"rank", "status", "uncaught", "log_dir"}``. ``status`` is the exit status the interpreter is about to return
-(``SystemExit(code)``: ``code``; an uncaught exception: 1, with its type in ``uncaught``, and Python prints its
-traceback); ``log_dir`` is the worker's directory under torchrun's ``--log-dir`` (``stdout.log``, ``stderr.log``
-with ``--redirects``/``--tee``). A worker killed by a signal writes nothing.
+
+- ``status``: the exit status the interpreter is about to return (``SystemExit(code)``: ``code``; an uncaught
+  exception: 1, with its type in ``uncaught``, and Python prints its traceback);
+- ``rank``, ``node`` (the slurm node, else the hostname) and ``time`` (``time.time()`` at the end);
+- ``log_dir``: the worker's directory under torchrun's ``--log-dir`` (``stdout.log`` and ``stderr.log`` with
+  ``--redirects`` or ``--tee``).
+
+A worker killed by a signal writes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import socket
+import time
 
 _EXIT_DIR = os.environ.get("LCTRAIN_TEST_EXIT_DIR")
 _run_module_as_main = runpy._run_module_as_main
@@ -24,10 +30,13 @@ def _record(status: int, uncaught: str | None) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     report = {
         "rank": int(os.environ.get("RANK", -1)),
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         "status": status,
         "uncaught": uncaught,
         "log_dir": os.path.dirname(error_file) if error_file else None,
+        "time": time.time(),
     }
+    os.makedirs(_EXIT_DIR, exist_ok=True)
     path = os.path.join(_EXIT_DIR, f"rank_{report['rank']}_{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
