@@ -23,7 +23,7 @@ from tests.jobs import kill_job, rank_ends, recording_env
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
-STEPS = 40
+STEPS = 32
 EVERY = 4
 TIMEOUT_S = 15  # train.timeout_s: how long a rank waits for a peer that is gone or cut off
 JOB_TIMEOUT_S = 300  # the longest any one job of this suite may take before the test gives up on it
@@ -91,6 +91,10 @@ def wait_for_checkpoint_after(run_dir: Path, step: int, alive: Any, what: str) -
 def stopped_lines(output: str) -> list[tuple[int, str, str]]:
     """lctrain's one-line messages in a rank's output: (rank, cause, checkpoint)."""
     return [(int(rank), cause, checkpoint) for rank, cause, checkpoint in STOPPED.findall(output)]
+
+
+# what a rank says stopped it when a peer's process ended or was cut off first (gloo's errors)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error", "Timed out waiting")
 
 
 def check_stopped(ends: dict[int, dict], ranks: list[int], checkpoint: Path, causes: tuple[str, ...]) -> None:
