@@ -3,8 +3,8 @@ recipe by hand: ``tests/cluster/local_cluster.py``). Both need root and Debian's
 ``slurm-client``, ``munge``, ``iproute2``, ``util-linux``).
 
 ``SlurmCluster``: a munge daemon, ``slurmctld`` and two ``slurmd`` "nodes" (slurm 22.05), every file (key, sockets,
-config, state, spool, logs) in one directory of their own, on ports chosen free; nothing under ``/etc`` is read
-or written (``SLURM_CONF`` and ``AuthInfo=socket=...`` point at that directory). The nodes' names resolve to
+config, state, spool, logs) in one directory of their own, on ports chosen free; nothing under ``/etc`` is
+written (``SLURM_CONF`` and ``AuthInfo=socket=...`` point at that directory). The nodes' names resolve to
 127.0.0.1 for the jobs, as a real cluster's names do, without editing ``/etc/hosts``: each ``slurmd`` runs in a
 mount namespace of its own where a copy of ``/etc/hosts`` with one more line is bind-mounted over it, and the
 jobs it starts inherit that namespace.
