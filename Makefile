@@ -1,4 +1,5 @@
-# lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests.
+# lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests;
+# `make test-cluster` (root) runs the cluster suite on a local slurm cluster and two network namespaces.
 PYTHON ?= python3
 # torch is installed first, from the default index (the public one gives the CUDA build on Linux; the development
 # machines keep a CPU build of 2.13.0 on disk) or from TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu.
@@ -7,7 +8,7 @@ TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install train test lint bench
+.PHONY: install train test test-cluster lint bench
 
 install: $(VENV)/.installed
 
@@ -25,6 +26,17 @@ train: install
 
 test: install
 	$(PY) -m pytest tests
+
+# The cluster suite (tests/cluster): a real slurm cluster (munge, slurmctld, two slurmd nodes) and two hosts in
+# network namespaces, started and stopped by the tests. Needs root; installs Debian's packages when they are missing
+# (as root with apt-get); without them the tests are skipped, naming what is missing.
+CLUSTER_PACKAGES := slurmctld slurmd slurm-client munge iproute2
+test-cluster: install
+	@missing=""; for p in $(CLUSTER_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing; \
+	fi
+	LCTRAIN_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster
 
 lint: install
 	$(VENV)/bin/ruff check lctrain tests benchmarks examples

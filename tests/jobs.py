@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,3 +55,35 @@ def kill_job(proc: subprocess.Popen) -> None:
                 break
             assert time.monotonic() < deadline, f"worker {worker.pid} survived SIGKILL"
             time.sleep(0.01)
+
+
+EXIT_RECORDER = Path(__file__).resolve().parent / "exit_recorder"  # its sitecustomize.py records each worker's end
+REPO = Path(__file__).resolve().parents[1]
+
+
+def recording_env(exit_dir: Path, log_dir: Path) -> dict[str, str]:
+    """Environment for a torchrun job whose workers each record how they ended (``tests/exit_recorder``) in
+    ``exit_dir``, and write their output to files of their own under ``log_dir`` as well as to the console (torchrun
+    reads its options from ``PET_*`` variables: ``--log-dir``, ``--tee 3``)."""
+    exit_dir.mkdir(parents=True, exist_ok=True)
+    path = [str(EXIT_RECORDER), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {
+        "PYTHONPATH": os.pathsep.join(path),
+        "LCTRAIN_TEST_EXIT_DIR": str(exit_dir),
+        "PET_LOG_DIR": str(log_dir),
+        "PET_TEE": "3",
+    }
+
+
+def rank_ends(exit_dir: Path) -> dict[int, dict]:
+    """What each worker recorded in ``exit_dir`` (see ``recording_env``), by rank: ``status`` (its exit status),
+    ``uncaught`` (the type of an exception that escaped, else None) and ``output`` (its stdout and stderr)."""
+    ends: dict[int, dict] = {}
+    for path in sorted(exit_dir.glob("rank_*.json")):
+        end = json.loads(path.read_text())
+        assert end["rank"] not in ends, f"rank {end['rank']} ended twice in {exit_dir}"
+        log_dir = Path(end["log_dir"])
+        files = [log_dir / "stdout.log", log_dir / "stderr.log"]
+        end["output"] = "".join(file.read_text() for file in files if file.exists())
+        ends[end["rank"]] = end
+    return ends

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "ring", "ulysses")
@@ -45,10 +47,26 @@ class ParallelDims:
 
         The default process group must be initialised; every rank must call this.
         """
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.ring, self.ulysses), mesh_dim_names=AXES)
+        options = default_group_options(device_type)
+        mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp, self.ring, self.ulysses),
+            mesh_dim_names=AXES,
+            backend_override=dict.fromkeys(AXES, options),
+        )
         for name in FLATTENED:
-            flat_mesh(mesh, name)
+            mesh[FLATTENED[name]]._flatten(name, backend_override=options)
         return mesh
+
+
+def default_group_options(device_type: str) -> object:
+    """Options for the mesh's groups with the default process group's timeout (``train.timeout_s``), of its
+    backend's type. Without them torch creates those groups with its own default timeout (30 minutes for gloo, 10
+    for NCCL), and a rank waiting on the ring or Ulysses group for a lost peer would wait that long."""
+    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type)).options
+    options = type(default)()
+    options._timeout = default._timeout
+    return options
 
 
 def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 from tests.corpus import corpus_overrides, write_corpus
-from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
+from tests.jobs import kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -101,7 +101,8 @@ def test_slurm_script_renders_one_torchrun_per_node(tmp_path: Path) -> None:
     assert recorded(bin_dir, "scontrol") == ["gpu-a17,gpu-b03"]
     assert recorded(bin_dir, "srun") == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     expected = ["--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend", "c10d"]
-    expected += ["--rdzv-endpoint", "gpu-a17:29500", "--rdzv-id", "4242", "-m", "lctrain", "train", *args]
+    expected += ["--rdzv-endpoint", "gpu-a17:29500", "--rdzv-id", "4242", "--rdzv-conf", "join_timeout=600"]
+    expected += ["-m", "lctrain", "train", *args]
     assert recorded(bin_dir, "torchrun_0") == expected
     assert recorded(bin_dir, "torchrun_1") == expected
     header = [line for line in (REPO / "scripts/slurm/train.sbatch").read_text().splitlines() if line[:7] == "#SBATCH"]
@@ -163,6 +164,29 @@ def test_launch_on_several_nodes_needs_the_rendezvous_host(tmp_path: Path) -> No
     env.pop("MASTER_ADDR", None)
     result = subprocess.run(["bash", "scripts/launch.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "NNODES=2 needs MASTER_ADDR" in result.stderr
+
+
+def test_launch_names_a_rendezvous_that_never_completes(tmp_path: Path) -> None:
+    """One node of two starts, the other never does: after ``RDZV_TIMEOUT`` seconds torchrun gives up (with a bare
+    ``RendezvousTimeoutError`` traceback) and ``launch.sh`` adds one line naming the rendezvous and what to check."""
+    port = free_port()
+    log = tmp_path / "node.log"
+    env = {"NNODES": "2", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env |= {"RDZV_TIMEOUT": "3", "TMPDIR": str(tmp_path)}
+    proc = launch(log, env, ["recipe=tiny_cpu"])
+    try:
+        proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-4000:]
+    assert (
+        f"lctrain launch: the rendezvous at 127.0.0.1:{port} (id lctrain-127.0.0.1-{port}) failed "
+        "(RendezvousTimeoutError): every node must run scripts/launch.sh with the same NNODES=2, MASTER_ADDR, "
+        f"MASTER_PORT and RDZV_ID, and reach 127.0.0.1:{port}, within RDZV_TIMEOUT=3 s of the first"
+    ) in text, text[-4000:]
+    assert "[rank" not in text  # no rank started
+    assert not list(tmp_path.glob("lctrain-launch.*"))  # launch.sh removed its error file
 
 
 def free_port() -> int:
@@ -278,3 +302,86 @@ def test_sigterm_stops_every_rank_with_the_checkpoint_to_resume_from(tmp_path: P
     assert {reason for _, reason, _ in stopped} == {"received SIGTERM"}  # every rank, not a peer's failure
     assert not re.search(r'File ".*/lctrain/', text), text[-4000:]  # no traceback from a rank (torchrun prints its own)
     assert all(Path(path).parent == run_dir / "checkpoints" for _, _, path in stopped)
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigterm_again_during_shutdown_changes_nothing(tmp_path: Path) -> None:
+    """What ``scancel`` does under slurm: SIGTERM to every process of the job step at once (torchrun, and each
+    worker directly), then torchrun passes it on to the workers again; here each worker also gets more SIGTERMs
+    every few milliseconds while it stops. Every rank still ends with status 1 and the one-line message, and no
+    traceback (a second SIGTERM used to raise again inside the first one's handling)."""
+    corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, *corpus, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=2", "train.steps=100000"]
+    overrides += ["checkpoint.every=2", f"train.run_dir={run_dir}"]
+    log, exits = tmp_path / "job.log", tmp_path / "exits"
+    proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1", **recording_env(exits, tmp_path / "logs")}, overrides)
+    try:
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
+        workers = list(workers_by_rank(proc).values())
+        for process in [psutil.Process(proc.pid), *workers]:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(running(worker) for worker in workers):
+            for worker in workers:
+                try:
+                    worker.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+    finally:
+        kill_job(proc)
+    ends = rank_ends(exits)
+    assert sorted(ends) == [0, 1], log.read_text()[-4000:]
+    for rank, end in ends.items():
+        assert "Traceback" not in end["output"], end["output"][-4000:]
+        assert (end["status"], end["uncaught"]) == (1, None), end
+        stopped = re.findall(rf"lctrain: rank {rank} stopped: (.*)", end["output"])
+        assert len(stopped) == 1 and stopped[0].startswith("received SIGTERM. "), end["output"][-4000:]
+        assert f"Last complete checkpoint: {run_dir / 'checkpoints'}/step_" in stopped[0]
+
+
+def test_sigterm_while_stopping_after_a_peer_died_changes_nothing(tmp_path: Path) -> None:
+    """What a node failure does under slurm: a peer dies, the survivor's collective fails at once and it stops with
+    the one-line message, and meanwhile the launchers (``srun --kill-on-bad-exit``, torchrun) send it SIGTERM. Here
+    rank 1 is SIGKILLed and rank 0 gets SIGTERMs every few milliseconds from the moment it prints its message until
+    it is gone: it still ends with status 1, that one message, and no traceback (a SIGTERM used to raise in its exit
+    hooks)."""
+    corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, *corpus, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=2", "train.steps=100000"]
+    overrides += ["checkpoint.every=2", f"train.run_dir={run_dir}"]
+    log, exits, logs = tmp_path / "job.log", tmp_path / "exits", tmp_path / "logs"
+    proc = launch(log, {"NPROC_PER_NODE": "2", "NNODES": "1", **recording_env(exits, logs)}, overrides)
+    try:
+        wait_for_checkpoint(proc, run_dir / "checkpoints" / "step_00000002", log)
+        workers = workers_by_rank(proc)
+        workers[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+            "lctrain: rank 0 stopped" in path.read_text() for path in logs.glob("*/attempt_0/0/std*.log")
+        ):
+            time.sleep(0.001)
+        while running(workers[0]):
+            try:
+                workers[0].send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+    finally:
+        kill_job(proc)
+    ends = rank_ends(exits)
+    assert sorted(ends) == [0], log.read_text()[-4000:]  # rank 1 was killed: it recorded nothing
+    end = ends[0]
+    assert "Traceback" not in end["output"], end["output"][-4000:]
+    assert (end["status"], end["uncaught"]) == (1, None), end
+    stopped = re.findall(r"lctrain: rank 0 stopped: (.*)", end["output"])
+    assert len(stopped) == 1 and f"Last complete checkpoint: {run_dir / 'checkpoints'}/step_" in stopped[0], stopped
