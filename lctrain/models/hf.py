@@ -72,8 +72,8 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     else:
         check_family(cfg.family, model_source(None, cfg.family))
         extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family == "qwen3" else {}
-        config = AutoConfig.for_model(
-            cfg.family,
+        config = _random_init_config(
+            cfg,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers,
@@ -100,6 +100,20 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         )
     config.use_cache = False
     return config
+
+
+def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
+    """``AutoConfig.for_model(cfg.family, **fields)``; sizes transformers refuses (its config classes validate them,
+    e.g. a width the heads do not divide) become a ``ValueError`` naming the ``model.*`` settings."""
+    try:
+        return AutoConfig.for_model(cfg.family, **fields)
+    except Exception as error:  # transformers raises its own validation error types, not ValueError
+        cause = error.__cause__ or error
+        raise ValueError(
+            f"model.family={cfg.family} with model.hidden_size={cfg.hidden_size}, model.num_heads={cfg.num_heads}, "
+            f"model.num_kv_heads={cfg.num_kv_heads}, model.num_layers={cfg.num_layers}: transformers refuses these "
+            f"sizes ({str(cause).strip().splitlines()[-1]}); change the model.* settings"
+        ) from None
 
 
 def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:

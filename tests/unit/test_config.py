@@ -417,3 +417,13 @@ def test_family_recipes_train_the_published_architecture(tmp_path: Path) -> None
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
+
+
+def test_sizes_transformers_refuses_name_the_model_settings() -> None:
+    """transformers validates a config's sizes with its own error types; lctrain reports them as a ValueError (one
+    line before any process group) naming the model.* settings."""
+    with pytest.raises(ValueError) as error:
+        model_config(load_config(["model.num_heads=5"]).model, vocab_size=8192)
+    message = str(error.value)
+    assert "model.num_heads=5" in message and "not a multiple of the number of attention heads" in message
+    assert "change the model.* settings" in message
