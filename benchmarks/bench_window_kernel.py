@@ -6,7 +6,7 @@ The block is a diagonal (causal) block of ``--rows`` queries cut by a window of 
 rank's chunk when W is smaller than the chunk. Forward+backward, fp32, median of ``--iters`` runs after a warm-up:
 
 - ``one masked call``: the op once over the whole block with an additive mask of the band (``rows²`` pairs);
-- ``row tiles of T``: ``TORCH_CPU_FLASH`` with ``BAND_TILE_ROWS = T``: each T queries against only the keys they
+- ``row tiles of T``: ``TORCH_CPU_FLASH`` with ``bands.BAND_TILE_ROWS = T``: each T queries against only the keys they
   see, masked (``rows × (T + W)`` pairs);
 - ``plain causal block``: the same block without a window, for scale.
 """
@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from lctrain.attention import kernels
-from lctrain.attention.kernels import TORCH_CPU_FLASH, visible_keys
+from lctrain.attention.kernels import TORCH_CPU_FLASH, band_tiles, bands, cpu_attend, cpu_attend_backward, visible_keys
 
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001
@@ -43,8 +42,8 @@ def kernel_pass(tensors: list[torch.Tensor], scale: float, window_left: int | No
 def masked_pass(tensors: list[torch.Tensor], scale: float, visible: torch.Tensor) -> None:
     """Forward + backward of the CPU op once over the whole block, with an additive mask of the band."""
     q, k, v, dout = tensors
-    out, lse = kernels._cpu_attend(q, k, v, visible, scale)
-    kernels._cpu_attend_backward(dout, q, k, v, out, lse, visible, scale)
+    out, lse = cpu_attend(q, k, v, visible, scale)
+    cpu_attend_backward(dout, q, k, v, out, lse, visible, scale)
 
 
 def main() -> None:
@@ -74,8 +73,8 @@ def main() -> None:
         ms = timed(functools.partial(masked_pass, tensors, scale, visible), args.iters) * 1e3
         print(f"| {window} | one masked call | {ms:.0f} | {args.rows**2 / seen:.2f} |")
         for tile in args.tiles:
-            kernels.BAND_TILE_ROWS = tile
-            tiles = kernels.band_tiles(args.rows, args.rows, causal=True, window_left=window - 1)
+            bands.BAND_TILE_ROWS = tile  # band_tiles reads it from its own module, kernels.bands
+            tiles = band_tiles(args.rows, args.rows, causal=True, window_left=window - 1)
             computed = sum((r.stop - r.start) * (c.stop - c.start) for r, c in tiles)
             ms = timed(functools.partial(kernel_pass, tensors, scale, window - 1), args.iters) * 1e3
             print(f"| {window} | row tiles of {tile} | {ms:.0f} | {computed / seen:.2f} |")

@@ -21,7 +21,7 @@ document every rank does the same work at every step: the diagonal block, then e
 first half of the source's keys (only that half travels) or the second half of the queries against all of them.
 With a kernel that has a varlen mode, the document rectangles of a step that lie end to end go to it in one call
 (``group_documents``). The kernel of each kind of block comes from ``resolve_kernel`` (``kernel="auto"`` or a
-name: ``kernels.py``).
+name: the ``kernels`` package).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def runnable(need: str) -> list:
     if not torch.cuda.is_available():
         return []
     platform, case = detect_platform(CUDA), KernelCase(torch.bfloat16, 64, 8, 2)
-    return [k for name, k in KERNELS.items() if kernel_module._cannot(name, platform, case, need) is None]
+    return [k for name, k in KERNELS.items() if kernel_module.cannot(name, platform, case, need) is None]
 
 
 def cuda_kernels() -> list:

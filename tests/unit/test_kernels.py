@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lctrain.attention import kernels
-from lctrain.attention.kernels import REFERENCE, TORCH_CPU_FLASH, reference_attention, resolve_kernel
+from lctrain.attention.kernels import REFERENCE, TORCH_CPU_FLASH, bands, reference_attention, resolve_kernel
 from lctrain.attention.merge import merge_block
 from tests import fake_attention_ops
 
@@ -121,8 +121,9 @@ def band_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 2e-6)], ids=["fp64", "fp32"])
 def test_kernel_applies_the_window_band(kernel, band, tile_rows: int, dtype, atol, monkeypatch) -> None:  # noqa: ANN001
     """Banded blocks (kernels without a window split them in row tiles) against float64 masked math."""
-    monkeypatch.setattr(kernels, "BAND_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(bands, "BAND_TILE_ROWS", tile_rows)  # band_tiles looks it up in kernels.bands
     q_len, k_len, hq, hkv, dim, causal, window_left = band
+    assert len(kernels.band_tiles(q_len, k_len, causal=causal, window_left=window_left)) == -(-q_len // tile_rows)
     q, k, v, dout = make(q_len, k_len, hq, hkv, dim, dtype)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE, window_left=window_left)
     expected, expected_lse, q64, k64, v64 = band_reference(q, k, v, causal, window_left)
@@ -136,7 +137,7 @@ def test_kernel_applies_the_window_band(kernel, band, tile_rows: int, dtype, ato
 
 
 def test_band_tiles_cover_only_the_keys_their_rows_see(monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr(kernels, "BAND_TILE_ROWS", 4)
+    monkeypatch.setattr(bands, "BAND_TILE_ROWS", 4)
     tiles = kernels.band_tiles(10, 10, causal=True, window_left=2)
     assert tiles == [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(2, 8)), (slice(8, 10), slice(6, 10))]
     assert kernels.band_tiles(6, 9, causal=False, window_left=5)[1] == (slice(4, 6), slice(0, 9))
@@ -288,7 +289,7 @@ def test_group_documents_computes_the_same_pairs_in_fewer_calls(layout: str, win
                 assert torch.equal(_pairs(grouped, piece), _pairs(step.blocks, piece))
                 for block in grouped:
                     if block.segments is not None:
-                        kernels._varlen_window(block.segments, causal=block.causal, window_left=block.window_left)
+                        kernels.varlen_window(block.segments, causal=block.causal, window_left=block.window_left)
                 diagonal = [b for b in grouped if b.causal]
                 assert len(diagonal) <= (2 if layout == "zigzag" else 1)  # chunks of one rank's piece that meet
                 before, after = before + len(step.blocks), after + len(grouped)

@@ -30,7 +30,7 @@ def visible(
 
 
 def block_mask(block: Block) -> torch.Tensor:
-    """The (query row, key column) pairs a kernel computes for ``block`` (module doc of kernels.py)."""
+    """The (query row, key column) pairs a kernel computes for ``block`` (package doc of lctrain.attention.kernels)."""
     rows = torch.arange(block.rows.stop - block.rows.start)[:, None]
     cols = torch.arange(block.cols.stop - block.cols.start)[None, :]
     mask = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)

@@ -1,0 +1,88 @@
+"""Banded blocks for kernels without a window: row tiles, each against the keys its rows see."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lctrain.attention.kernels.base import accumulation_dtype, visible_keys
+
+BAND_TILE_ROWS = 256  # queries per tile; 128 and 256 were the fastest of 64-1024 on CPU (bench_window_kernel.py)
+
+
+def band_tiles(q_len: int, k_len: int, *, causal: bool, window_left: int) -> list[tuple[slice, slice]]:
+    """(rows, cols) of each row tile of a banded block: ``BAND_TILE_ROWS`` queries and the keys they see.
+
+    Rows ``[a0, a1)`` see columns from ``a0 - window_left`` up to ``a1 - 1`` (causal) or the last one, so a tile
+    costs ``tile × (tile + window)`` pairs however wide the block: the work stays proportional to the band.
+    """
+    tiles = []
+    for a0 in range(0, q_len, BAND_TILE_ROWS):
+        a1 = min(a0 + BAND_TILE_ROWS, q_len)
+        tiles.append((slice(a0, a1), slice(max(0, a0 - window_left), min(k_len, a1) if causal else k_len)))
+    return tiles
+
+
+TileForward = Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, Tensor]]
+TileBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+def tiled_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window_left: int, scale: float, attend: TileForward
+) -> tuple[Tensor, Tensor]:
+    """``attend(q, k, v, visible, scale) -> (out, lse)`` on each row tile; tiles hold disjoint rows: no merge."""
+    outs, lses = [], []
+    for rows, cols in band_tiles(q.shape[1], k.shape[1], causal=causal, window_left=window_left):
+        visible = visible_keys(
+            rows.stop - rows.start,
+            cols.stop - cols.start,
+            causal=causal,
+            window_left=window_left,
+            device=q.device,
+            row_start=rows.start,
+            col_start=cols.start,
+        )
+        out, lse = attend(q[:, rows], k[:, cols], v[:, cols], visible, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def tiled_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    window_left: int,
+    scale: float,
+    attend_backward: TileBackward,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``attend_backward(dout, q, k, v, out, lse, visible, scale)`` on each row tile; dK/dV summed over tiles in
+    the accumulation dtype."""
+    acc_dtype = accumulation_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    for rows, cols in band_tiles(q.shape[1], k.shape[1], causal=causal, window_left=window_left):
+        visible = visible_keys(
+            rows.stop - rows.start,
+            cols.stop - cols.start,
+            causal=causal,
+            window_left=window_left,
+            device=q.device,
+            row_start=rows.start,
+            col_start=cols.start,
+        )
+        dq_tile, dk_tile, dv_tile = attend_backward(
+            dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, :, rows], visible, scale
+        )
+        dq[:, rows] = dq_tile
+        dk[:, cols] += dk_tile
+        dv[:, cols] += dv_tile
+    return dq, dk, dv

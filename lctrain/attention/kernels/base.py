@@ -1,0 +1,93 @@
+"""The kernels' shared types and helpers: ``AttentionKernel``, the accumulation dtype, the default scale, the
+window check and the keys each query of a block sees, and the ``[B, S, H, D]`` <-> ``[B, H, S, D]`` view."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+KernelForward = Callable[..., tuple[Tensor, Tensor]]
+KernelBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
+Segments = tuple[tuple[int, int], ...]  # (query rows, key rows) of each document rectangle of a group
+
+
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """A blockwise attention kernel: a name, its forward/backward functions (signatures in the package doc), and
+    the dtype its forward computes in for a given input dtype (callers that keep tensors for the backward may keep
+    them in that dtype to save the kernel a conversion), and its varlen mode (None: none)."""
+
+    name: str
+    forward: KernelForward
+    backward: KernelBackward
+    compute_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
+    varlen_forward: Callable[..., tuple[Tensor, Tensor]] | None = None
+    varlen_backward: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that ``out`` and ``lse`` are accumulated in across blocks: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_window(window: int | None, causal: bool) -> None:
+    """A sliding window is a positive number of keys (the query's own included) and needs a causal mask."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"window={window!r} must be a positive int, the number of keys each query sees (itself included), as "
+            f"Hugging Face's sliding_window; use window=None for attention without a window"
+        )
+    if not causal:
+        raise ValueError(
+            f"window={window} needs causal=True: a sliding window is defined for causal attention only (query i "
+            f"sees keys j with i - window < j <= i); drop the window or make the attention causal"
+        )
+
+
+def visible_keys(
+    q_len: int,
+    k_len: int,
+    *,
+    causal: bool,
+    window_left: int | None,
+    device: torch.device,
+    row_start: int = 0,
+    col_start: int = 0,
+) -> Tensor | None:
+    """Which keys each query of a block sees, bool ``[q_len, k_len]``, or None when every query sees every key.
+
+    Rows ``row_start + a`` and columns ``col_start + b`` of a block masked by ``causal`` and ``window_left``
+    (top-left aligned, as in the package doc): a tile of a block passes its offsets into the block.
+    """
+    last_row, last_col = row_start + q_len - 1, col_start + k_len - 1
+    causal_cuts = causal and last_col > row_start
+    window_cuts = window_left is not None and last_row - window_left > col_start
+    if not (causal_cuts or window_cuts):
+        return None
+    rows = torch.arange(row_start, last_row + 1, device=device)[:, None]
+    cols = torch.arange(col_start, last_col + 1, device=device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal_cuts:
+        visible &= cols <= rows
+    if window_cuts:
+        visible &= cols >= rows - window_left
+    return visible
+
+
+def bhsd(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Views of ``[B, S, H, D]`` tensors as ``[B, H, S, D]`` (and back): the layout of PyTorch's SDPA ops."""
+    return tuple(t.transpose(1, 2) for t in tensors)  # [B, S, H, D] <-> [B, H, S, D]
