@@ -24,6 +24,7 @@ from bench_gpu_context import Probe, Search, fit_line, fits  # noqa: E402
 TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4"]
 TINY += ["--kv-heads", "2", "--vocab", "8192"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+STEPS = ("tests", "speed", "planner", "context")
 
 
 def gpu_check_scripts() -> list[str]:
@@ -39,6 +40,44 @@ def test_gpu_check_runs_the_three_benchmarks_and_its_syntax_is_valid() -> None:
         "benchmarks/validate_planner.py",
     ]
     subprocess.run(["bash", "-n", "scripts/gpu_check.sh"], cwd=REPO, check=True)
+
+
+def run_gpu_check(tmp_path: Path, budget: int) -> tuple[list[str], list[str]]:
+    """``gpu_check.sh`` with stand-ins for ``timeout``, ``nvidia-smi`` and ``python3`` that record their arguments
+    and return at once: (the timeout each step got, the lines of status.txt)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(parents=True)
+    calls = tmp_path / "timeouts.txt"
+    (bin_dir / "timeout").write_text(f'#!/bin/sh\necho "$3 $5 $6" >> {calls}\n')
+    for name in ("nvidia-smi", "python3"):
+        (bin_dir / name).write_text("#!/bin/sh\necho stand-in\n")
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_CHECK_SECONDS": str(budget)}
+    subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=REPO, env=env, check=True, capture_output=True)
+    timeouts = calls.read_text().splitlines() if calls.exists() else []
+    return timeouts, (out / "status.txt").read_text().splitlines()
+
+
+def test_gpu_check_caps_each_step_by_what_is_left_of_its_budget(tmp_path: Path) -> None:
+    """One device call may take 600 s: by default the four steps share 540 s, each capped by what is left."""
+    timeouts, status = run_gpu_check(tmp_path / "capped", budget=200)
+    seconds = [int(line.split()[0]) for line in timeouts]
+    assert [line.split(maxsplit=1)[1] for line in timeouts] == [
+        "-m pytest",
+        "benchmarks/bench_gpu.py --json",
+        "benchmarks/validate_planner.py --device",
+        "benchmarks/bench_gpu_context.py --json",
+    ]
+    # 200 s less the 10 s of `timeout -k 10` and the whole seconds the stand-ins took; the planner's own 180 s
+    assert seconds[2] == 180 and all(185 <= s <= 190 for s in seconds[:2] + seconds[3:]), seconds
+    assert [line.split(":")[0] for line in status[1::2]] == [f"== {name}" for name in STEPS]
+    timeouts, status = run_gpu_check(tmp_path / "spent", budget=39)
+    assert timeouts == []
+    assert all(
+        re.fullmatch(rf"== {name}: skipped, 2\d s of GPU_CHECK_SECONDS=39 left", line)
+        for name, line in zip(STEPS, status, strict=True)
+    ), status
 
 
 HELP = """
