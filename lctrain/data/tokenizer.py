@@ -8,6 +8,7 @@ few seconds, is deterministic and downloads nothing. It is saved under ``<cache>
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -25,6 +26,8 @@ from lctrain.data.sources import read_text_files, stdlib_files
 DEFAULT_VOCAB_SIZE = 8192
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 _TRAIN_BYTES = 3_000_000
+# tokenizer_config.json's class of a tokenizer.json saved as is (transformers 5 and 4 spell it differently)
+TOKENIZER_FILE_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def default_tokenizer_name() -> str:
@@ -77,12 +80,21 @@ def default_tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer`` from a local directory (``None``: the default tokenizer); it must have BOS and EOS."""
+    """The tokenizer of a local directory (``None``: the default tokenizer); it must have BOS and EOS.
+
+    ``AutoTokenizer``, except for a directory whose ``tokenizer_config.json`` declares a plain ``tokenizer.json``
+    (``TOKENIZER_FILE_CLASSES``, e.g. the default tokenizer in an lctrain export): that file is loaded as it is,
+    since for some model types (``qwen2``) ``AutoTokenizer`` rebuilds the model type's own tokenizer from its vocabulary
+    instead, with another pre-tokenizer and one more token.
+    """
     if path is None:
         path = default_tokenizer_dir()
     elif not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer: the directory {str(path)!r} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer_config = Path(path) / "tokenizer_config.json"
+    declared = json.loads(tokenizer_config.read_text()).get("tokenizer_class") if tokenizer_config.is_file() else None
+    loader = PreTrainedTokenizerFast if declared in TOKENIZER_FILE_CLASSES else AutoTokenizer
+    tokenizer = loader.from_pretrained(path)
     if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
         raise ValueError(
             f"tokenizer: {str(path)!r} has no BOS or EOS token (bos={tokenizer.bos_token!r}, "

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from lctrain.config.schema import ModelConfig
 from lctrain.models.families import (
@@ -251,8 +251,25 @@ def export_hf(
         config.save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
+            _warn_if_auto_tokenizer_differs(tokenizer, out_dir)
     if dist.is_initialized():
         dist.barrier()  # the directory is complete on every rank when it returns (a next stage reads it at once)
+
+
+def _warn_if_auto_tokenizer_differs(tokenizer, out_dir: Path) -> None:  # noqa: ANN001
+    """transformers' ``AutoTokenizer`` substitutes its own tokenizer for some model types (``qwen2``): say so when
+    it would not give back the one the model was trained with."""
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    if type(reloaded) is not type(tokenizer) or reloaded.get_vocab() != tokenizer.get_vocab():
+        logger.warning(
+            "transformers' AutoTokenizer loads %s as a %s of %d tokens, not the %s of %d tokens this model was trained "
+            "with: load it with PreTrainedTokenizerFast.from_pretrained (as lctrain's next stages and eval do)",
+            out_dir,
+            type(reloaded).__name__,
+            len(reloaded),
+            type(tokenizer).__name__,
+            len(tokenizer),
+        )
 
 
 def _write_index(out_dir: Path, num_parts: int) -> None:

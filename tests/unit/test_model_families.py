@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lctrain.config import check_model_job, load_config
-from lctrain.models import model_config
+from lctrain.data import load_tokenizer
+from lctrain.models import export_hf, model_config
 from lctrain.models.families import layer_windows
 
 VOCAB = 50
@@ -231,3 +233,25 @@ def test_what_lctrain_cannot_run_exactly_is_refused_with_the_reason(case: str, t
         check_model_job(cfg, world_size, model_config(cfg.model, VOCAB), VOCAB)
     for text in expected:
         assert text in str(error.value), f"{text!r} not in {str(error.value)!r}"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_export_of_each_family_keeps_the_default_tokenizer(family: str, tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """For model type qwen2, transformers' AutoTokenizer builds a Qwen2Tokenizer from the exported vocabulary (another
+    pre-tokenizer, one more token): ``load_tokenizer`` (next stages, eval) still reads the tokenizer trained with, and
+    the export warns that AutoTokenizer would not."""
+    tokenizer = load_tokenizer(None)
+    config = model_config(job([f"model.family={family}", "model.num_heads=4", "model.num_kv_heads=2"]).model, 8192)
+    with caplog.at_level(logging.WARNING, logger="lctrain"):
+        export_hf(AutoModelForCausalLM.from_config(config), config, tmp_path, tokenizer)
+    text = Path(logging.__file__).read_text()[:4000]
+    reloaded = load_tokenizer(tmp_path)
+    assert reloaded.get_vocab() == tokenizer.get_vocab()
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    substituted = AutoTokenizer.from_pretrained(tmp_path)
+    differs = substituted(text)["input_ids"] != tokenizer(text)["input_ids"] or len(substituted) != len(tokenizer)
+    assert differs == (family == "qwen2")
+    warned = [r.getMessage() for r in caplog.records if "AutoTokenizer loads" in r.getMessage()]
+    assert len(warned) == (family == "qwen2")
+    if warned:
+        assert "Qwen2Tokenizer of 8193 tokens" in warned[0] and "PreTrainedTokenizerFast.from_pretrained" in warned[0]
