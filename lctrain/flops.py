@@ -6,10 +6,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+def attention_pairs_per_token(seq_len: int, window: int | None = None) -> float:
+    """Visible (query, key) pairs per token of a causal row of ``seq_len`` tokens: S/2, or with a sliding window of
+    W keys (each query sees its last W tokens) W − W²/(2S) when W < S (the first W queries see fewer)."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
+def flops_per_token(
+    num_params: int, num_layers: int, hidden_size: int, seq_len: int, windows: Sequence[int | None] = ()
+) -> float:
     """Training FLOPs per token: 6 per parameter (forward and backward matmuls) plus causal attention,
-    6·layers·hidden·seq_len (half of the 12·L·H·S of full attention)."""
-    return 6 * num_params + 6 * num_layers * hidden_size * seq_len
+    12·hidden per visible pair and layer: 6·layers·hidden·seq_len without windows (half of the 12·L·H·S of full
+    attention). ``windows``: each layer's sliding window (``layer_windows``; None = full causal), () = none."""
+    if windows and len(windows) != num_layers:
+        raise ValueError(f"flops_per_token: {len(windows)} windows for {num_layers} layers")
+    pairs = sum(attention_pairs_per_token(seq_len, window) for window in windows or [None] * num_layers)
+    return 6 * num_params + 12 * hidden_size * pairs
 
 
 def document_flops_per_token(num_params: int, num_layers: int, hidden_size: int, doc_lengths: Sequence[int]) -> float:

@@ -7,6 +7,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoConfig
+
+from lctrain.models.families import check_family, layer_windows
+
 GIB = 2**30
 FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accumulators and logits
 
@@ -31,6 +35,7 @@ class ModelSpec:
     qk_norm: bool = False  # an RMSNorm on each head's queries and keys (Qwen3): 2 · head_dim weights per layer
     rope_theta: float | None = None
     path: str | None = None  # a Hugging Face model directory (the recipe then uses model=hf)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full causal); () = none
 
     @property
     def q_dim(self) -> int:
@@ -77,6 +82,8 @@ class ModelSpec:
         heads = config["num_attention_heads"]
         family = config.get("model_type", "llama")
         attention_bias = bool(config.get("attention_bias", False))
+        check_family(family, f"--model {name}")
+        windows = tuple(layer_windows(AutoConfig.for_model(**{**config, "model_type": family})))
         return cls(
             name=name,
             hidden=config["hidden_size"],
@@ -94,6 +101,7 @@ class ModelSpec:
             qk_norm=family == "qwen3",
             rope_theta=config.get("rope_theta"),
             path=path,
+            windows=windows if any(windows) else (),
         )
 
 
@@ -101,7 +109,8 @@ def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
     return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, kw.pop("head_dim", hidden // heads), **kw)
 
 
-# Published sizes (the models' config.json files). `tiny` is recipe tiny_cpu with the default tokenizer.
+# Published sizes (the models' config.json files; mistral-7b is v0.1, with its 4,096-token window on every layer).
+# `tiny` is recipe tiny_cpu with the default tokenizer.
 NAMED_MODELS = {
     model.name: model
     for model in (
@@ -112,7 +121,7 @@ NAMED_MODELS = {
         _named("llama3-70b", 8192, 28672, 80, 64, 8, 128256, rope_theta=500000.0),
         _named("llama2-7b", 4096, 11008, 32, 32, 32, 32000, rope_theta=10000.0),
         _named("llama2-13b", 5120, 13824, 40, 40, 40, 32000, rope_theta=10000.0),
-        _named("mistral-7b", 4096, 14336, 32, 32, 8, 32000, family="mistral", rope_theta=10000.0),
+        _named("mistral-7b", 4096, 14336, 32, 32, 8, 32000, family="mistral", rope_theta=10000.0, windows=(4096,) * 32),
         _named("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, family="qwen2", qkv_bias=True, rope_theta=1e6),
         _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
     )

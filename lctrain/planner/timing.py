@@ -99,7 +99,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     cp = layout.ring * layout.ulysses
     layers = max(len(r) for r in stage_layers(model.layers, layout.pp))
     recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
-    per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len)
+    per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len, model.windows)
     model_flops = rows * work.seq_len * per_token / (layout.pp * cp)
     compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
     ring_exposed = 0.0

@@ -26,6 +26,7 @@ from lctrain.config import JobConfig, to_yaml
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
+from lctrain.models.families import layer_windows
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule
@@ -103,7 +104,7 @@ class Trainer:
         )
         config = self.hf_config
         self.flops_per_token = flops_per_token(
-            num_params, config.num_hidden_layers, config.hidden_size, cfg.data.seq_len
+            num_params, config.num_hidden_layers, config.hidden_size, cfg.data.seq_len, layer_windows(config)
         )
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(

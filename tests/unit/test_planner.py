@@ -35,6 +35,7 @@ from lctrain.planner import (
     plan_layouts,
     ring_step,
     stage_memory,
+    step_time,
 )
 
 TINY = NAMED_MODELS["tiny"]
@@ -109,12 +110,41 @@ HF_DIRECTORIES = {
         (16, 3, False, False, False, False),
     ),
     "qwen2": ({"model_type": "qwen2", "num_key_value_heads": 2}, (16, 2, True, False, False, False)),
+    "qwen2_sliding": (
+        {"model_type": "qwen2", "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 64}
+        | {"max_window_layers": 1},
+        (16, 2, True, False, False, False),
+    ),
     "qwen3": ({"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24}, (24, 2, False, False, True, False)),
     "qwen3_bias": (
         {"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24, "attention_bias": True},
         (24, 2, True, True, True, False),
     ),
 }
+
+
+HF_WINDOWS = {"mistral": (64, 64, 64), "qwen2_sliding": (None, 64, 64)}
+
+
+def test_hf_directory_of_a_model_lctrain_does_not_run_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, "model_type": "gemma2", "vocab_size": 500}))
+    with pytest.raises(ValueError, match="'gemma2' model, which lctrain does not train: its attention soft-caps"):
+        load_model(str(tmp_path))
+
+
+def test_sliding_windows_count_in_the_step_time_and_mfu() -> None:
+    """Mistral-7B-v0.1's 4,096-token window: at 32K the attention FLOPs are those of the window, so compute time and
+    the MFU's FLOPs fall by the attention pairs the window removes, as the trainer counts them."""
+    mistral = NAMED_MODELS["mistral-7b"]
+    assert mistral.windows == (4096,) * 32
+    layout, hw = Layout(pp=1, dp=1, ring=1, ulysses=8), HARDWARE["h100"]
+    work = Workload(32768, gpus_per_node=8)
+    plain = dataclasses.replace(mistral, windows=())
+    windowed, full = (step_time(m, layout, hw, work, ring_step(m, layout, hw, work)) for m in (mistral, plain))
+    attention_pairs = 32 * (32768 / 2 - (4096 - 4096**2 / (2 * 32768)))  # removed pairs per token, all layers
+    removed = 12 * mistral.hidden * attention_pairs * 32768 / 8  # per GPU per step
+    assert full.model_flops - windowed.model_flops == pytest.approx(removed)
+    assert windowed.compute_s < full.compute_s
 
 
 @pytest.mark.parametrize("case", list(HF_DIRECTORIES))
@@ -127,6 +157,7 @@ def test_hf_directory_is_read_like_transformers(case: str, tmp_path: Path) -> No
     spec = load_model(str(tmp_path))
     assert spec.path == str(tmp_path) and spec.family == fields["model_type"]
     assert (spec.head_dim, spec.kv_heads, spec.qkv_bias, spec.o_bias, spec.qk_norm, spec.tied) == expected
+    assert spec.windows == HF_WINDOWS.get(case, ())  # the windows transformers gives each layer (layer_windows)
     model = build_empty_model(model_config(ModelConfig(path=str(tmp_path)), 500))
     assert spec.num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="neither a named size"):
