@@ -70,8 +70,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 or Qwen3 field names). Biases as transformers
-        builds them: Qwen2 always on q/k/v, never on o; Llama and Qwen3 on all four with ``attention_bias``."""
+        """From a Hugging Face ``config.json``, read by transformers (its class defaults for absent fields, e.g.
+        Qwen3's ``head_dim`` 128). Biases as transformers builds them: Qwen2 always on q/k/v, never on o; Llama and
+        Qwen3 on all four with ``attention_bias``."""
         missing = [
             key
             for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -79,25 +80,25 @@ class ModelSpec:
         ]
         if missing:
             raise ValueError(f"{name}: config.json has no {', '.join(missing)}: is it a Llama-style decoder?")
-        heads = config["num_attention_heads"]
         family = config.get("model_type", "llama")
-        attention_bias = bool(config.get("attention_bias", False))
         check_family(family, f"--model {name}")
-        windows = tuple(layer_windows(AutoConfig.for_model(**{**config, "model_type": family})))
+        hf = AutoConfig.for_model(**{**config, "model_type": family})
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        windows = tuple(layer_windows(hf))
         return cls(
             name=name,
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            layers=config["num_hidden_layers"],
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            vocab=config["vocab_size"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            tied=bool(config.get("tie_word_embeddings", False)),
+            hidden=hf.hidden_size,
+            intermediate=hf.intermediate_size,
+            layers=hf.num_hidden_layers,
+            heads=hf.num_attention_heads,
+            kv_heads=hf.num_key_value_heads,
+            vocab=hf.vocab_size,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            tied=bool(hf.tie_word_embeddings),
             family=family,
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=family == "qwen3",
             rope_theta=config.get("rope_theta"),
             path=path,

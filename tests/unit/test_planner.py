@@ -116,6 +116,7 @@ HF_DIRECTORIES = {
         (16, 2, True, False, False, False),
     ),
     "qwen3": ({"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24}, (24, 2, False, False, True, False)),
+    "qwen3_default_head_dim": ({"model_type": "qwen3", "num_key_value_heads": 2}, (128, 2, False, False, True, False)),
     "qwen3_bias": (
         {"model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 24, "attention_bias": True},
         (24, 2, True, True, True, False),
