@@ -7,10 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig
-
-from lctrain.models.families import check_family, layer_windows
-
 GIB = 2**30
 FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accumulators and logits
 
@@ -80,6 +76,11 @@ class ModelSpec:
         ]
         if missing:
             raise ValueError(f"{name}: config.json has no {', '.join(missing)}: is it a Llama-style decoder?")
+        # imported here: the named sizes need neither transformers nor torch (lctrain.models imports both)
+        from transformers import AutoConfig
+
+        from lctrain.models.families import check_family, layer_windows
+
         family = config.get("model_type", "llama")
         check_family(family, f"--model {name}")
         hf = AutoConfig.for_model(**{**config, "model_type": family})

@@ -11,6 +11,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -122,6 +124,16 @@ HF_DIRECTORIES = {
         (24, 2, True, True, True, False),
     ),
 }
+
+
+def test_the_planner_with_a_named_size_imports_neither_torch_nor_transformers() -> None:
+    """``docs/planner.md``: it answers in well under a second (torch and transformers take seconds to import)."""
+    code = (
+        "import sys; from lctrain.planner import main; main(['--model', 'llama3-8b', '--seq-len', '131072']); "
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "recommended:" in result.stdout, result.stderr
 
 
 HF_WINDOWS = {"mistral": (64, 64, 64), "qwen2_sliding": (None, 64, 64)}
