@@ -102,8 +102,10 @@ def init_distributed(device: torch.device, timeout_s: float, *, host_collectives
         )
 
 
-class Terminated(Exception):
-    """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled."""
+class Terminated(BaseException):
+    """SIGTERM reached this rank: the launcher stops every rank when one fails, or the job was cancelled. Like
+    ``KeyboardInterrupt`` it is not an ``Exception``, so the ``except Exception`` of a logging handler, a checkpoint
+    reader or a library does not swallow it wherever the signal happens to arrive."""
 
 
 class _TerminateOnce:
@@ -181,7 +183,7 @@ def run_command(
     except (ValueError, FileNotFoundError) as error:
         sigterm.armed = False  # the launcher stops the other ranks now: their SIGTERM is no news here
         _exit_from_job(str(error))
-    except Exception as error:
+    except (Terminated, Exception) as error:
         sigterm.armed = False
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise

@@ -1,10 +1,15 @@
 """The command line's process settings: the CUDA allocator default (set before torch is imported, only when the user
-has not chosen one) and the process group backend (gloo beside NCCL with ``parallel.cpu_offload``)."""
+has not chosen one), the process group backend (gloo beside NCCL with ``parallel.cpu_offload``) and SIGTERM, which
+ends the job wherever it arrives."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +59,45 @@ def test_process_group_backend() -> None:
     assert process_group_backend(cpu) == process_group_backend(cpu, host_collectives=True) == "gloo"
     assert process_group_backend(cuda) == "nccl"
     assert process_group_backend(cuda, host_collectives=True) == "cuda:nccl,cpu:gloo"
+
+
+SIGTERM_INSIDE = {
+    # what the CI saw: SIGTERM while rank 0 logged "checkpoint ...", and the handler's ``except Exception`` kept it
+    "a-log-line": "runtime.tqdm.write = stop_once\n    runtime.logger.warning('a line')",
+    "except-exception": "try:\n        stop_here()\n    except Exception:\n        pass",
+}
+
+
+@pytest.mark.parametrize("inside", SIGTERM_INSIDE.values(), ids=SIGTERM_INSIDE.keys())
+def test_sigterm_stops_the_job_wherever_it_arrives(inside: str, tmp_path: Path) -> None:
+    """SIGTERM that arrives inside code catching ``Exception`` still ends the rank with the one-line message."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import os, signal, time
+            from lctrain import runtime
+
+            def stop_here():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+
+            write = runtime.tqdm.write
+
+            def stop_once(*args, **kwargs):  # as tqdm.write: the first line meets SIGTERM, later ones are written
+                runtime.tqdm.write = write
+                stop_here()
+
+            def job(cfg):
+                {inside}
+                raise AssertionError("the job went on after SIGTERM")
+
+            runtime.run_command(["train.device=cpu"], check=lambda cfg, world_size: None, job=job)
+            """
+        ).format(inside=inside)
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "lctrain: rank 0 stopped: received SIGTERM." in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
