@@ -1,4 +1,5 @@
-"""Watching and stopping real ``torchrun`` jobs started with ``subprocess.Popen(..., start_new_session=True)``."""
+"""Watching and stopping real ``torchrun`` jobs started with ``subprocess.Popen(..., start_new_session=True)``, and
+the tiny job they run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+# the tiny recipe (ring 2 x ulysses 2) shrunk further: the job that the launch and cluster tests start
+TINY = [
+    "recipe=tiny_cpu",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=2",
+    "data.seq_len=128",
+    "checkpoint.export_hf=false",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+]
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, checkpoint: Path, log: Path, timeout: float = 300) -> None:

@@ -30,7 +30,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -124,7 +124,23 @@ def in_mount_namespace(hosts: Path, command: Sequence[str], hostname: str | None
     return [which("unshare"), "--mount", *(["--uts"] if hostname else []), "sh", "-c", script, str(hosts), *command]
 
 
-class SlurmCluster:
+class Started:
+    """A context manager for a subclass's ``start()`` and ``stop()``: ``start()`` on entry (and ``stop()`` if the start
+    fails part way), ``stop()`` on exit."""
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SlurmCluster(Started):
     """munged, slurmctld and two slurmd nodes named ``<prefix>1`` and ``<prefix>2``, all files under ``root``.
 
     ``start()`` leaves the daemons running (in sessions of their own) and writes ``root/cluster.json``;
@@ -150,17 +166,6 @@ class SlurmCluster:
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf), MARKER: self.marker}
-
-    def __enter__(self) -> SlurmCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -323,7 +328,7 @@ class SlurmCluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-class TwoHosts:
+class TwoHosts(Started):
     """Network namespaces ``<name>a`` and ``<name>b`` joined by a veth pair: "hosts" ``<name>-a`` at
     ``10.X.Y.1`` and ``<name>-b`` at ``10.X.Y.2``, each with its own hostname and ``/etc/hosts``."""
 
@@ -336,17 +341,6 @@ class TwoHosts:
         self.hostnames = {"a": f"{self.name}-a", "b": f"{self.name}-b"}
         self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
         self.marker = f"{self.root}:{self.name}"
-
-    def __enter__(self) -> TwoHosts:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,10 @@
 """The job the cluster tests launch, and what they check about how its ranks ended.
 
-The tiny recipe (ring 2 × ulysses 2: 4 ranks, one Ulysses pair per node), shrunk as in
-``tests/distributed/test_launch.py``, on the small corpus of ``tests/corpus.py``: ``STEPS`` steps with a checkpoint
-every ``EVERY``. Faults are injected as soon as a new checkpoint is complete, and the remaining steps leave room
-for the fault to land before the job ends. On CPU with gloo the steps are bitwise deterministic, so every resumed
-or multi-node run must record exactly the losses, gradient norms and learning rates of the uninterrupted one-node
-run (``reference``).
+The tiny recipe (ring 2 × ulysses 2: 4 ranks, one Ulysses pair per node), shrunk as in ``tests/jobs.py``, on the small
+corpus of ``tests/corpus.py``: ``STEPS`` steps with a checkpoint every ``EVERY``. Faults are injected as soon as a new
+checkpoint is complete, and the remaining steps leave room for the fault to land before the job ends. On CPU with gloo
+the steps are bitwise deterministic, so every resumed or multi-node run must record exactly the losses, gradient norms
+and learning rates of the uninterrupted one-node run (``reference``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.jobs import kill_job, rank_ends, recording_env
+from tests.jobs import TINY, kill_job, rank_ends, recording_env
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -32,14 +31,7 @@ STOPPED = re.compile(r"lctrain: rank (\d+) stopped: (.*?)\. Probably .*? Last co
 
 def overrides(run_dir: Path, corpus: Path) -> list[str]:
     return [
-        "recipe=tiny_cpu",
-        "model.hidden_size=64",
-        "model.intermediate_size=128",
-        "model.num_layers=2",
-        "data.seq_len=128",
-        "checkpoint.export_hf=false",
-        "logging.progress_bar=false",
-        "logging.plot=false",
+        *TINY,
         f"data.paths=['{corpus}']",
         f"train.steps={STEPS}",
         f"checkpoint.every={EVERY}",

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 from tests.corpus import corpus_overrides, write_corpus
-from tests.jobs import kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
+from tests.jobs import TINY, kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -61,17 +61,6 @@ json.dump(sys.argv[1:], open(out, "w"))
 allocator = {name: os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
 json.dump(allocator, open(out.replace(".json", "_allocator.json"), "w"))
 """
-
-TINY = [
-    "recipe=tiny_cpu",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_layers=2",
-    "data.seq_len=128",
-    "checkpoint.export_hf=false",
-    "logging.progress_bar=false",
-    "logging.plot=false",
-]
 
 
 def fake_bin(directory: Path) -> dict[str, str]:
