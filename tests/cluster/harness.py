@@ -30,7 +30,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import psutil
 
@@ -124,11 +124,14 @@ def in_mount_namespace(hosts: Path, command: Sequence[str], hostname: str | None
     return [which("unshare"), "--mount", *(["--uts"] if hostname else []), "sh", "-c", script, str(hosts), *command]
 
 
+StartedT = TypeVar("StartedT", bound="Started")
+
+
 class Started:
     """A context manager for a subclass's ``start()`` and ``stop()``: ``start()`` on entry (and ``stop()`` if the start
     fails part way), ``stop()`` on exit."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self: StartedT) -> StartedT:
         try:
             self.start()
         except BaseException:
