@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-# The default job: lctrain/configs/recipe/tiny_cpu.yaml, a small Llama trained on the embedded corpus by 4 CPU processes
+# The default job: recipes/tiny_cpu.yaml, a small Llama trained on the embedded corpus by 4 CPU processes
 # (ring 2 x ulysses 2). Extra Hydra overrides: make train ARGS="train.steps=50".
 train: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m lctrain train recipe=tiny_cpu $(ARGS)

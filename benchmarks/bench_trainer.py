@@ -574,7 +574,7 @@ def main() -> None:
     print(f"- command: `{command}`")
     print(f"- machine: {machine}")
     print(
-        "- model: the default job's tiny Llama (lctrain/configs/recipe/tiny_cpu.yaml"
+        "- model: the default job's tiny Llama (recipes/tiny_cpu.yaml"
         + (f" + {' '.join(overrides)}" if overrides else "")
         + "), fp32, same initial weights and synthetic batches (one document per row) on both sides; "
         "AdamW + warmup/cosine + clipping from lctrain.train.optim on both"

@@ -17,7 +17,7 @@ For each world size it starts one ``torchrun --standalone --nproc-per-node P`` j
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
 to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
 instead of keeping the high-water mark of a heap). The worker trains the tiny model of
-``lctrain/configs/recipe/tiny_cpu.yaml`` on a small generated jsonl corpus (``tests/corpus.py``), case after case,
+``recipes/tiny_cpu.yaml`` on a small generated jsonl corpus (``tests/corpus.py``), case after case,
 each a fresh ``Trainer`` on the same process group:
 
 1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
@@ -207,7 +207,7 @@ def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str 
 def report(results: list[dict], seconds: float, command: str, device: str = "cpu", machine: str = "") -> str:
     if device == "cpu":
         model = (
-            "model: tiny (lctrain/configs/recipe/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, "
+            "model: tiny (recipes/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, "
             "gloo, one thread per rank; memory in MiB per rank (the largest rank): resident set"
         )
     else:

@@ -1,10 +1,10 @@
 """Compose a run's config with Hydra.
 
-The configs ship inside the package (``lctrain/configs``: ``train.yaml``, one directory per group, ``recipe/`` for
-complete runs), so ``lctrain train recipe=tiny_cpu`` works from any directory and from a wheel. A directory
-``configs/`` in the working directory, laid out the same way, adds the user's own options: ``configs/recipe/
-mine.yaml`` is ``recipe=mine``, ``configs/model/mine.yaml`` is ``model=mine`` (a shipped option of the same name
-comes first).
+The shipped configs are ``configs/`` (``train.yaml`` and one directory per group) and ``recipes/`` (complete runs)
+at the top of the repository; a wheel carries them inside the package (``lctrain/configs``, ``lctrain/recipes``:
+``pyproject.toml`` maps them there), so ``lctrain train recipe=tiny_cpu`` works from any directory. The directory
+you launch from may add your own options, laid out the same way: ``configs/model/mine.yaml`` is ``model=mine``,
+``recipes/mine.yaml`` is ``recipe=mine`` (a shipped option of the same name comes first).
 """
 
 from __future__ import annotations
@@ -19,19 +19,43 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lctrain.config.schema import JobConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # the shipped configs
-USER_CONFIG_DIR = Path("configs")  # the user's own, relative to the working directory
+
+def _shipped(name: str) -> Path:
+    """``lctrain/<name>`` inside an installed wheel, else ``<name>/`` at the top of the source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    inside = package / name
+    return inside if inside.is_dir() else package.parent / name
+
+
+CONFIG_DIR = _shipped("configs")
+RECIPE_DIR = _shipped("recipes")
+USER_RECIPE_DIR = Path("recipes")  # the user's own recipes, relative to the working directory
 
 
 def config_dirs() -> list[Path]:
     """Where group options are looked up, in Hydra's order: the shipped configs, then ``./configs`` if present."""
-    user = USER_CONFIG_DIR.resolve()
+    user = Path("configs").resolve()
     return [CONFIG_DIR] + ([user] if user.is_dir() and user != CONFIG_DIR else [])
+
+
+def recipe_dirs() -> list[Path]:
+    """Where ``recipe=NAME`` is looked up, first match wins: the shipped recipes, then ``./recipes`` if present."""
+    user = USER_RECIPE_DIR.resolve()
+    return [RECIPE_DIR] + ([user] if user.is_dir() and user != RECIPE_DIR else [])
+
+
+def _store_recipes(store: ConfigStore) -> None:
+    """Every recipe as an option of the ``recipe`` group, setting the whole config (Hydra's ``_global_``)."""
+    for directory in reversed(recipe_dirs()):  # stored last wins: the shipped recipes
+        for path in sorted(directory.glob("*.yaml")):
+            store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 def load_config(overrides: Sequence[str] = ()) -> JobConfig:
     """``train.yaml`` with Hydra ``overrides`` (``["recipe=tiny_cpu", "optim.lr=1e-3"]``), typed."""
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    store = ConfigStore.instance()
+    store.store(name="job_schema", node=JobConfig)
+    _store_recipes(store)
     GlobalHydra.instance().clear()
     searchpath = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in config_dirs()[1:])}]"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

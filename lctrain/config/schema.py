@@ -1,7 +1,7 @@
 """The typed configuration of a training run: one dataclass per component, each field documented.
 
-Hydra composes ``lctrain/configs/train.yaml`` (its defaults list picks one file from each group, then a recipe from
-``recipe/`` when ``recipe=NAME`` is given) on top of ``JobConfig``; any field can be overridden on the
+Hydra composes ``configs/train.yaml`` (its defaults list picks one file from each group, then a recipe from
+``recipes/`` when ``recipe=NAME`` is given) on top of ``JobConfig``; any field can be overridden on the
 command line (``optim.lr=1e-3``). Each component receives only its own section.
 """
 

@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         path = Path(args.write_recipe)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(recipe_text(model, chosen, hw, work, name=path.stem, command=command))
-        from lctrain.config.load import USER_CONFIG_DIR  # here: the planner itself does not load torch or Hydra
+        from lctrain.config.load import USER_RECIPE_DIR  # here: the planner itself does not load torch or Hydra
 
-        launchable = path.resolve().parent == (USER_CONFIG_DIR / "recipe").resolve()
-        where = "" if launchable else f" (copy it into {USER_CONFIG_DIR / 'recipe'}/ to launch it by name)"
+        launchable = path.resolve().parent == USER_RECIPE_DIR.resolve()
+        where = "" if launchable else f" (copy it into {USER_RECIPE_DIR}/ to launch it by name)"
         print(f"wrote {path}{where}", file=sys.stderr if args.json else sys.stdout)

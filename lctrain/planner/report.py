@@ -66,7 +66,7 @@ def table(plans: Sequence[Plan], chosen: Plan | None, *, top: int, show_refused:
 
 
 def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, name: str, command: str) -> str:
-    """A recipe (``configs/recipe/<name>.yaml`` in the working directory) for this plan: Hydra's package line, the
+    """A recipe (``recipes/<name>.yaml`` in the working directory) for this plan: Hydra's package line, the
     exact launch line, a header with the hardware and the estimates, then the model, mesh and data settings."""
     lay, mem, ring = plan.layout, plan.memory, plan.ring
     if work.nodes == 1:

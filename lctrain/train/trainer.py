@@ -1,7 +1,7 @@
 """The training loop, top to bottom: config -> mesh -> data -> model (patched, checkpointed, sharded) -> loss ->
 optimizer -> metrics -> checkpoint.
 
-Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``lctrain/configs/``.
+Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``recipes/`` and ``configs/``.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from hydra.errors import HydraException
 
-from lctrain.config import CONFIG_DIR, check_job, load_config
+from lctrain.config import RECIPE_DIR, check_job, load_config
 from lctrain.models import model_config, safetensors_source
 from lctrain.models.families import layer_windows
 from lctrain.train.stages import check_stage_jobs, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted((CONFIG_DIR / "recipe").glob("*.yaml"))
+RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
 VOCAB = 1000  # the tokenizer's vocabulary size given to check_job
 SMALL = ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=128"]
 
@@ -300,7 +300,7 @@ def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
 
 
 def test_recipes_exist() -> None:
-    assert RECIPES, "no lctrain/configs/recipe/*.yaml"
+    assert RECIPES, "no recipes/*.yaml"
 
 
 # the checkpoints recipes fine-tune (model.path), as their config.json: the recipes are checked against these sizes

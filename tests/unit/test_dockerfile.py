@@ -531,7 +531,7 @@ def test_dockerignore_excludes_local_state():
     patterns = dockerignore_patterns(DOCKERIGNORE.read_text())
     for path in (".venv", ".venv/bin/python", "runs", "runs/tiny_cpu/checkpoints/step_100", ".git", ".whl/x.whl"):
         assert is_excluded(path, patterns), path
-    for path in ("lctrain/cli.py", "lctrain/configs/train.yaml", "lctrain/configs/recipe/x.yaml", "scripts/launch.sh"):
+    for path in ("lctrain/cli.py", "configs/train.yaml", "recipes/x.yaml", "scripts/launch.sh"):
         assert not is_excluded(path, patterns), path
 
 

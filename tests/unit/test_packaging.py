@@ -1,4 +1,4 @@
-"""A wheel of lctrain runs a job from any directory: the configs and recipes travel inside the package.
+"""A wheel of lctrain runs a job from any directory: the top-level configs/ and recipes/ travel inside the package.
 
 The wheel is built from a copy of this checkout (``pip wheel``) and installed without dependencies into a fresh virtual
 environment, which sees the test environment's packages (torch, transformers, ...) through a ``.pth`` line but not
@@ -38,7 +38,11 @@ def test_wheel_carries_the_configs_and_trains_from_another_directory(tmp_path: P
     )
     (wheel,) = (tmp_path / "dist").glob("lctrain-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"lctrain/configs/train.yaml", "lctrain/configs/recipe/tiny_cpu.yaml"} <= names
+    shipped = {f"lctrain/{path.relative_to(REPO).as_posix()}" for path in REPO.glob("configs/**/*.yaml")}
+    shipped |= {f"lctrain/recipes/{path.name}" for path in (REPO / "recipes").glob("*.yaml")}
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "lctrain").rglob("*.py")}
+    assert {"lctrain/configs/train.yaml", "lctrain/recipes/tiny_cpu.yaml"} <= shipped
+    assert shipped | modules <= names, sorted((shipped | modules) - names)
 
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)], tmp_path)

@@ -293,7 +293,7 @@ def test_cpu_offload_moves_the_sharded_states_to_the_host_on_cuda_only(
         on_cpu = dict(dtype_bytes=4, device="cpu")
         assert memory(layout, seq_len, cpu_offload=True, **on_cpu) == memory(layout, seq_len, **on_cpu)
     name = f"planned_{uuid.uuid4().hex[:8]}"
-    recipe = tmp_path / "configs" / "recipe" / f"{name}.yaml"
+    recipe = tmp_path / "recipes" / f"{name}.yaml"
     report = run_json(capsys, [*LLAMA_1M, "--gpu", "h100", "--cpu-offload", "--write-recipe", str(recipe)])
     assert report["workload"]["cpu_offload"] is True
     assert all(plan["memory_gib"]["states"] == 0 for plan in report["plans"])
@@ -452,10 +452,10 @@ def test_table_and_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
 def load_written(recipe: Path) -> tuple[list[str], object]:
     from lctrain.config import load_config
 
-    # <workdir>/configs/recipe/<name>.yaml: the user's own recipe, launched by name from <workdir>
+    # <workdir>/recipes/<name>.yaml: the user's own recipe, launched by name from <workdir>
     lines = recipe.read_text().splitlines()
     cwd = os.getcwd()
-    os.chdir(recipe.parent.parent.parent)
+    os.chdir(recipe.parent.parent)
     try:
         return lines, load_config([f"recipe={recipe.stem}"])
     finally:
@@ -479,7 +479,7 @@ def check_written(cfg: object, world: int, per_node: int, model: ModelSpec) -> N
 
 def test_written_recipe_composes_and_passes_check_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     name = f"planned_{uuid.uuid4().hex[:8]}"
-    recipe = tmp_path / "configs" / "recipe" / f"{name}.yaml"
+    recipe = tmp_path / "recipes" / f"{name}.yaml"
     report = run_json(capsys, [*LLAMA_1M, "--gpu", "h200", "--write-recipe", str(recipe)])
     lay = report["recommended"]["layout"]
     lines, cfg = load_written(recipe)
@@ -510,7 +510,7 @@ def test_written_recipe_for_a_model_directory_and_one_node(tmp_path: Path, capsy
     config |= {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192}
     (model_dir / "config.json").write_text(json.dumps(config))
     name = f"planned_{uuid.uuid4().hex[:8]}"
-    recipe = tmp_path / "configs" / "recipe" / f"{name}.yaml"
+    recipe = tmp_path / "recipes" / f"{name}.yaml"
     argv = ["--model", str(model_dir), "--seq-len", "8192", "--gpus-per-node", "4", "--gpu", "cpu"]
     report = run_json(capsys, [*argv, "--mesh", "1,1,2,2", "--activation-checkpointing", "full"])
     assert report["plans"][0]["layout"] == {"pp": 1, "dp": 1, "ring": 2, "ulysses": 2, "ac": "full", "ac_every": 2}
