@@ -408,6 +408,15 @@ def test_config_refuses_an_unknown_kernel_and_lists_the_choices() -> None:
     check_job(cfg, 1, **sizes)
 
 
+@pytest.mark.parametrize("attend", ["ring_attention", "ulysses_attention", "usp_attention"])
+def test_attention_functions_refuse_an_unknown_kernel_as_the_config_does(attend: str) -> None:
+    from lctrain import attention
+
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"^kernel='flash2' must be one of auto, cudnn, .* \(auto picks per device"):
+        getattr(attention, attend)(q, q, q, kernel="flash2")
+
+
 def test_patch_attention_logs_the_kernel_at_job_start(caplog) -> None:  # noqa: ANN001
     import logging
 
