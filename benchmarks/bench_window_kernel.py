@@ -19,7 +19,10 @@ import time
 
 import torch
 
-from lctrain.attention.kernels import TORCH_CPU_FLASH, band_tiles, bands, cpu_attend, cpu_attend_backward, visible_keys
+from lctrain.attention.kernels import bands
+from lctrain.attention.kernels.bands import band_tiles
+from lctrain.attention.kernels.base import visible_keys
+from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH, cpu_attend, cpu_attend_backward
 
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.kernels import (
-    KERNEL_CHOICES,
     AttentionKernel,
     accumulation_dtype,
+    check_kernel_choice,
     check_window,
     default_scale,
     resolve_kernel,
@@ -286,11 +286,6 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def check_kernel(kernel: str) -> None:
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"kernel={kernel!r} must be one of {KERNEL_CHOICES} (auto picks per device and case)")
-
-
 def check_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int) -> list[int] | None:
     """Validate document boundaries of a global sequence of ``seq_len`` tokens; return them as a list."""
     if cu_seqlens is None:
@@ -347,7 +342,7 @@ def ring_attention(
     check_qkv(q, k, v)
     check_layout(layout)
     check_window(window, causal)
-    check_kernel(kernel)
+    check_kernel_choice(kernel)
     rank, size = _group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"

@@ -209,7 +209,7 @@ def _group_documents(keys: tuple[BlockKey, ...]) -> tuple[Block, ...]:
     A run shares ``causal``. Causal squares (the documents of a chunk against themselves) may mix banded and
     unbanded documents: the run's band is that of its banded members (all the same) and cuts nothing in the
     others, which are at most ``window_left + 1`` long. Non-causal rectangles are grouped without a band only.
-    Every segment then needs the same flash-attn window (``kernels.varlen_window``). Runs of one stay as they are.
+    Every segment then needs the same flash-attn window (``kernels.flash.varlen_window``). Runs of one stay as they are.
     """
     blocks = [Block(slice(k[0], k[1]), slice(k[2], k[3]), k[4], k[5], k[6]) for k in keys]
     groups: list[list[Block]] = []

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import check_window
-from lctrain.attention.ring import check_cu_seqlens, check_kernel, check_qkv, ring_attention
+from lctrain.attention.kernels import check_kernel_choice, check_window
+from lctrain.attention.ring import check_cu_seqlens, check_qkv, ring_attention
 from lctrain.rules import check_ulysses_heads
 
 
@@ -112,7 +112,7 @@ def ulysses_attention(
     """
     check_qkv(q, k, v)
     check_window(window, causal)  # every check before any communication
-    check_kernel(kernel)
+    check_kernel_choice(kernel)
     size = dist.get_world_size(group) if group is not None else 1
     check_cu_seqlens(cu_seqlens, q.shape[1] * size)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import check_window
+from lctrain.attention.kernels import check_kernel_choice, check_window
 from lctrain.attention.layout import check_layout
-from lctrain.attention.ring import check_cu_seqlens, check_kernel, check_qkv, check_zigzag_piece, ring_attention
+from lctrain.attention.ring import check_cu_seqlens, check_qkv, check_zigzag_piece, ring_attention
 from lctrain.attention.ulysses import attend_head_sharded
 
 
@@ -46,7 +46,7 @@ def usp_attention(
     check_qkv(q, k, v)
     check_layout(layout)
     check_window(window, causal)
-    check_kernel(kernel)
+    check_kernel_choice(kernel)
     _check_orthogonal(ulysses_group, ring_group)
     # Every check runs before any communication, so a bad input fails on all ranks instead of hanging some.
     ulysses_size, ring_size = (dist.get_world_size(g) if g is not None else 1 for g in (ulysses_group, ring_group))

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any
 
-from lctrain.attention.kernels import KERNEL_CHOICES
+from lctrain.attention.kernels import check_kernel_choice
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
 from lctrain.models.families import check_family, check_model_features, model_source
 from lctrain.parallel.dims import ParallelDims
@@ -49,11 +49,7 @@ def check_job(
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
     check_layout(par.layout, setting="parallel.layout")
-    if par.attention_kernel not in KERNEL_CHOICES:
-        raise ValueError(
-            f"parallel.attention_kernel={par.attention_kernel!r} must be one of {', '.join(KERNEL_CHOICES)} "
-            f"(auto picks per device and case; a name is tried first: docs/parallelism.md, 'Attention kernels')"
-        )
+    check_kernel_choice(par.attention_kernel, setting="parallel.attention_kernel")
     if data.layout != par.layout:
         raise ValueError(
             f"data.layout={data.layout!r} differs from parallel.layout={par.layout!r}: the loader must shard rows "

@@ -12,18 +12,12 @@ the final (out, lse).
 import pytest
 import torch
 
-from lctrain.attention import kernels as kernel_module
 from lctrain.attention import ring_attention, ulysses_attention, usp_attention
-from lctrain.attention.kernels import (
-    KERNELS,
-    REFERENCE,
-    KernelCase,
-    detect_platform,
-    reference_attention,
-    resolve,
-    resolve_kernel,
-    segment_offsets,
-)
+from lctrain.attention.kernels import KERNELS, KernelCase, reference_attention, resolve, resolve_kernel
+from lctrain.attention.kernels.abilities import BANDED, DOCUMENTS, PLAIN
+from lctrain.attention.kernels.reference import REFERENCE
+from lctrain.attention.kernels.resolver import detect_platform
+from lctrain.attention.kernels.varlen import segment_offsets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -49,11 +43,11 @@ def runnable(need: str) -> list:
     if not torch.cuda.is_available():
         return []
     platform, case = detect_platform(CUDA), KernelCase(torch.bfloat16, 64, 8, 2)
-    return [k for name, k in KERNELS.items() if kernel_module.cannot(name, platform, case, need) is None]
+    return [k for k in KERNELS.values() if k.abilities.cannot(platform, case, need) is None]
 
 
 def cuda_kernels() -> list:
-    return runnable(kernel_module.PLAIN)
+    return runnable(PLAIN)
 
 
 @pytest.mark.parametrize("kernel", cuda_kernels(), ids=lambda k: k.name)
@@ -103,7 +97,7 @@ GROUPS = [  # (segments, causal, window_left)
 ]
 
 
-@pytest.mark.parametrize("kernel", runnable(kernel_module.DOCUMENTS), ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", runnable(DOCUMENTS), ids=lambda k: k.name)
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"{len(g[0])}docs-causal{g[1]}-band{g[2]}")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_varlen_kernel_equals_one_call_per_document(kernel, group: tuple, batch: int) -> None:  # noqa: ANN001
@@ -181,7 +175,7 @@ BANDS = [  # (q_len, k_len, q_heads, kv_heads, head_dim, causal, window_left): e
 ]
 
 
-@pytest.mark.parametrize("kernel", runnable(kernel_module.BANDED), ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", runnable(BANDED), ids=lambda k: k.name)
 @pytest.mark.parametrize("band", BANDS, ids=str)
 def test_cuda_kernel_applies_the_window_band(kernel, band: tuple) -> None:  # noqa: ANN001
     """flash-attn's window_size (flash-attn 2 and 3, PyTorch's flash kernels) and the reference's row tiles."""

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from lctrain.attention import kernels
-from lctrain.attention.kernels import REFERENCE, TORCH_CPU_FLASH, bands, reference_attention, resolve_kernel
+from lctrain.attention.kernels import bands, reference_attention, resolve_kernel
+from lctrain.attention.kernels.base import visible_keys
+from lctrain.attention.kernels.cudnn import CUDNN
+from lctrain.attention.kernels.flash import varlen_window
+from lctrain.attention.kernels.reference import REFERENCE
+from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH
+from lctrain.attention.kernels.torch_cuda import TORCH_CUDA_FLASH
+from lctrain.attention.kernels.varlen import looped_varlen, segment_offsets
 from lctrain.attention.merge import merge_block
 from tests import fake_attention_ops
 
@@ -123,7 +130,7 @@ def test_kernel_applies_the_window_band(kernel, band, tile_rows: int, dtype, ato
     """Banded blocks (kernels without a window split them in row tiles) against float64 masked math."""
     monkeypatch.setattr(bands, "BAND_TILE_ROWS", tile_rows)  # band_tiles looks it up in kernels.bands
     q_len, k_len, hq, hkv, dim, causal, window_left = band
-    assert len(kernels.band_tiles(q_len, k_len, causal=causal, window_left=window_left)) == -(-q_len // tile_rows)
+    assert len(bands.band_tiles(q_len, k_len, causal=causal, window_left=window_left)) == -(-q_len // tile_rows)
     q, k, v, dout = make(q_len, k_len, hq, hkv, dim, dtype)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE, window_left=window_left)
     expected, expected_lse, q64, k64, v64 = band_reference(q, k, v, causal, window_left)
@@ -138,9 +145,9 @@ def test_kernel_applies_the_window_band(kernel, band, tile_rows: int, dtype, ato
 
 def test_band_tiles_cover_only_the_keys_their_rows_see(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(bands, "BAND_TILE_ROWS", 4)
-    tiles = kernels.band_tiles(10, 10, causal=True, window_left=2)
+    tiles = bands.band_tiles(10, 10, causal=True, window_left=2)
     assert tiles == [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(2, 8)), (slice(8, 10), slice(6, 10))]
-    assert kernels.band_tiles(6, 9, causal=False, window_left=5)[1] == (slice(4, 6), slice(0, 9))
+    assert bands.band_tiles(6, 9, causal=False, window_left=5)[1] == (slice(4, 6), slice(0, 9))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ def test_band_tiles_cover_only_the_keys_their_rows_see(monkeypatch) -> None:  # 
 # ops written from their documented semantics (tests/fake_attention_ops.py); tests/gpu runs the real ops.
 # ---------------------------------------------------------------------------------------------------------------
 
-FAKED_CUDA_KERNELS = [kernels.TORCH_CUDA_FLASH, kernels.CUDNN]
+FAKED_CUDA_KERNELS = [TORCH_CUDA_FLASH, CUDNN]
 
 
 @pytest.mark.parametrize("kernel", FAKED_CUDA_KERNELS, ids=lambda k: k.name)
@@ -176,10 +183,8 @@ def test_torch_cuda_flash_window_through_fake_ops(band) -> None:  # noqa: ANN001
     q_len, k_len, hq, hkv, dim, causal, window_left = band
     q, k, v, dout = make(q_len, k_len, hq, hkv, dim, torch.float64)
     with fake_attention_ops.patched():
-        out, lse = kernels.TORCH_CUDA_FLASH.forward(q, k, v, causal=causal, scale=SCALE, window_left=window_left)
-        grads = kernels.TORCH_CUDA_FLASH.backward(
-            dout, q, k, v, out, lse, causal=causal, scale=SCALE, window_left=window_left
-        )
+        out, lse = TORCH_CUDA_FLASH.forward(q, k, v, causal=causal, scale=SCALE, window_left=window_left)
+        grads = TORCH_CUDA_FLASH.backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, window_left=window_left)
     expected, expected_lse, q64, k64, v64 = band_reference(q, k, v, causal, window_left)
     expected.backward(dout)
     torch.testing.assert_close(out, expected.detach(), atol=1e-10, rtol=0)
@@ -195,7 +200,7 @@ GROUPS = [  # (segments, causal, window_left): one varlen call; every segment is
 ]
 
 
-@pytest.mark.parametrize("kernel", [kernels.TORCH_CUDA_FLASH, kernels.looped_varlen(REFERENCE)], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [TORCH_CUDA_FLASH, looped_varlen(REFERENCE)], ids=lambda k: k.name)
 @pytest.mark.parametrize("group", GROUPS, ids=str)
 def test_varlen_group_equals_one_call_per_rectangle(kernel, group) -> None:  # noqa: ANN001
     segments, causal, window_left = group
@@ -205,9 +210,9 @@ def test_varlen_group_equals_one_call_per_rectangle(kernel, group) -> None:  # n
     with fake_attention_ops.patched() as calls:
         out, lse = kernel.varlen_forward(q, k, v, segments, **options)
         grads = kernel.varlen_backward(dout, q, k, v, out, lse, segments, **options)
-    if kernel is kernels.TORCH_CUDA_FLASH:
+    if kernel is TORCH_CUDA_FLASH:
         assert calls == {"_flash_attention_forward": 1, "_flash_attention_backward": 1}
-    rows, cols = kernels.segment_offsets(s[0] for s in segments), kernels.segment_offsets(s[1] for s in segments)
+    rows, cols = segment_offsets(s[0] for s in segments), segment_offsets(s[1] for s in segments)
     expected_grads = [torch.zeros_like(t) for t in (q, k, v)]
     for i in range(len(segments)):
         r, c = slice(rows[i], rows[i + 1]), slice(cols[i], cols[i + 1])
@@ -258,10 +263,10 @@ def _pairs(blocks, piece_len: int) -> torch.Tensor:  # noqa: ANN001
     count = torch.zeros(piece_len, piece_len, dtype=torch.int64)
     for block in blocks:
         parts = block.segments or ((block.rows.stop - block.rows.start, block.cols.stop - block.cols.start),)
-        rows, cols = kernels.segment_offsets(p[0] for p in parts), kernels.segment_offsets(p[1] for p in parts)
+        rows, cols = segment_offsets(p[0] for p in parts), segment_offsets(p[1] for p in parts)
         for i, (q_len, k_len) in enumerate(parts):
             band = block.window_left if block.window_left is not None and q_len - 1 > block.window_left else None
-            visible = kernels.visible_keys(q_len, k_len, causal=block.causal, window_left=band, device="cpu")
+            visible = visible_keys(q_len, k_len, causal=block.causal, window_left=band, device="cpu")
             visible = torch.ones(q_len, k_len, dtype=torch.bool) if visible is None else visible
             r0, c0 = block.rows.start + rows[i], block.cols.start + cols[i]
             count[r0 : r0 + q_len, c0 : c0 + k_len] += visible.long()
@@ -289,7 +294,7 @@ def test_group_documents_computes_the_same_pairs_in_fewer_calls(layout: str, win
                 assert torch.equal(_pairs(grouped, piece), _pairs(step.blocks, piece))
                 for block in grouped:
                     if block.segments is not None:
-                        kernels.varlen_window(block.segments, causal=block.causal, window_left=block.window_left)
+                        varlen_window(block.segments, causal=block.causal, window_left=block.window_left)
                 diagonal = [b for b in grouped if b.causal]
                 assert len(diagonal) <= (2 if layout == "zigzag" else 1)  # chunks of one rank's piece that meet
                 before, after = before + len(step.blocks), after + len(grouped)
@@ -375,7 +380,7 @@ def test_resolver_says_why_it_passed_a_kernel_over() -> None:
         (replace(H200, flash_attn3=True, capability=(8, 0)), "flash_attn3", "built for Hopper"),
         (H200, "torch_cpu_flash", "it runs on CPU only"),
         (replace(H200, capability=(7, 5)), "torch_cuda_flash", "compute capability 8.0 or newer"),
-        (H200, "flash", "is not one of"),
+        (H200, "flash", "must be one of"),
     ],
 )
 def test_a_named_kernel_that_cannot_run_is_refused(platform, choice: str, message: str) -> None:  # noqa: ANN001
@@ -401,6 +406,15 @@ def test_config_refuses_an_unknown_kernel_and_lists_the_choices() -> None:
     assert "parallel.attention_kernel='flash2' must be one of auto, cudnn, flash_attn3, flash_attn" in str(error.value)
     cfg.parallel.attention_kernel = "cudnn"  # valid here; whether it can run is decided on the device
     check_job(cfg, 1, **sizes)
+
+
+@pytest.mark.parametrize("attend", ["ring_attention", "ulysses_attention", "usp_attention"])
+def test_attention_functions_refuse_an_unknown_kernel_as_the_config_does(attend: str) -> None:
+    from lctrain import attention
+
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"^kernel='flash2' must be one of auto, cudnn, .* \(auto picks per device"):
+        getattr(attention, attend)(q, q, q, kernel="flash2")
 
 
 def test_patch_attention_logs_the_kernel_at_job_start(caplog) -> None:  # noqa: ANN001

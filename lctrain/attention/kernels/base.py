@@ -1,5 +1,6 @@
-"""The kernels' shared types and helpers: ``AttentionKernel``, the accumulation dtype, the default scale, the
-window check and the keys each query of a block sees, and the ``[B, S, H, D]`` <-> ``[B, H, S, D]`` view."""
+"""The kernels' shared type and helpers: ``AttentionKernel`` (the interface every kernel implements), the
+accumulation dtype, the default scale, the window check, the keys each query of a block sees, and the
+``[B, S, H, D]`` <-> ``[B, H, S, D]`` view."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lctrain.attention.kernels.abilities import Abilities
 
 KernelForward = Callable[..., tuple[Tensor, Tensor]]
 KernelBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
@@ -21,9 +24,27 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AttentionKernel:
-    """A blockwise attention kernel: a name, its forward/backward functions (signatures in the package doc), and
-    the dtype its forward computes in for a given input dtype (callers that keep tensors for the backward may keep
-    them in that dtype to save the kernel a conversion), and its varlen mode (None: none)."""
+    """A blockwise attention kernel that returns the log-sum-exp: a name, its functions, and what it can do.
+
+    ``forward(q, k, v, *, causal, scale, window_left=None) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, *, causal, scale, window_left=None) -> (dq, dk, dv)`` work on one (query
+    block, key block) pair. q, out, dout, dq ``[B, Sq, Hq, D]``; k, v, dk, dv ``[B, Sk, Hkv, D]`` with
+    ``Hq % Hkv == 0`` (GQA inside the kernel: K and V are never repeated by the caller); lse ``[B, Hq, Sq]`` in the
+    accumulation dtype. ``out`` and the gradients come back in the input dtype or the accumulation dtype (callers
+    accumulate in the latter and cast once). ``causal`` is top-left aligned and used on square (diagonal) blocks
+    only. ``window_left`` is a sliding window's band, top-left aligned as well: query row ``a`` sees key columns
+    ``b >= a - window_left`` (None: no such limit); every query row of a banded block sees at least one key (the
+    ring plan clips blocks to the rows and columns the window reaches). ``backward`` takes the *final* ``out`` and
+    ``lse`` of the whole row (after merging all key blocks), which makes each block's gradient exact on its own.
+
+    ``varlen_forward(q, k, v, segments, ...)`` and ``varlen_backward(dout, q, k, v, out, lse, segments, ...)``
+    (None: no varlen mode) take document groups: ``segments`` are the (query rows, key rows) of document
+    rectangles laid end to end (block-diagonal), each computed as its own block with the same ``causal`` and
+    ``window_left``, all in one call (``ring_blocks.group_documents`` builds such groups).
+
+    ``compute_dtype(input dtype)`` is the dtype ``forward`` computes in (callers that keep tensors for the backward
+    may keep them in it to save the kernel a conversion); ``abilities`` says which cases it can do.
+    """
 
     name: str
     forward: KernelForward
@@ -31,6 +52,7 @@ class AttentionKernel:
     compute_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
     varlen_forward: Callable[..., tuple[Tensor, Tensor]] | None = None
     varlen_backward: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+    abilities: Abilities = Abilities()
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -71,7 +93,7 @@ def visible_keys(
     """Which keys each query of a block sees, bool ``[q_len, k_len]``, or None when every query sees every key.
 
     Rows ``row_start + a`` and columns ``col_start + b`` of a block masked by ``causal`` and ``window_left``
-    (top-left aligned, as in the package doc): a tile of a block passes its offsets into the block.
+    (top-left aligned, as in ``AttentionKernel``): a tile of a block passes its offsets into the block.
     """
     last_row, last_col = row_start + q_len - 1, col_start + k_len - 1
     causal_cuts = causal and last_col > row_start

@@ -1,12 +1,15 @@
 """PyTorch's cuDNN attention (cuDNN 9, Hopper's fastest in torch: docs/benchmarks.md). [B, H, S, D] views of our
-[B, S, H, D] blocks, GQA natively, lse [B, H, S, 1] fp32; no window, and no varlen here (the resolver's
-``cannot`` says why)."""
+[B, S, H, D] blocks, GQA natively, lse [B, H, S, 1] fp32; no window, and no varlen here (its ``abilities`` say
+why)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
+from lctrain.attention.kernels.abilities import FUSED_CUDA, Platform
 from lctrain.attention.kernels.base import AttentionKernel, bhsd
 
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN 9's fused attention forward + backward: head_dim <= 128, a multiple of 8
@@ -56,4 +59,25 @@ def _cudnn_backward(
     return bhsd(dq, dk, dv)
 
 
-CUDNN = AttentionKernel("cudnn", _cudnn_forward, _cudnn_backward)
+def _cudnn9(platform: Platform) -> str | None:
+    if (platform.cudnn_version or 0) < 90000:
+        return f"it needs cuDNN 9 (torch has {platform.cudnn_version})"
+    return None
+
+
+def _no_window(platform: Platform) -> str:
+    return "PyTorch's cuDNN op takes no sliding window"
+
+
+def _no_ragged_mode(platform: Platform) -> str:
+    return "its ragged (varlen) mode is not used: torch's own varlen_attn keeps it off"
+
+
+CUDNN = AttentionKernel(
+    "cudnn",
+    _cudnn_forward,
+    _cudnn_backward,
+    abilities=replace(
+        FUSED_CUDA, max_head_dim=CUDNN_MAX_HEAD_DIM, available=_cudnn9, banded=_no_window, documents=_no_ragged_mode
+    ),
+)

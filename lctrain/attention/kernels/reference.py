@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lctrain.attention.kernels.bands import tiled_backward, tiled_forward
+from lctrain.attention.kernels.bands import with_row_tiles
 from lctrain.attention.kernels.base import (
     AttentionKernel,
     accumulation_dtype,
@@ -84,33 +84,19 @@ def _math_backward(
     return dq.transpose(1, 2), fold_groups(dk), fold_groups(dv)
 
 
-def _reference_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window_left: int | None = None
-) -> tuple[Tensor, Tensor]:
-    if window_left is not None:  # row tiles keep the scores of a wide banded block small
-        return tiled_forward(q, k, v, causal=causal, window_left=window_left, scale=scale, attend=_math_forward)
-    visible = visible_keys(q.shape[1], k.shape[1], causal=causal, window_left=window_left, device=q.device)
+def _reference_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    visible = visible_keys(q.shape[1], k.shape[1], causal=causal, window_left=None, device=q.device)
     return _math_forward(q, k, v, visible, scale)
 
 
 def _reference_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    window_left: int | None = None,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if window_left is not None:
-        return tiled_backward(
-            dout, q, k, v, out, lse, causal=causal, window_left=window_left, scale=scale, attend_backward=_math_backward
-        )
-    visible = visible_keys(q.shape[1], k.shape[1], causal=causal, window_left=window_left, device=q.device)
+    visible = visible_keys(q.shape[1], k.shape[1], causal=causal, window_left=None, device=q.device)
     return _math_backward(dout, q, k, v, out, lse, visible, scale)
 
 
-REFERENCE = AttentionKernel("reference", _reference_forward, _reference_backward)
+# row tiles keep the scores of a wide banded block small
+REFERENCE = with_row_tiles(
+    AttentionKernel("reference", _reference_forward, _reference_backward), _math_forward, _math_backward
+)

@@ -1,4 +1,4 @@
-"""The resolver: per device and case, the first kernel of an order that can do the case."""
+"""The resolver: per device and case, the first kernel of an order whose ``abilities`` say it can do the case."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lctrain.attention.kernels.abilities import BANDED, DOCUMENTS, PLAIN, KernelCase, Platform
 from lctrain.attention.kernels.base import AttentionKernel
-from lctrain.attention.kernels.cudnn import CUDNN, CUDNN_MAX_HEAD_DIM
-from lctrain.attention.kernels.flash_attn2 import FLASH_ATTN, FLASH_ATTN_VARLEN_MIN
+from lctrain.attention.kernels.cudnn import CUDNN
+from lctrain.attention.kernels.flash_attn2 import FLASH_ATTN
 from lctrain.attention.kernels.flash_attn3 import FLASH_ATTN3
 from lctrain.attention.kernels.reference import REFERENCE
 from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH
@@ -20,25 +21,22 @@ from lctrain.attention.kernels.torch_cuda import TORCH_CUDA_FLASH, torch_flash_h
 
 KERNELS = {k.name: k for k in (CUDNN, FLASH_ATTN3, FLASH_ATTN, TORCH_CUDA_FLASH, TORCH_CPU_FLASH, REFERENCE)}
 KERNEL_CHOICES = ("auto", *KERNELS)
-# auto's order on CUDA. cuDNN first: measured 1.64x (head_dim 64) and 1.92x (128) faster than PyTorch's flash
-# kernels on an H200 (causal fwd+bwd, S=16K, bf16; docs/benchmarks.md). flash-attn 3 and 2 were not measured
-# here (no machine had them); they come next where cuDNN cannot do a case (windows, document groups, head_dim >
-# 128), flash-attn 3 ahead of 2 as its authors report for Hopper, then PyTorch's own flash kernels, the reference.
-CUDA_ORDER = ("cudnn", "flash_attn3", "flash_attn", "torch_cuda_flash", "reference")
-CPU_ORDER = ("torch_cpu_flash", "reference")
+# auto's order per device type (others: the reference). On CUDA cuDNN first, the fastest measured; flash-attn 3
+# and 2 take what it cannot do (windows, document groups, head_dim > 128), then PyTorch's own flash kernels
+# (docs/parallelism.md, "Attention kernels", says why, with the measurements in docs/benchmarks.md).
+ORDERS = {
+    "cuda": ("cudnn", "flash_attn3", "flash_attn", "torch_cuda_flash", "reference"),
+    "cpu": ("torch_cpu_flash", "reference"),
+}
 
 
-@dataclass(frozen=True)
-class Platform:
-    """What the resolver needs to know about a device: its type and, on CUDA, what is installed and what the GPU
-    and torch can do. ``detect_platform`` fills it in; tests pass made-up ones."""
-
-    device_type: str
-    capability: tuple[int, int] | None = None  # CUDA compute capability, e.g. (9, 0) for Hopper
-    cudnn_version: int | None = None  # torch.backends.cudnn.version(), e.g. 91900; None: no cuDNN
-    flash_attn_version: tuple[int, ...] | None = None  # the flash_attn (2) package's version; None: not installed
-    flash_attn3: bool = False  # flash_attn_interface (flash-attn 3) importable
-    torch_flash_window: bool = True  # aten._flash_attention_forward takes window_size_left/right
+def check_kernel_choice(choice: str, *, setting: str = "kernel") -> None:
+    """``choice`` is ``auto`` or a kernel name; ``setting`` is how the caller's user spells it."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(
+            f"{setting}={choice!r} must be one of {', '.join(KERNEL_CHOICES)} (auto picks per device and case; a "
+            f"name is tried first: docs/parallelism.md, 'Attention kernels')"
+        )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -73,64 +71,6 @@ def detect_platform(device: torch.device) -> Platform:
         flash_attn3=importlib.util.find_spec("flash_attn_interface") is not None,
         torch_flash_window=torch_flash_has_window(),
     )
-
-
-@dataclass(frozen=True)
-class KernelCase:
-    """What a kernel must handle: the blocks' dtype and heads (GQA when ``kv_heads < q_heads``)."""
-
-    dtype: torch.dtype
-    head_dim: int
-    q_heads: int
-    kv_heads: int
-
-
-PLAIN, BANDED, DOCUMENTS = "plain blocks", "banded blocks", "document groups"
-
-
-def _unavailable(name: str, platform: Platform) -> str | None:
-    """Why kernel ``name`` cannot run on ``platform`` at all (a setting that names it is refused), or None."""
-    if name == "reference":
-        return None
-    if name == "torch_cpu_flash":
-        return None if platform.device_type == "cpu" else f"it runs on CPU only, not {platform.device_type}"
-    if platform.device_type != "cuda":
-        return f"it needs a CUDA GPU, not {platform.device_type}"
-    if platform.capability is None or platform.capability < (8, 0):
-        return f"it needs compute capability 8.0 or newer (this GPU has {platform.capability})"
-    if name == "cudnn" and (platform.cudnn_version or 0) < 90000:
-        return f"it needs cuDNN 9 (torch has {platform.cudnn_version})"
-    if name == "flash_attn" and platform.flash_attn_version is None:
-        return "flash_attn is not installed (pip install 'lctrain[cuda]')"
-    if name == "flash_attn3":
-        if not platform.flash_attn3:
-            return "flash_attn_interface (flash-attn 3, built from flash-attention's hopper/) is not installed"
-        if platform.capability[0] != 9:
-            return f"flash-attn 3 is built for Hopper (compute capability 9.x), not {platform.capability}"
-    return None
-
-
-def cannot(name: str, platform: Platform, case: KernelCase, need: str) -> str | None:
-    """Why kernel ``name`` cannot compute ``need`` blocks of ``case`` on ``platform``, or None if it can."""
-    reason = _unavailable(name, platform)
-    if reason is not None or name == "reference":
-        return reason
-    if name == "torch_cpu_flash":
-        return None if case.dtype.is_floating_point else f"{case.dtype} is not a float dtype"
-    if case.dtype not in (torch.float16, torch.bfloat16):
-        return f"it computes fp16/bf16 only, not {case.dtype}"
-    max_dim = CUDNN_MAX_HEAD_DIM if name == "cudnn" else 256
-    if case.head_dim % 8 or case.head_dim > max_dim:
-        return f"head_dim {case.head_dim} is not a multiple of 8 up to {max_dim}"
-    if name == "cudnn" and need == BANDED:
-        return "PyTorch's cuDNN op takes no sliding window"
-    if name == "cudnn" and need == DOCUMENTS:
-        return "its ragged (varlen) mode is not used: torch's own varlen_attn keeps it off"
-    if name == "torch_cuda_flash" and need in (BANDED, DOCUMENTS) and not platform.torch_flash_window:
-        return "this torch's aten._flash_attention_forward takes no window"
-    if name == "flash_attn" and need == DOCUMENTS and platform.flash_attn_version < FLASH_ATTN_VARLEN_MIN:
-        return "flash-attn < 2.6 returns a padded varlen lse"
-    return None
 
 
 @dataclass(frozen=True)
@@ -203,30 +143,27 @@ def resolve(
 ) -> Resolution:
     """Pick the kernel of each kind of block for ``case`` on ``device``.
 
-    ``choice="auto"``: the first kernel of the device's order (``CUDA_ORDER``, ``CPU_ORDER``) that can do the
-    kind of block. A kernel name puts that kernel first; where it cannot do a kind of block (a window, document
+    ``choice="auto"``: the first kernel of the device's order (``ORDERS``) that can do the kind of block (its
+    ``abilities``). A kernel name puts that kernel first; where it cannot do a kind of block (a window, document
     groups, a head_dim, a dtype) the auto order takes over for that kind, and the reason is noted. A name that
     cannot run on this device at all (another device type, not installed) raises ``ValueError``.
     """
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"attention kernel {choice!r} is not one of {KERNEL_CHOICES}")
+    check_kernel_choice(choice, setting="parallel.attention_kernel")
     platform = platform or detect_platform(device)
+    order = ORDERS.get(platform.device_type, ("reference",))
     if choice != "auto":
-        reason = _unavailable(choice, platform)
+        reason = KERNELS[choice].abilities.unavailable(platform)
         if reason is not None:
             raise ValueError(
                 f"parallel.attention_kernel={choice} cannot run on this {platform.device_type} device: {reason}; "
                 f"use auto (picks per device and case) or one of {KERNEL_CHOICES[1:]}"
             )
-    order = CPU_ORDER if platform.device_type == "cpu" else CUDA_ORDER if platform.device_type == "cuda" else ()
-    order = (*order, "reference") if "reference" not in order else order
-    if choice != "auto":
         order = (choice, *(name for name in order if name != choice))
     notes = []
 
     def pick(need: str) -> AttentionKernel | None:
         for name in order:
-            reason = cannot(name, platform, case, need)
+            reason = KERNELS[name].abilities.cannot(platform, case, need)
             if reason is None:
                 if need == DOCUMENTS and KERNELS[name].varlen_forward is None:
                     return None  # the first kernel that can has no varlen mode: one call per rectangle

@@ -1,20 +1,18 @@
 """PyTorch's CPU flash op. It takes [B, H, S, D]; blocks are copied into that layout, contiguous, in the compute
-dtype (one copy, the cast the op needs anyway): on a zigzag ring's blocks at S = 8K and 16K the op runs up to
-14 % faster on contiguous inputs than on transposed views of [B, S, H, D] (docs/benchmarks.md, "CPU ring")."""
+dtype: one copy, the cast the op needs anyway, and faster than transposed views (docs/benchmarks.md, "CPU ring").
+Banded blocks run in masked row tiles (``bands``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lctrain.attention.kernels.bands import tiled_backward, tiled_forward
+from lctrain.attention.kernels.abilities import FLOAT_DTYPES, Abilities
+from lctrain.attention.kernels.bands import with_row_tiles
 from lctrain.attention.kernels.base import AttentionKernel, bhsd
 
-# The CPU op's compute dtype for half-precision blocks, per pass, chosen by measurement (benchmarks/
-# bench_attention.py --only kernel; docs/benchmarks.md, "CPU ring"): on the development machine (Xeon, AVX-512
-# without bf16 instructions) the bf16 forward took 0.92-1.49x the fp32 time on a zigzag ring's blocks at S = 8K
-# and 16K (no consistent gain, and its output is rounded) and the bf16 backward 3.1-4.2x. Re-measure on a CPU
-# with native bf16 (AMX) before changing them.
+# The CPU op's compute dtype for half-precision blocks, per pass: fp32, measured faster than bf16 (or no slower)
+# on a CPU without bf16 instructions (docs/benchmarks.md, "CPU ring", with the command to re-measure).
 CPU_FORWARD_DTYPE = torch.float32
 CPU_BACKWARD_DTYPE = torch.float32
 
@@ -59,11 +57,7 @@ def cpu_attend_backward(
     return bhsd(dq, dk, dv)
 
 
-def _cpu_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window_left: int | None = None
-) -> tuple[Tensor, Tensor]:
-    if window_left is not None:
-        return tiled_forward(q, k, v, causal=causal, window_left=window_left, scale=scale, attend=cpu_attend)
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         *_cpu_operands(q, k, v, pass_dtype=CPU_FORWARD_DTYPE), 0.0, causal, scale=scale
     )
@@ -71,34 +65,22 @@ def _cpu_forward(
 
 
 def _cpu_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    window_left: int | None = None,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if window_left is not None:
-        return tiled_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            causal=causal,
-            window_left=window_left,
-            scale=scale,
-            attend_backward=cpu_attend_backward,
-        )
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         *_cpu_operands(dout, q, k, v, out, pass_dtype=CPU_BACKWARD_DTYPE), lse.contiguous(), 0.0, causal, scale=scale
     )
     return bhsd(dq, dk, dv)
 
 
-TORCH_CPU_FLASH = AttentionKernel("torch_cpu_flash", _cpu_forward, _cpu_backward, _cpu_compute_dtype)
+TORCH_CPU_FLASH = with_row_tiles(
+    AttentionKernel(
+        "torch_cpu_flash",
+        _cpu_forward,
+        _cpu_backward,
+        _cpu_compute_dtype,
+        abilities=Abilities("cpu", dtypes=FLOAT_DTYPES),
+    ),
+    cpu_attend,
+    cpu_attend_backward,
+)
