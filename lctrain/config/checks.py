@@ -11,7 +11,7 @@ from typing import Any
 
 from lctrain.attention.kernels import KERNEL_CHOICES
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
-from lctrain.models.families import check_family, check_model_features, model_source
+from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
 from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import (
     check_activation_offload,
@@ -21,8 +21,6 @@ from lctrain.rules import (
     check_ulysses_heads,
     ulysses_inside_nodes,
 )
-
-ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 logger = logging.getLogger("lctrain")
 
@@ -164,8 +162,8 @@ def check_rope(cfg: JobConfig, max_position_embeddings: int | None, rope_type: s
     differently."""
     scaling = cfg.model.rope_scaling
     if scaling.type is not None:
-        if scaling.type not in ROPE_TYPES:
-            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_TYPES} (or null)")
+        if scaling.type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_SCALING_TYPES} (or null)")
         if scaling.factor < 1:
             raise ValueError(
                 f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the "
