@@ -102,7 +102,7 @@ class PackedLoader:
     Each batch is a dict:
 
     - ``input_ids``, ``labels``, ``position_ids``: ``[B, S / (R·U)]`` int64, this (ring, ulysses) rank's part of
-      each row (``shard_sequence`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
+      each row (``place.shard`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
 
     Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. ``place`` is

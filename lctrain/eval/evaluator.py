@@ -4,8 +4,9 @@ hidden states or logits.
 
 Order of work per sequence (``S`` tokens, this rank's part ``S / (R·U)``):
 
-1. ``input_ids``, ``labels``, ``position_ids`` (and the global token index) go through ``shard_sequence`` on the
-   global sequence, exactly as the packed loader shards training rows (labels shifted before sharding).
+1. ``input_ids``, ``labels``, ``position_ids`` (and the global token index) are cut by the rank's
+   ``SequencePlace`` on the global sequence, exactly as the packed loader shards training rows (labels shifted
+   before sharding).
 2. ``model(...)`` with ``logits_to_keep`` empty; a hook keeps the final hidden states ``[1, S/(R·U), H]``.
 3. Logits ``hidden @ lm_head.T`` in fp32 at this rank's labelled positions only (the root FSDP module keeps the
    LM head gathered after its forward, as in training).
