@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lctrain.attention import SequencePlace
 from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir
 from lctrain.data.packing import IGNORE_INDEX
 
@@ -80,7 +81,8 @@ def main() -> None:
     skipped = sum(1 for _ in DocumentSource().texts(0))  # what a resume at the end of an epoch re-reads
     skip_seconds = time.perf_counter() - start
 
-    loader = PackedLoader(DataConfig(seq_len=args.seq_len), ring_size=args.ring, ulysses_size=args.ulysses)
+    place = SequencePlace(ring_size=args.ring, ulysses_size=args.ulysses)
+    loader = PackedLoader(DataConfig(seq_len=args.seq_len), place=place)
     batches = iter(loader)
     first = next(batches)  # opens the stream
     rows = -(-args.tokens // args.seq_len)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
+from lctrain.attention import SequencePlace, unshard_sequence, usp_attention
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,18 +59,13 @@ def main() -> None:
     if args.ring * args.ulysses != world:
         raise SystemExit(f"--ring {args.ring} x --ulysses {args.ulysses} must equal the number of processes ({world})")
     mesh = init_device_mesh(device.type, (args.ring, args.ulysses), mesh_dim_names=("ring", "ulysses"))
-    ring_rank, ulysses_rank = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+    place = SequencePlace.from_mesh(mesh, layout="zigzag")
     dtype = getattr(torch, args.dtype)
 
     gen = torch.Generator().manual_seed(0)
     heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
     full = [torch.randn(1, args.seq_len, h, args.head_dim, generator=gen).to(device, dtype) for h in heads]
-    local = [
-        shard_sequence(
-            t, dim=1, ring_rank=ring_rank, ring_size=args.ring, ulysses_rank=ulysses_rank, ulysses_size=args.ulysses
-        )
-        for t in full
-    ]
+    local = [place.shard(t, dim=1) for t in full]
 
     def distributed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return usp_attention(q, k, v, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"))

@@ -1,8 +1,8 @@
 """Building a job's model, the one way ``train`` and ``eval`` both use.
 
 ``prepare_model`` needs no process group: the tokenizer, the transformers config (after the ``model.*`` settings),
-every check of the job against that model, and where the weights come from. ``build_mesh`` and ``build_model``
-then put the model on the job's mesh, applying parallelism in one fixed order:
+every check of the job against that model, and where the weights come from. ``build_model`` then puts the model
+on the job's mesh (``ParallelDims.build_mesh``), applying parallelism in one fixed order:
 
     empty model (meta) -> USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (training)
     -> FSDP over dp_cp (parameters in host memory with parallel.cpu_offload) -> weights, one full tensor at a time
@@ -30,7 +30,7 @@ from lctrain.models import (
 from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import PipelineStageModule, StageLoss, apply_pipeline, merge_stages
 from lctrain.runtime import resolve_dtype
@@ -76,12 +76,6 @@ class BuiltModel:
     model: nn.Module
     stages: list[PipelineStageModule]  # this rank's pipeline stages, in order; [] when pp = 1
     num_params: int  # of the whole model (tied weights once)
-
-
-def build_mesh(cfg: JobConfig, device: torch.device) -> DeviceMesh:
-    """The job's 4D mesh (pp, dp, ring, ulysses) with the flattened ``cp`` and ``dp_cp`` sub-meshes."""
-    par = cfg.parallel
-    return ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).build_mesh(device.type)
 
 
 def build_model(

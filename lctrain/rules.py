@@ -60,10 +60,22 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses: int, *, sett
         )
 
 
-def ulysses_inside_nodes(ulysses: int, world_size: int, local_world_size: int) -> bool:
-    """Whether every Ulysses group (``ulysses`` adjacent ranks) lies inside one node of ``local_world_size``
-    consecutive ranks (launchers number a node's ranks consecutively)."""
-    return local_world_size == world_size or local_world_size % ulysses == 0
+def groups_inside_nodes(group_size: int, ranks_per_node: int) -> bool:
+    """Whether every group of ``group_size`` consecutive ranks (a Ulysses group, the context-parallel ranks, the FSDP
+    ranks: the mesh's inner axes) lies inside one node of ``ranks_per_node`` consecutive ranks (launchers number a
+    node's ranks consecutively)."""
+    return ranks_per_node % group_size == 0
+
+
+def check_ulysses_inside_nodes(ulysses: int, ranks_per_node: int, *, ranks: str = "processes") -> None:
+    """A Ulysses group's all-to-all runs in every attention layer: its ``ulysses`` adjacent ranks must share a node
+    of ``ranks_per_node`` (``ranks`` names them in the message: processes, GPUs)."""
+    if not groups_inside_nodes(ulysses, ranks_per_node):
+        raise ValueError(
+            f"parallel.ulysses={ulysses} does not divide the {ranks_per_node} {ranks} per node, so a Ulysses group "
+            f"spans two nodes and its all-to-all crosses the inter-node network: choose a ulysses degree that "
+            f"divides {ranks_per_node} and move the rest to parallel.ring (or set parallel.ulysses_across_nodes=warn)"
+        )
 
 
 def check_activation_offload(offload: bool, checkpointing: str) -> None:

@@ -1,8 +1,15 @@
 """Exact distributed attention: ring, Ulysses and hybrid USP over blockwise (out, lse) kernels."""
 
-from lctrain.attention.layout import shard_sequence, unshard_sequence
+from lctrain.attention.layout import SequencePlace, shard_sequence, unshard_sequence
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import ulysses_attention
 from lctrain.attention.usp import usp_attention
 
-__all__ = ["ring_attention", "shard_sequence", "ulysses_attention", "unshard_sequence", "usp_attention"]
+__all__ = [
+    "SequencePlace",
+    "ring_attention",
+    "shard_sequence",
+    "ulysses_attention",
+    "unshard_sequence",
+    "usp_attention",
+]

@@ -7,25 +7,69 @@ R = 2, U = 2 (zigzag), tokens 0..15 land as:
 
     ring 0: chunks 0, 3 -> [0 1 2 3 | 12 13 14 15] -> ulysses 0: [0 1 2 3], ulysses 1: [12 13 14 15]
     ring 1: chunks 1, 2 -> [4 5 6 7 |  8  9 10 11] -> ulysses 0: [4 5 6 7], ulysses 1: [ 8  9 10 11]
+
+A rank's ``SequencePlace`` (its ring and Ulysses ranks and sizes, and the layout; ``SequencePlace.from_mesh`` on
+the job's mesh) cuts its part of any sequence; ``shard_sequence`` does the same from keywords.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lctrain.rules import check_layout, check_sequence_length
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def _check_sizes(ring_rank: int, ring_size: int, ulysses_rank: int, ulysses_size: int) -> None:
-    if ring_size < 1 or ulysses_size < 1:
-        raise ValueError(f"ring_size={ring_size} and ulysses_size={ulysses_size} must both be >= 1")
-    if not 0 <= ring_rank < ring_size:
-        raise ValueError(f"ring_rank={ring_rank} is outside [0, ring_size={ring_size})")
-    if not 0 <= ulysses_rank < ulysses_size:
-        raise ValueError(f"ulysses_rank={ulysses_rank} is outside [0, ulysses_size={ulysses_size})")
+
+@dataclass(frozen=True)
+class SequencePlace:
+    """A rank's place in a sequence: ring rank ``ring_rank`` of ``ring_size``, Ulysses rank ``ulysses_rank`` of
+    ``ulysses_size``, and the layout the sequence is cut by (the defaults: one rank, the whole sequence). Checked
+    when made."""
+
+    ring_rank: int = 0
+    ring_size: int = 1
+    ulysses_rank: int = 0
+    ulysses_size: int = 1
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if self.ring_size < 1 or self.ulysses_size < 1:
+            raise ValueError(f"ring_size={self.ring_size} and ulysses_size={self.ulysses_size} must both be >= 1")
+        if not 0 <= self.ring_rank < self.ring_size:
+            raise ValueError(f"ring_rank={self.ring_rank} is outside [0, ring_size={self.ring_size})")
+        if not 0 <= self.ulysses_rank < self.ulysses_size:
+            raise ValueError(f"ulysses_rank={self.ulysses_rank} is outside [0, ulysses_size={self.ulysses_size})")
+        check_layout(self.layout)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, layout: str) -> SequencePlace:
+        """This rank's place on a mesh with ``ring`` and ``ulysses`` dims (``ParallelDims.build_mesh``)."""
+        ring, ulysses = mesh["ring"], mesh["ulysses"]
+        return cls(ring.get_local_rank(), ring.size(), ulysses.get_local_rank(), ulysses.size(), layout)
+
+    def shard(self, x: Tensor, *, dim: int) -> Tensor:
+        """This rank's part of ``x`` along ``dim``: ``S`` -> ``S / (R·U)`` elements, in the order of the layout."""
+        length, ring = x.shape[dim], self.ring_size
+        check_sequence_length(
+            length, layout=self.layout, ring=ring, ulysses=self.ulysses_size, setting=f"sequence length (dim {dim})"
+        )
+        if self.layout == "zigzag":
+            chunk = length // (2 * ring)
+            head = x.narrow(dim, self.ring_rank * chunk, chunk)
+            tail = x.narrow(dim, (2 * ring - 1 - self.ring_rank) * chunk, chunk)
+            piece = torch.cat([head, tail], dim=dim)
+        else:
+            piece_length = length // ring
+            piece = x.narrow(dim, self.ring_rank * piece_length, piece_length)
+        part = piece.shape[dim] // self.ulysses_size
+        return piece.narrow(dim, self.ulysses_rank * part, part)
 
 
 def shard_sequence(
@@ -38,22 +82,9 @@ def shard_sequence(
     ulysses_size: int = 1,
     layout: str = "zigzag",
 ) -> Tensor:
-    """This rank's part of ``x`` along ``dim``: ``S`` -> ``S / (R·U)`` elements, in the order of the layout."""
-    _check_sizes(ring_rank, ring_size, ulysses_rank, ulysses_size)
-    length = x.shape[dim]
-    check_sequence_length(
-        length, layout=layout, ring=ring_size, ulysses=ulysses_size, setting=f"sequence length (dim {dim})"
-    )
-    if layout == "zigzag":
-        chunk = length // (2 * ring_size)
-        head = x.narrow(dim, ring_rank * chunk, chunk)
-        tail = x.narrow(dim, (2 * ring_size - 1 - ring_rank) * chunk, chunk)
-        piece = torch.cat([head, tail], dim=dim)
-    else:
-        piece_length = length // ring_size
-        piece = x.narrow(dim, ring_rank * piece_length, piece_length)
-    part = piece.shape[dim] // ulysses_size
-    return piece.narrow(dim, ulysses_rank * part, part)
+    """This rank's part of ``x`` along ``dim``: ``S`` -> ``S / (R·U)`` elements, in the order of the layout
+    (``SequencePlace(ring_rank, ring_size, ulysses_rank, ulysses_size, layout).shard(x, dim=dim)``)."""
+    return SequencePlace(ring_rank, ring_size, ulysses_rank, ulysses_size, layout).shard(x, dim=dim)
 
 
 def unshard_sequence(

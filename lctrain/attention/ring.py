@@ -40,9 +40,9 @@ from lctrain.attention.kernels import (
     default_scale,
     resolve_kernel,
 )
-from lctrain.attention.layout import check_layout
 from lctrain.attention.merge import merge_block
 from lctrain.attention.ring_blocks import Block, Step, group_documents, plan_ring
+from lctrain.rules import check_layout, check_ulysses_heads
 
 
 def _group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -316,6 +316,32 @@ def check_zigzag_piece(piece_len: int, ring_size: int, layout: str) -> None:
         )
 
 
+def check_attention_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    layout: str,
+    window: int | None,
+    cu_seqlens: Tensor | None,
+    ring_size: int,
+    ulysses_size: int = 1,
+) -> list[int] | None:
+    """Every input check of an attention function, run once on entry (before any communication, so a bad input
+    fails on all ranks instead of hanging some): q, k, v (``check_qkv``), the layout, the window, the heads over
+    ``ulysses_size`` ranks, a zigzag piece of two equal chunks, and the document bounds of the global row of
+    ``S_local · ulysses_size · ring_size`` tokens, which it returns as a list (None without ``cu_seqlens``)."""
+    check_qkv(q, k, v)
+    check_layout(layout)
+    check_window(window, causal)
+    if ulysses_size > 1:
+        check_ulysses_heads(q.shape[2], k.shape[2], ulysses_size, setting="Ulysses group size")
+    piece_len = q.shape[1] * ulysses_size  # a ring rank's piece, as the ring sees it after the all-to-all
+    check_zigzag_piece(piece_len, ring_size, layout)
+    return check_cu_seqlens(cu_seqlens, piece_len * ring_size)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -339,16 +365,36 @@ def ring_attention(
     its document; ``window >= S`` is the same as no window. ``kernel``: ``"auto"`` or a kernel name
     (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block.
     """
-    check_qkv(q, k, v)
-    check_layout(layout)
-    check_window(window, causal)
+    size = _group_coordinates(group)[1]
+    bounds = check_attention_inputs(
+        q, k, v, causal=causal, layout=layout, window=window, cu_seqlens=cu_seqlens, ring_size=size
+    )
     check_kernel_choice(kernel)
+    return attend_ring(
+        q, k, v, group, causal=causal, layout=layout, scale=scale, bounds=bounds, window=window, kernel=kernel
+    )
+
+
+def attend_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    causal: bool,
+    layout: str,
+    scale: float | None,
+    bounds: list[int] | None,
+    window: int | None,
+    kernel: str,
+) -> Tensor:
+    """``ring_attention`` on inputs already checked (``check_attention_inputs``; ``bounds`` is what it returned):
+    the step for the attention functions that run the ring inside their own (``ulysses_attention``,
+    ``usp_attention``)."""
     rank, size = _group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"
     seq_len = q.shape[1] * size
-    bounds = check_cu_seqlens(cu_seqlens, seq_len)
-    check_zigzag_piece(q.shape[1], size, layout)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     plan = plan_ring(
         rank,

@@ -7,15 +7,15 @@ differentiable: the backward of one is the other.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import check_kernel_choice, check_window
-from lctrain.attention.ring import check_cu_seqlens, check_qkv, ring_attention
-from lctrain.rules import check_ulysses_heads
+from lctrain.attention.kernels import check_kernel_choice
+from lctrain.attention.ring import attend_ring, check_attention_inputs
 
 
 def _all_to_all(send: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -80,11 +80,11 @@ def attend_head_sharded(
 
     q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]``; ``attend`` sees ``[B, S, Hq/U, D]`` and
     ``[B, S, max(Hkv/U, 1), D]``. KV heads are replicated ``U / Hkv`` times when ``U > Hkv``, never expanded to Hq.
+    The heads have been checked against the group (``check_attention_inputs``).
     """
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return attend(q, k, v)
-    check_ulysses_heads(q.shape[2], k.shape[2], size, setting="Ulysses group size")
     if k.shape[2] < size:  # rank u needs KV head u // (U / Hkv)
         k = k.repeat_interleave(size // k.shape[2], dim=2)
         v = v.repeat_interleave(size // v.shape[2], dim=2)
@@ -110,24 +110,28 @@ def ulysses_attention(
     ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``. ``cu_seqlens``, ``window`` and
     ``kernel`` as in ``ring_attention``.
     """
-    check_qkv(q, k, v)
-    check_window(window, causal)  # every check before any communication
-    check_kernel_choice(kernel)
     size = dist.get_world_size(group) if group is not None else 1
-    check_cu_seqlens(cu_seqlens, q.shape[1] * size)
+    bounds = check_attention_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        layout="contiguous",
+        window=window,
+        cu_seqlens=cu_seqlens,
+        ring_size=1,
+        ulysses_size=size,
+    )
+    check_kernel_choice(kernel)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(
-            q,
-            k,
-            v,
-            None,
-            causal=causal,
-            layout="contiguous",
-            scale=scale,
-            cu_seqlens=cu_seqlens,
-            window=window,
-            kernel=kernel,
-        )
-
+    attend = functools.partial(
+        attend_ring,
+        group=None,
+        causal=causal,
+        layout="contiguous",
+        scale=scale,
+        bounds=bounds,
+        window=window,
+        kernel=kernel,
+    )
     return attend_head_sharded(q, k, v, group, attend)

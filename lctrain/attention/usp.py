@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import check_kernel_choice, check_window
-from lctrain.attention.layout import check_layout
-from lctrain.attention.ring import check_cu_seqlens, check_qkv, check_zigzag_piece, ring_attention
+from lctrain.attention.kernels import check_kernel_choice
+from lctrain.attention.ring import attend_ring, check_attention_inputs
 from lctrain.attention.ulysses import attend_head_sharded
 
 
@@ -43,28 +44,29 @@ def usp_attention(
     over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding. ``cu_seqlens``,
     ``window`` and ``kernel`` as in ``ring_attention``.
     """
-    check_qkv(q, k, v)
-    check_layout(layout)
-    check_window(window, causal)
-    check_kernel_choice(kernel)
-    _check_orthogonal(ulysses_group, ring_group)
-    # Every check runs before any communication, so a bad input fails on all ranks instead of hanging some.
     ulysses_size, ring_size = (dist.get_world_size(g) if g is not None else 1 for g in (ulysses_group, ring_group))
-    check_zigzag_piece(q.shape[1] * ulysses_size, ring_size, layout)
-    check_cu_seqlens(cu_seqlens, q.shape[1] * ulysses_size * ring_size)
+    bounds = check_attention_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        layout=layout,
+        window=window,
+        cu_seqlens=cu_seqlens,
+        ring_size=ring_size,
+        ulysses_size=ulysses_size,
+    )
+    check_kernel_choice(kernel)
+    _check_orthogonal(ulysses_group, ring_group)  # like every check, before any communication
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(
-            q,
-            k,
-            v,
-            ring_group,
-            causal=causal,
-            layout=layout,
-            scale=scale,
-            cu_seqlens=cu_seqlens,
-            window=window,
-            kernel=kernel,
-        )
-
+    attend = functools.partial(
+        attend_ring,
+        group=ring_group,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        bounds=bounds,
+        window=window,
+        kernel=kernel,
+    )
     return attend_head_sharded(q, k, v, ulysses_group, attend)

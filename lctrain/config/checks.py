@@ -11,18 +11,9 @@ from typing import Any
 
 from lctrain.attention.kernels import check_kernel_choice
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
-from lctrain.models.families import check_family, check_model_features, model_source
+from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
 from lctrain.parallel.dims import ParallelDims
-from lctrain.rules import (
-    check_activation_offload,
-    check_layout,
-    check_pipeline,
-    check_sequence_length,
-    check_ulysses_heads,
-    ulysses_inside_nodes,
-)
-
-ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
 
 logger = logging.getLogger("lctrain")
 
@@ -48,27 +39,24 @@ def check_job(
     every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
-    check_layout(par.layout, setting="parallel.layout")
+    dims = ParallelDims.from_config(par)  # degrees >= 1, a known layout
     check_kernel_choice(par.attention_kernel, setting="parallel.attention_kernel")
     if data.layout != par.layout:
         raise ValueError(
             f"data.layout={data.layout!r} differs from parallel.layout={par.layout!r}: the loader must shard rows "
             f"as attention expects them; leave data.layout unset (it follows parallel.layout)"
         )
-    ParallelDims(pp=par.pp, dp=par.dp, ring=par.ring, ulysses=par.ulysses).check(world_size)
-    check_ulysses_heads(num_heads, num_kv_heads, par.ulysses)
-    check_sequence_length(data.seq_len, layout=par.layout, ring=par.ring, ulysses=par.ulysses)
+    dims.check_world_size(world_size)
+    check_ulysses_heads(num_heads, num_kv_heads, dims.ulysses)
+    dims.check_sequence_length(data.seq_len)
     if par.ulysses_across_nodes not in ("error", "warn"):
         raise ValueError(f"parallel.ulysses_across_nodes={par.ulysses_across_nodes!r} must be error or warn")
-    if not ulysses_inside_nodes(par.ulysses, world_size, local_world_size or world_size):
-        message = (
-            f"parallel.ulysses={par.ulysses} does not divide the {local_world_size} processes per node, so a Ulysses "
-            f"group spans two nodes and its all-to-all crosses the inter-node network: choose a ulysses degree that "
-            f"divides {local_world_size} and move the rest to parallel.ring (or set parallel.ulysses_across_nodes=warn)"
-        )
+    try:
+        dims.check_ulysses_inside_nodes(local_world_size or world_size)
+    except ValueError as error:
         if par.ulysses_across_nodes == "error":
-            raise ValueError(message)
-        logger.warning(message)
+            raise
+        logger.warning("%s", error)
     if par.pp > 1:
         check_pipeline(
             par.pp,
@@ -79,7 +67,7 @@ def check_job(
             data.batch_size * train.grad_accum,
             tied_embeddings=tied_embeddings,
         )
-    check_rope(cfg, max_position_embeddings, rope_type)
+    check_rope(cfg, dims.cp, max_position_embeddings, rope_type)
     if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(
             f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "
@@ -154,14 +142,14 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     )
 
 
-def check_rope(cfg: JobConfig, max_position_embeddings: int | None, rope_type: str | None = None) -> None:
+def check_rope(cfg: JobConfig, cp: int, max_position_embeddings: int | None, rope_type: str | None = None) -> None:
     """The RoPE scaling settings: a type transformers supports for Llama, its required fields, and no dynamic
-    scaling (set here, or the checkpoint's own ``rope_type``) that context-parallel ranks would compute
+    scaling (set here, or the checkpoint's own ``rope_type``) that the ``cp`` context-parallel ranks would compute
     differently."""
     scaling = cfg.model.rope_scaling
     if scaling.type is not None:
-        if scaling.type not in ROPE_TYPES:
-            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_TYPES} (or null)")
+        if scaling.type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_SCALING_TYPES} (or null)")
         if scaling.factor < 1:
             raise ValueError(
                 f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the "
@@ -172,7 +160,6 @@ def check_rope(cfg: JobConfig, max_position_embeddings: int | None, rope_type: s
                 f"model.rope_scaling.type={scaling.type} needs model.rope_scaling.original_max_position_embeddings: "
                 f"set it to the context the checkpoint was trained at (e.g. 8192)"
             )
-    cp = cfg.parallel.ring * cfg.parallel.ulysses
     dynamic = scaling.type == "dynamic" or (scaling.type is None and rope_type == "dynamic")
     if dynamic and cp > 1 and (max_position_embeddings or 0) < cfg.data.seq_len:
         setting = "model.rope_scaling.type=dynamic" if scaling.type else f"{cfg.model.path}'s RoPE type dynamic"

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from lctrain.attention import shard_sequence
+from lctrain.attention import SequencePlace
 from lctrain.data.packing import PackedRow, Packer
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import load_tokenizer, tokenize_documents
@@ -102,11 +102,12 @@ class PackedLoader:
     Each batch is a dict:
 
     - ``input_ids``, ``labels``, ``position_ids``: ``[B, S / (R·U)]`` int64, this (ring, ulysses) rank's part of
-      each row (``shard_sequence`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
+      each row (``place.shard`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
 
-    Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. Rank
-    coordinates are plain ints: no process group is needed.
+    Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. ``place`` is
+    the rank's part of each row (``SequencePlace``; None = whole rows, cut by ``config.layout``). Rank coordinates
+    are plain values: no process group is needed.
     """
 
     def __init__(
@@ -115,28 +116,23 @@ class PackedLoader:
         *,
         dp_rank: int = 0,
         dp_size: int = 1,
-        ring_rank: int = 0,
-        ring_size: int = 1,
-        ulysses_rank: int = 0,
-        ulysses_size: int = 1,
+        place: SequencePlace | None = None,
     ):
-        for name, rank, size in (
-            ("dp", dp_rank, dp_size),
-            ("ring", ring_rank, ring_size),
-            ("ulysses", ulysses_rank, ulysses_size),
-        ):
-            if not 0 <= rank < size:
-                raise ValueError(f"{name}_rank={rank} is outside [0, {name}_size={size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        place = SequencePlace(layout=config.layout) if place is None else place
+        if place.layout != config.layout:
+            raise ValueError(
+                f"layout={config.layout!r} differs from the place's layout={place.layout!r}: rows must be cut as "
+                f"attention expects them; give both the same layout"
+            )
         check_sequence_length(
-            config.seq_len, layout=config.layout, ring=ring_size, ulysses=ulysses_size, setting="seq_len"
+            config.seq_len, layout=place.layout, ring=place.ring_size, ulysses=place.ulysses_size, setting="seq_len"
         )
         if config.batch_size < 1:
             raise ValueError(f"batch_size={config.batch_size} must be >= 1")
         self.config = config
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self._coords = dict(
-            ring_rank=ring_rank, ring_size=ring_size, ulysses_rank=ulysses_rank, ulysses_size=ulysses_size
-        )
+        self.dp_rank, self.dp_size, self.place = dp_rank, dp_size, place
         self.tokenizer = load_tokenizer(config.tokenizer)
         self._source = DocumentSource(
             paths=config.paths,
@@ -172,7 +168,7 @@ class PackedLoader:
         for key in ("input_ids", "labels", "position_ids"):
             full = torch.stack([getattr(row, key) for row in rows])  # [B, S]
             # [B, S] -> [B, S/(R·U)]
-            batch[key] = shard_sequence(full, dim=1, layout=self.config.layout, **self._coords).contiguous()
+            batch[key] = self.place.shard(full, dim=1).contiguous()
         batch["cu_seqlens"] = [row.cu_seqlens for row in rows]
         return batch
 

@@ -4,8 +4,9 @@ hidden states or logits.
 
 Order of work per sequence (``S`` tokens, this rank's part ``S / (R·U)``):
 
-1. ``input_ids``, ``labels``, ``position_ids`` (and the global token index) go through ``shard_sequence`` on the
-   global sequence, exactly as the packed loader shards training rows (labels shifted before sharding).
+1. ``input_ids``, ``labels``, ``position_ids`` (and the global token index) are cut by the rank's
+   ``SequencePlace`` on the global sequence, exactly as the packed loader shards training rows (labels shifted
+   before sharding).
 2. ``model(...)`` with ``logits_to_keep`` empty; a hook keeps the final hidden states ``[1, S/(R·U), H]``.
 3. Logits ``hidden @ lm_head.T`` in fp32 at this rank's labelled positions only (the root FSDP module keeps the
    LM head gathered after its forward, as in training).
@@ -30,15 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention import shard_sequence
-from lctrain.build import PreparedModel, build_mesh, build_model, prepare_model, tokenizer_path
+from lctrain.attention import SequencePlace
+from lctrain.build import PreparedModel, build_model, prepare_model, tokenizer_path
 from lctrain.config import JobConfig
 from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import flat_mesh
-from lctrain.rules import check_sequence_length
+from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.runtime import resolve_device
 from lctrain.train.loss import chunked_cross_entropy
 
@@ -50,13 +50,13 @@ TASKS = ("passkey", "perplexity")
 def check_eval(cfg: JobConfig) -> None:
     """One clear error for a bad ``eval.*`` setting: known tasks, lengths the mesh can shard whole, depths in
     [0, 1], positive counts."""
-    ev, par = cfg.eval, cfg.parallel
+    ev, dims = cfg.eval, ParallelDims.from_config(cfg.parallel)
     unknown = [task for task in ev.tasks if task not in TASKS]
     if unknown or not ev.tasks:
         raise ValueError(f"eval.tasks={ev.tasks} must be a non-empty list of {TASKS}")
     for name, lengths in (("eval.lengths", ev.lengths), ("eval.perplexity_lengths", ev.perplexity_lengths)):
         for length in lengths:
-            check_sequence_length(length, layout=par.layout, ring=par.ring, ulysses=par.ulysses, setting=name)
+            dims.check_sequence_length(length, setting=name)
     if "passkey" in ev.tasks and (not ev.lengths or not ev.depths):
         raise ValueError(f"eval.lengths={ev.lengths} and eval.depths={ev.depths} must not be empty for passkey")
     if any(not 0.0 <= depth <= 1.0 for depth in ev.depths):
@@ -92,7 +92,6 @@ class Evaluator:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        par = cfg.parallel
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg.train.device)
 
@@ -108,34 +107,27 @@ class Evaluator:
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
 
         # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.mesh = build_mesh(cfg, self.device)
+        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
-        self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), par.dp
-        self.coords = dict(
-            ring_rank=self.mesh.get_local_rank("ring"),
-            ring_size=par.ring,
-            ulysses_rank=self.mesh.get_local_rank("ulysses"),
-            ulysses_size=par.ulysses,
-            layout=par.layout,
-        )
+        self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
 
         # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
         self.model = build_model(cfg, prepared, self.mesh, self.device, training=False).model
         self.final_hidden_states = FinalHiddenStates(self.model)
         logger.info(
-            "eval %s on mesh dp=%d ring=%d ulysses=%d (%s), device %s: %s",
+            "eval %s on mesh %s (%s), device %s: %s",
             cfg.model.path,
-            par.dp,
-            par.ring,
-            par.ulysses,
-            par.layout,
+            self.dims,
+            self.dims.layout,
             self.device,
             ", ".join(cfg.eval.tasks),
         )
 
     def shard(self, x: Tensor) -> Tensor:
         """This rank's part of ``[1, S]`` (the layout of training)."""
-        return shard_sequence(x, dim=1, **self.coords)
+        return self.place.shard(x, dim=1)
 
     @torch.no_grad()
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -230,8 +222,7 @@ class Evaluator:
         rows = self.cfg.eval.perplexity_rows
         for length in perplexity_lengths(self.cfg.eval):
             data = replace(self.cfg.data, seq_len=length, batch_size=1, truncate=True, tokenizer=self.tokenizer_path)
-            coords = {key: value for key, value in self.coords.items() if key != "layout"}
-            loader = iter(PackedLoader(data, dp_rank=0, dp_size=1, **coords))
+            loader = iter(PackedLoader(data, dp_rank=0, dp_size=1, place=self.place))
             totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed NLL, predicted tokens
             batches = [next(loader) for _ in range(rows)]
             for index, keep in self._my_items(rows):

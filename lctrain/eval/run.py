@@ -32,11 +32,11 @@ def evaluate(cfg: JobConfig) -> dict[str, Any]:
     """Run ``eval.tasks`` on an initialized default process group; rank 0 writes the files. Every rank returns the
     same ``{"passkey": [cells], "perplexity": [lengths]}`` (a task not run is absent)."""
     evaluator = Evaluator(cfg)
-    par = cfg.parallel
+    dims = evaluator.dims
     meta = {
         "model": cfg.model.path,
         "tokenizer": evaluator.tokenizer_path,
-        "mesh": {"dp": par.dp, "ring": par.ring, "ulysses": par.ulysses, "layout": par.layout},
+        "mesh": {"dp": dims.dp, "ring": dims.ring, "ulysses": dims.ulysses, "layout": dims.layout},
         "eval": dataclasses.asdict(cfg.eval),
     }
     results: dict[str, Any] = {}
@@ -47,7 +47,7 @@ def evaluate(cfg: JobConfig) -> dict[str, Any]:
         results["passkey"] = evaluator.passkey()
         if dist.get_rank() == 0:
             write_json(directory / "passkey.json", {**meta, "cells": results["passkey"]})
-            mesh = f"dp {par.dp} × ring {par.ring} × ulysses {par.ulysses}"
+            mesh = f"dp {dims.dp} × ring {dims.ring} × ulysses {dims.ulysses}"
             plot_passkey(results["passkey"], directory / "passkey.png", f"passkey: {cfg.model.path} ({mesh})")
             logger.info("passkey accuracy:\n%s", passkey_table(results["passkey"]))
     if "perplexity" in cfg.eval.tasks:

@@ -1,5 +1,7 @@
-"""Hugging Face Llama-style models: build empty, load weights shard by shard, export; USP attention patching."""
+"""Hugging Face Llama-style models: the ``model`` config section, build empty, load weights shard by shard, export; USP
+attention patching."""
 
+from lctrain.models.config import ModelConfig, RopeScalingConfig
 from lctrain.models.hf import (
     build_empty_model,
     export_hf,
@@ -12,6 +14,8 @@ from lctrain.models.hf import (
 from lctrain.models.patch import patch_attention
 
 __all__ = [
+    "ModelConfig",
+    "RopeScalingConfig",
     "build_empty_model",
     "export_hf",
     "materialize",

@@ -27,10 +27,11 @@ from typing import Any
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # how each family's attention module gets its sliding window: never, the config's on every layer, per layer_types
 WINDOWS = {"llama": "none", "mistral": "model", "qwen2": "layers", "qwen3": "layers"}
-# RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py); the others
-# (longrope: short or long factors by the longest position in the batch, which differs between context-parallel
-# ranks; proportional) are refused
+# RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
+# own, or the scaling model.rope_scaling.type sets (any but default); the others (longrope: short or long factors by
+# the longest position in the batch, which differs between context-parallel ranks; proportional) are refused
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_SCALING_TYPES = ROPE_TYPES[1:]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _MOE = (

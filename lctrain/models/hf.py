@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from lctrain.config.schema import ModelConfig
+from lctrain.models.config import ModelConfig
 from lctrain.models.families import (
     apply_sliding_window,
     check_family,

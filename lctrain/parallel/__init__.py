@@ -1,2 +1,3 @@
-"""Process groups and meshes: local spawning of CPU groups for tests and benchmarks (the mesh builder, FSDP and
-pipeline functions arrive with the trainer)."""
+"""Parallelism, applied by functions to an unmodified model: the job's parallel layout and its mesh (``dims``:
+``ParallelDims``), pipeline stages and their schedule (``pipeline``), activation checkpointing and offload
+(``activation_checkpointing``), FSDP2 over ``dp_cp`` (``fsdp``)."""

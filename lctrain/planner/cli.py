@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if chosen is None:
             print("no layout fits: --all shows why (try more GPUs, activation checkpointing or a shorter seq_len)")
         else:
-            print(f"recommended: {chosen.layout.mesh()}, activation_checkpointing={chosen.layout.ac_label()}")
+            print(f"recommended: {chosen.layout}, activation_checkpointing={chosen.layout.ac_label()}")
             if not chosen.ring.hidden:
                 print("warning: its ring communication is not hidden behind attention (no feasible layout hides it)")
     if args.write_recipe:

@@ -95,7 +95,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     the gathered parameters' margin).
     """
     e = work.dtype_bytes
-    tokens = work.seq_len // (layout.ring * layout.ulysses)  # local tokens of one row on one GPU
+    tokens = work.seq_len // layout.cp  # local tokens of one row on one GPU
     chunked = work.mlp_chunk_tokens > 0
     full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked)
     kept_input = 0 if (work.offload and work.device == "cuda") else model.hidden * e  # a checkpointed layer's input
@@ -106,7 +106,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
         first, last = index == 0, index == layout.pp - 1
         root = (model.embed_params if first else 0) + ((model.head_params + h) if last else 0)
         stage_params = len(layers) * layer + root
-        live_states = stage_params * (STATE_BYTES - FP32) / layout.shard  # fp32 weights, AdamW exp_avg, exp_avg_sq
+        live_states = stage_params * (STATE_BYTES - FP32) / layout.dp_cp  # fp32 weights, AdamW exp_avg, exp_avg_sq
         if layout.pp == 1:  # layers resharded after forward: the current and the prefetched one are gathered
             gathered_fwd = root * e + 2 * layer * e
             gathered_bwd = gathered_fwd + layer * (e + cast)  # + a layer's unsharded gradient
@@ -140,7 +140,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
             head_grad = vocab * h * (FP32 + (e if e != FP32 else 0))
             loss_fwd = max(logits + vocab * h * FP32, head_grad) + 2 * tokens * h * e
             loss_bwd = vocab * h * e  # the head's unsharded gradient, until the root's reduce-scatter
-        states = stage_params * STATE_BYTES / layout.shard
+        states = stage_params * STATE_BYTES / layout.dp_cp
         if work.cpu_offload and work.device == "cuda":  # sharded states and the optimizer step in host memory
             live_states = states = 0
         phases = {

@@ -1,11 +1,14 @@
 """The planner's inputs: a model's sizes (``ModelSpec``, named presets or a Hugging Face ``config.json``), the hardware
-(``Hardware``), what one step runs (``Workload``) and a candidate layout (``Layout``)."""
+(``Hardware``), what one step runs (``Workload``) and a candidate layout (``Layout``: ``ParallelDims`` and its
+activation checkpointing)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from lctrain.parallel.dims import ParallelDims
 
 GIB = 2**30
 FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accumulators and logits
@@ -196,29 +199,18 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A mesh (its degrees multiply to the world size) and the activation checkpointing that goes with it."""
+class Layout(ParallelDims):
+    """A mesh (``ParallelDims``: its degrees multiply to the world size) and the activation checkpointing that goes
+    with it."""
 
-    pp: int
-    dp: int
-    ring: int
-    ulysses: int
     ac: str = "none"  # parallel.activation_checkpointing: none, selective or full
     ac_every: int = 2  # parallel.ac_every (selective)
-
-    @property
-    def shard(self) -> int:
-        """The FSDP mesh dp × ring × ulysses (parameters are sharded over it)."""
-        return self.dp * self.ring * self.ulysses
 
     def checkpointed(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) is checkpointed (``apply_activation_checkpointing``)."""
         if self.ac == "none":
             return False
         return layer % (1 if self.ac == "full" else self.ac_every) == 0
-
-    def mesh(self) -> str:
-        return f"pp={self.pp} dp={self.dp} ring={self.ring} ulysses={self.ulysses}"
 
     def ac_label(self) -> str:
         return f"selective/{self.ac_every}" if self.ac == "selective" else self.ac

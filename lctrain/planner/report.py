@@ -118,10 +118,7 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
     lines += [
         "",
         "parallel:",
-        f"  pp: {lay.pp}",
-        f"  dp: {lay.dp}",
-        f"  ring: {lay.ring}",
-        f"  ulysses: {lay.ulysses}",
+        *(f"  {axis}: {degree}" for axis, degree in lay.degrees().items()),
         f"  activation_checkpointing: {lay.ac}",
     ]
     if lay.ac == "selective":

@@ -8,13 +8,7 @@ from dataclasses import asdict, dataclass, field
 from lctrain.planner.memory import MemoryEstimate, estimate_memory
 from lctrain.planner.presets import GIB, Hardware, Layout, ModelSpec, Workload
 from lctrain.planner.timing import RingStep, StepTime, ring_step, step_time
-from lctrain.rules import (
-    check_activation_offload,
-    check_pipeline,
-    check_sequence_length,
-    check_ulysses_heads,
-    ulysses_inside_nodes,
-)
+from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
 
 NEAR_BEST = 0.03  # layouts within this fraction of the best estimated throughput count as equally fast
 # activation checkpointing tried by --activation-checkpointing auto, least recomputation first: (mode, ac_every)
@@ -22,24 +16,18 @@ AUTO_AC = (("none", 1), ("selective", 4), ("selective", 2), ("full", 1))
 
 
 def layout_problems(model: ModelSpec, layout: Layout, work: Workload) -> list[str]:
-    """Why lctrain would refuse this layout: the rules ``check_job`` applies (``lctrain.rules``), with the default
-    zigzag layout and 1F1B schedule; empty if it runs. Memory is judged separately."""
-    world = work.world
-    local = work.gpus_per_node if work.nodes > 1 else world
+    """Why lctrain would refuse this layout: the rules ``check_job`` applies (``lctrain.rules``), with the layout's
+    sequence layout (zigzag by default) and the 1F1B schedule; empty if it runs. Memory is judged separately."""
     checks = [
+        lambda: layout.check_ulysses_inside_nodes(work.gpus_per_node, ranks="GPUs"),
         lambda: check_ulysses_heads(model.heads, model.kv_heads, layout.ulysses),
-        lambda: check_sequence_length(work.seq_len, layout="zigzag", ring=layout.ring, ulysses=layout.ulysses),
+        lambda: layout.check_sequence_length(work.seq_len),
         lambda: check_activation_offload(work.offload, layout.ac),
     ]
     if layout.pp > 1:
         pipeline = (layout.pp, "1F1B", 1, (), model.layers, work.batch)
         checks.append(lambda: check_pipeline(*pipeline, tied_embeddings=model.tied))
     problems = []
-    if not ulysses_inside_nodes(layout.ulysses, world, local):
-        problems.append(
-            f"parallel.ulysses={layout.ulysses} does not divide the {local} GPUs per node: a Ulysses group would "
-            f"span nodes"
-        )
     for check in checks:
         try:
             check()
@@ -64,8 +52,9 @@ class Plan:
         ring = {**asdict(self.ring), "hidden": self.ring.hidden}
         time = {**asdict(self.time), "total_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s}
         time["mfu"] = self.time.mfu
+        layout = {**self.layout.degrees(), "ac": self.layout.ac, "ac_every": self.layout.ac_every}
         return {
-            "layout": asdict(self.layout),
+            "layout": layout,
             "feasible": self.feasible,
             "problems": self.problems,
             "memory_gib": self.memory.gib(),

@@ -7,14 +7,9 @@ from dataclasses import dataclass
 from lctrain.flops import flops_per_token
 from lctrain.planner.memory import kv_width
 from lctrain.planner.presets import FP32, Hardware, Layout, ModelSpec, Workload
-from lctrain.rules import stage_layers
+from lctrain.rules import groups_inside_nodes, stage_layers
 
 BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
-
-
-def _inside_nodes(group_size: int, gpus_per_node: int) -> bool:
-    """Whether every group of ``group_size`` consecutive ranks lies inside one node."""
-    return group_size <= gpus_per_node and gpus_per_node % group_size == 0
 
 
 @dataclass
@@ -45,7 +40,7 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
     piece = work.seq_len // ring
     if ring == 1:
         return RingStep("none", piece, 0.0, 0.0, 0.0, 0.0, 0.0)
-    inside = _inside_nodes(ring * ulysses, work.gpus_per_node)
+    inside = groups_inside_nodes(layout.cp, work.gpus_per_node)
     link = "intra" if inside else "inter"
     bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
     rate = flops_rate(hw, work)
@@ -96,11 +91,10 @@ class StepTime:
 
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ring: RingStep) -> StepTime:
     e, rows = work.dtype_bytes, work.batch
-    cp = layout.ring * layout.ulysses
     layers = max(len(r) for r in stage_layers(model.layers, layout.pp))
     recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
     per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len, model.windows)
-    model_flops = rows * work.seq_len * per_token / (layout.pp * cp)
+    model_flops = rows * work.seq_len * per_token / (layout.pp * layout.cp)
     compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
     ring_exposed = 0.0
     if layout.ring > 1:
@@ -109,16 +103,16 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
         ring_exposed = rows * layers * (layout.ring - 1) * (fwd + bwd)
     ulysses = 0.0
     if layout.ulysses > 1:
-        tokens = work.seq_len // cp
+        tokens = work.seq_len // layout.cp
         moved = (layout.ulysses - 1) / layout.ulysses
         per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
         ulysses = rows * layers * per_layer * (2 + recomputed) / (hw.intra_gbps * 1e9 * work.link_efficiency)
     fsdp_exposed = 0.0
-    if layout.shard > 1:
+    if layout.dp_cp > 1:
         stage_params = model.num_params / layout.pp
         gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
-        volume = stage_params * (gathers * e + FP32) * (layout.shard - 1) / layout.shard
-        inside = _inside_nodes(layout.shard, work.gpus_per_node)
+        volume = stage_params * (gathers * e + FP32) * (layout.dp_cp - 1) / layout.dp_cp
+        inside = groups_inside_nodes(layout.dp_cp, work.gpus_per_node)
         bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
         fsdp_exposed = max(0.0, volume / bandwidth - compute)
     busy = compute + ring_exposed + ulysses

@@ -1,1 +1,3 @@
-"""Training: the loop (trainer.py), loss, optimizer and schedule, DCP checkpoints and metrics."""
+"""Training: the loop (``trainer``: ``Trainer``, the ``train`` command), the chunked loss (``loss``), AdamW, the
+schedule and clipping (``optim``), metrics (``metrics``) and progressive stages (``stages``). Checkpoints are
+``lctrain.checkpoint``'s."""

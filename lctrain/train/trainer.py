@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from tqdm import tqdm
 
-from lctrain.build import build_mesh, build_model, prepare_model, tokenizer_path
+from lctrain.attention import SequencePlace
+from lctrain.build import build_model, prepare_model, tokenizer_path
 from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
 from lctrain.data import IGNORE_INDEX, PackedLoader
@@ -28,7 +29,7 @@ from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import flat_mesh
+from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.loss import chunked_cross_entropy
@@ -56,20 +57,19 @@ class Trainer:
 
         # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
         par = cfg.parallel
-        self.mesh = build_mesh(cfg, self.device)
+        self.dims = ParallelDims.from_config(par)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)  # this rank's (ring, ulysses) part
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
-        self.pp_group = self.mesh.get_group("pp") if par.pp > 1 else None
+        self.pp_group = self.mesh.get_group("pp") if self.dims.pp > 1 else None
         torch.manual_seed(cfg.train.seed)
 
-        # 3. data: this rank's dp shard of the rows, cut to its (ring, ulysses) part
+        # 3. data: this rank's dp shard of the rows, cut to its place
         self.loader = PackedLoader(
             dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)),
             dp_rank=self.mesh.get_local_rank("dp"),
-            dp_size=par.dp,
-            ring_rank=self.mesh.get_local_rank("ring"),
-            ring_size=par.ring,
-            ulysses_rank=self.mesh.get_local_rank("ulysses"),
-            ulysses_size=par.ulysses,
+            dp_size=self.dims.dp,
+            place=self.place,
         )
 
         # 4. model (lctrain.build). With pp > 1 the schedule runs this rank's stage modules, and self.model is their
@@ -108,13 +108,10 @@ class Trainer:
         )
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(
-            "model %s: %.2fM parameters, mesh pp=%d dp=%d ring=%d ulysses=%d, seq_len %d, device %s",
+            "model %s: %.2fM parameters, mesh %s, seq_len %d, device %s",
             config.model_type,
             num_params / 1e6,
-            par.pp,
-            par.dp,
-            par.ring,
-            par.ulysses,
+            self.dims,
             cfg.data.seq_len,
             self.device,
         )
@@ -128,10 +125,6 @@ class Trainer:
         # gathered); the schedule still passes each micro-batch's target, unused here
         return loss_sum / self._valid_tokens
 
-    def _mesh_degrees(self) -> dict[str, int]:
-        par = self.cfg.parallel
-        return {"pp": par.pp, "dp": par.dp, "ring": par.ring, "ulysses": par.ulysses}
-
     def _resume(self) -> None:
         """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another
         mesh with the same ``dp`` (pp, ring and ulysses may change), weights and optimizer state are resharded and
@@ -142,7 +135,7 @@ class Trainer:
         path = self.checkpointer.latest() if resume == "auto" else Path(resume)
         if path is None:
             return
-        saved, mesh = self.checkpointer.read_extra(path, 0)["mesh"], self._mesh_degrees()
+        saved, mesh = self.checkpointer.read_extra(path, 0)["mesh"], self.dims.degrees()
         if saved == mesh:
             source_rank = self.rank
         elif saved["dp"] == mesh["dp"]:
@@ -166,7 +159,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         extra = {
             "step": self.step,
-            "mesh": self._mesh_degrees(),
+            "mesh": self.dims.degrees(),
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "rng": torch.get_rng_state(),
@@ -262,7 +255,7 @@ class Trainer:
         """Run to ``train.steps``; returns the losses of the steps run here."""
         cfg = self.cfg
         batches: Iterator[Batch] = iter(self.loader)
-        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * cfg.parallel.dp
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp
         bar = tqdm(
             total=cfg.train.steps,
             initial=self.step,
@@ -305,7 +298,7 @@ class Trainer:
                 self.run_dir / "hf",
                 tokenizer=self.tokenizer,
                 part=self.mesh.get_local_rank("pp"),
-                num_parts=cfg.parallel.pp,
+                num_parts=self.dims.pp,
             )
             logger.info("Hugging Face model written to %s", self.run_dir / "hf")
         self.metrics.close()

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lctrain.attention import shard_sequence, unshard_sequence
+from lctrain.attention import unshard_sequence
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import random_init_source
@@ -117,15 +117,8 @@ def fixed_input(vocab_size: int) -> torch.Tensor:
 
 def sharded_logits(trainer: Any) -> torch.Tensor:
     """The sharded lctrain model's logits on ``fixed_input``, gathered: ``[1, S, V]``."""
-    ring, ulysses = trainer.cfg.parallel.ring, trainer.cfg.parallel.ulysses
-    shard = functools.partial(
-        shard_sequence,
-        dim=1,
-        ring_rank=trainer.mesh.get_local_rank("ring"),
-        ring_size=ring,
-        ulysses_rank=trainer.mesh.get_local_rank("ulysses"),
-        ulysses_size=ulysses,
-    )
+    ring, ulysses = trainer.dims.ring, trainer.dims.ulysses
+    shard = functools.partial(trainer.place.shard, dim=1)
     input_ids = fixed_input(trainer.hf_config.vocab_size)
     with torch.no_grad():
         logits = trainer.model(

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lctrain.attention import shard_sequence
+from lctrain.attention import SequencePlace
 from lctrain.models import patch_attention
 from lctrain.models.families import layer_windows
 from lctrain.parallel.dims import ParallelDims, flat_mesh
@@ -101,13 +101,7 @@ def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str,
     model = build_model(family)
     patch_attention(model, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"))
     input_ids, position_ids, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
-    coords = dict(
-        ring_rank=mesh.get_local_rank("ring"),
-        ring_size=ring,
-        ulysses_rank=mesh.get_local_rank("ulysses"),
-        ulysses_size=ulysses,
-    )
-    shard = functools.partial(shard_sequence, dim=1, **coords)
+    shard = functools.partial(SequencePlace.from_mesh(mesh, dims.layout).shard, dim=1)
     hidden = model.model(
         input_ids=shard(input_ids),
         position_ids=shard(position_ids),

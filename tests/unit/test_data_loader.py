@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import lctrain
-from lctrain.attention import unshard_sequence
+from lctrain.attention import SequencePlace, unshard_sequence
 from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir, load_tokenizer
 from lctrain.data.packing import IGNORE_INDEX
 from lctrain.data.sources import read_text_files, stdlib_files
 
-COORDS = ("dp_rank", "dp_size", "ring_rank", "ring_size", "ulysses_rank", "ulysses_size")
+PLACE = ("ring_rank", "ring_size", "ulysses_rank", "ulysses_size")
 WORDS = "alpha beta gamma delta def return class import lambda yield while 0 1 42 (x) [y] {z} + - * / ==".split()
 
 
@@ -45,8 +45,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[st
 
 
 def make_loader(corpus, tokenizer_dir, **kwargs) -> PackedLoader:
-    coords = {k: kwargs.pop(k) for k in COORDS if k in kwargs}
-    return PackedLoader(DataConfig(paths=corpus[0], tokenizer=str(tokenizer_dir), **kwargs), **coords)
+    """A loader of ``corpus``: ``dp_rank``/``dp_size`` and the place's ranks and sizes are taken from ``kwargs``, the
+    rest is its ``DataConfig``."""
+    dp = {k: kwargs.pop(k) for k in ("dp_rank", "dp_size") if k in kwargs}
+    place = SequencePlace(**{k: kwargs.pop(k) for k in PLACE if k in kwargs}, layout=kwargs.get("layout", "zigzag"))
+    return PackedLoader(DataConfig(paths=corpus[0], tokenizer=str(tokenizer_dir), **kwargs), **dp, place=place)
 
 
 def framed(tokenizer, text: str) -> list[int]:
@@ -147,7 +150,7 @@ def test_cp_shards_reassemble_the_rows(corpus, tokenizer_dir, ring_size, ulysses
 
 def test_default_corpus_and_tokenizer(tokenizer_dir, monkeypatch) -> None:
     monkeypatch.setenv("LCTRAIN_CACHE", str(tokenizer_dir.parents[1]))  # the session's trained tokenizer
-    loader = PackedLoader(DataConfig(seq_len=256, batch_size=1), ring_size=2, ulysses_size=2, ring_rank=0)
+    loader = PackedLoader(DataConfig(seq_len=256, batch_size=1), place=SequencePlace(ring_size=2, ulysses_size=2))
     assert Path(loader.tokenizer.name_or_path) == tokenizer_dir
     assert len(loader.tokenizer) == 8192
     assert loader.tokenizer.convert_ids_to_tokens(
@@ -187,7 +190,11 @@ def test_bad_inputs(corpus, tokenizer_dir, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer: the directory .*nowhere.* does not exist"):
         PackedLoader(DataConfig(paths=corpus[0], tokenizer=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 8 .* multiple of 8, e.g. 96"):
-        PackedLoader(DataConfig(paths=corpus[0], seq_len=100, tokenizer=tok), ring_size=2, ulysses_size=2)
+        PackedLoader(
+            DataConfig(paths=corpus[0], seq_len=100, tokenizer=tok), place=SequencePlace(ring_size=2, ulysses_size=2)
+        )
+    with pytest.raises(ValueError, match="layout='zigzag' differs from the place's layout='contiguous'"):
+        PackedLoader(DataConfig(paths=corpus[0], tokenizer=tok), place=SequencePlace(layout="contiguous"))
     (tmp_path / "one.jsonl").write_text(json.dumps({"text": "lonely"}) + "\n")
     loader = PackedLoader(DataConfig(paths=[str(tmp_path / "one.jsonl")], tokenizer=tok), dp_rank=1, dp_size=2)
     with pytest.raises(ValueError, match="dp rank 1 of 2 received no documents"):
@@ -198,10 +205,11 @@ def test_bad_inputs(corpus, tokenizer_dir, tmp_path) -> None:
 
 _RESUME = """
 import json, sys, torch
+from lctrain.attention import SequencePlace
 from lctrain.data import DataConfig, PackedLoader
 out = []
 for case in json.load(open(sys.argv[1])):
-    loader = PackedLoader(DataConfig(**case["config"]), **case["coords"])
+    loader = PackedLoader(DataConfig(**case["config"]), **case["dp"], place=SequencePlace(**case["place"]))
     loader.load_state_dict(case["state"])
     batches = iter(loader)
     out.append([next(batches) for _ in range(case["steps"])])
@@ -213,17 +221,19 @@ def test_resume_in_a_new_process_is_exact(corpus, tokenizer_dir, tmp_path) -> No
     cases = [  # shuffled, dp rank 1 of 2, zigzag ring 2 x ulysses 2, saved in epoch 1 inside a document
         (
             {"seq_len": 64, "batch_size": 2, "shuffle_buffer": 8, "seed": 7},
-            {"dp_rank": 1, "dp_size": 2, "ring_rank": 1, "ring_size": 2, "ulysses_rank": 1, "ulysses_size": 2},
+            {"dp_rank": 1, "dp_size": 2},
+            {"ring_rank": 1, "ring_size": 2, "ulysses_rank": 1, "ulysses_size": 2},
         ),
         (
             {"seq_len": 48, "batch_size": 1, "shuffle_buffer": 8, "seed": 7, "truncate": True},
             {"dp_rank": 0, "dp_size": 3},
+            {},
         ),
     ]
     after, jobs, expected = 3, [], []
-    for config, coords in cases:
+    for config, dp, place in cases:
         config = {**config, "paths": corpus[0], "tokenizer": str(tokenizer_dir)}
-        loader = PackedLoader(DataConfig(**config), **coords)
+        loader = PackedLoader(DataConfig(**config), **dp, place=SequencePlace(**place))
         batches = iter(loader)
         for _ in range(200):  # run until the save point: in epoch 1, inside a document (unless truncating)
             next(batches)
@@ -233,7 +243,7 @@ def test_resume_in_a_new_process_is_exact(corpus, tokenizer_dir, tmp_path) -> No
         else:
             pytest.fail(f"no save point found for {config}")
         expected.append([next(batches) for _ in range(after)])
-        jobs.append({"config": config, "coords": coords, "state": state, "steps": after})
+        jobs.append({"config": config, "dp": dp, "place": place, "state": state, "steps": after})
     assert jobs[0]["state"]["offset"] > 0  # a document spans the row boundary at the save point
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     path = os.pathsep.join([str(Path(lctrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from lctrain.config import check_job, load_config
-from lctrain.config.schema import ModelConfig
-from lctrain.models import build_empty_model, materialize, model_config, random_init_source
+from lctrain.models import ModelConfig, build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.chunked_mlp import apply_chunked_mlp, chunked_mlp
 from lctrain.models.hf import hf_name
 from lctrain.parallel.activation_checkpointing import HostOffload, Offloaded, apply_activation_checkpointing

@@ -55,8 +55,7 @@ def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
 
 
 def hf_param_count(**sizes: object) -> int:
-    from lctrain.config.schema import ModelConfig
-    from lctrain.models import build_empty_model, model_config
+    from lctrain.models import ModelConfig, build_empty_model, model_config
 
     vocab = sizes.pop("vocab")
     model = build_empty_model(model_config(ModelConfig(**sizes), vocab))  # parameters on meta: nothing allocated
@@ -162,8 +161,7 @@ def test_sliding_windows_count_in_the_step_time_and_mfu() -> None:
 
 @pytest.mark.parametrize("case", list(HF_DIRECTORIES))
 def test_hf_directory_is_read_like_transformers(case: str, tmp_path: Path) -> None:
-    from lctrain.config.schema import ModelConfig
-    from lctrain.models import build_empty_model, model_config
+    from lctrain.models import ModelConfig, build_empty_model, model_config
 
     fields, expected = HF_DIRECTORIES[case]
     (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, **fields, "vocab_size": 500}))
@@ -196,8 +194,14 @@ def test_layer_activations_by_hand() -> None:
 def test_layer_activations_equal_what_autograd_saves(family: str) -> None:
     """One patched decoder layer, fp32, one process: the bytes of every tensor autograd keeps (parameters and RoPE
     cos/sin, shared by all layers, left out) equal the formula exactly (Qwen3: with its q/k norms)."""
-    from lctrain.config.schema import ModelConfig
-    from lctrain.models import build_empty_model, materialize, model_config, patch_attention, random_init_source
+    from lctrain.models import (
+        ModelConfig,
+        build_empty_model,
+        materialize,
+        model_config,
+        patch_attention,
+        random_init_source,
+    )
 
     sizes = ModelConfig(family=family, hidden_size=128, intermediate_size=352, num_heads=4, num_kv_heads=2)
     hf = model_config(sizes, 8192)

@@ -1,0 +1,44 @@
+"""What model a job trains: a local Hugging Face checkpoint, or a fresh one built from sizes, and the RoPE scaling
+and sliding window written into its config (``lctrain.models.hf.model_config``). The ``model`` section of
+``lctrain.config.JobConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE scaling for context extension, written into the model's config (transformers' ``rope_parameters``) and
+    so into the exported checkpoint. ``type: null`` keeps the checkpoint's own."""
+
+    type: str | None = None  # linear, dynamic, yarn or llama3; None = unchanged
+    factor: float = 1.0  # the extension: new context / original_max_position_embeddings
+    original_max_position_embeddings: int | None = None  # yarn, llama3: the context the checkpoint was trained at
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style model: a local Hugging Face checkpoint directory, or a fresh one built from these sizes."""
+
+    path: str | None = None  # a local HF model directory (config.json + *.safetensors); None = random init
+    family: str = "llama"  # for random init: llama, mistral, qwen2 or qwen3 (the transformers model type)
+    hidden_size: int = 256  # model width (random init)
+    intermediate_size: int = 688  # MLP width (random init)
+    num_layers: int = 4  # decoder layers (random init)
+    num_heads: int = 8  # attention (query) heads; must be divisible by parallel.ulysses
+    num_kv_heads: int = 4  # key/value heads (GQA); divides or is divided by parallel.ulysses
+    vocab_size: int | None = None  # None = the tokenizer's vocabulary size
+    # the context length the config declares (dynamic and yarn RoPE scale from it); None = the checkpoint's, or
+    # 131072 for random init
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None  # RoPE base; None = the checkpoint's, or 10000 for random init
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # the sliding window (tokens each query sees, itself included): null = the checkpoint's own on each layer (random
+    # init: none); 0 = none on any layer; W > 0 = W on every layer that has one (Mistral: every layer; Qwen: its
+    # sliding_attention layers; random init: every layer; Llama has none). Written into the exported config.json
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
+    init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
