@@ -41,11 +41,6 @@ def check_job(
     par, data, train = cfg.parallel, cfg.data, cfg.train
     dims = ParallelDims.from_config(par)  # degrees >= 1, a known layout
     check_kernel_choice(par.attention_kernel, setting="parallel.attention_kernel")
-    if data.layout != par.layout:
-        raise ValueError(
-            f"data.layout={data.layout!r} differs from parallel.layout={par.layout!r}: the loader must shard rows "
-            f"as attention expects them; leave data.layout unset (it follows parallel.layout)"
-        )
     dims.check_world_size(world_size)
     check_ulysses_heads(num_heads, num_kv_heads, dims.ulysses)
     dims.check_sequence_length(data.seq_len)

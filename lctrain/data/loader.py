@@ -58,7 +58,6 @@ class DataConfig:
     shuffle_buffer: int = 0  # documents in the shuffle buffer; 0 = no shuffling
     seed: int = 0  # shuffle seed
     truncate: bool = False  # drop the rest of a document that does not fit in its row, instead of continuing it
-    layout: str = "zigzag"  # context-parallel layout, as in lctrain.attention.shard_sequence
 
 
 class _Documents:
@@ -106,7 +105,7 @@ class PackedLoader:
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
 
     Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. ``place`` is
-    the rank's part of each row (``SequencePlace``; None = whole rows, cut by ``config.layout``). Rank coordinates
+    the rank's part of each row (``SequencePlace``, which carries the layout; None = whole rows). Rank coordinates
     are plain values: no process group is needed.
     """
 
@@ -120,12 +119,7 @@ class PackedLoader:
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
-        place = SequencePlace(layout=config.layout) if place is None else place
-        if place.layout != config.layout:
-            raise ValueError(
-                f"layout={config.layout!r} differs from the place's layout={place.layout!r}: rows must be cut as "
-                f"attention expects them; give both the same layout"
-            )
+        place = SequencePlace() if place is None else place
         check_sequence_length(
             config.seq_len, layout=place.layout, ring=place.ring_size, ulysses=place.ulysses_size, setting="seq_len"
         )

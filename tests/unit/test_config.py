@@ -116,11 +116,6 @@ BAD_JOBS = {
         ["data.seq_len=102 is not divisible by 4", "layout='contiguous'", "use a multiple of 4"],
     ),
     "unknown_layout": (["parallel.layout=diagonal"], 1, ["parallel.layout='diagonal' must be one of"]),
-    "data_layout": (
-        ["data.layout=contiguous"],
-        1,
-        ["data.layout='contiguous' differs from parallel.layout='zigzag'", "leave data.layout unset"],
-    ),
     "activation_checkpointing": (
         ["parallel.activation_checkpointing=sometimes"],
         1,
@@ -249,10 +244,6 @@ def test_ulysses_group_across_nodes_is_refused_or_warned(
     with caplog.at_level("WARNING", logger="lctrain"):
         check([*degrees, "parallel.ulysses_across_nodes=warn"], world_size, per_node)
     assert any(expected[0] in record.getMessage() for record in caplog.records)
-
-
-def test_data_layout_follows_parallel_layout() -> None:
-    assert load_config(["parallel.layout=contiguous"]).data.layout == "contiguous"
 
 
 @pytest.mark.parametrize(
