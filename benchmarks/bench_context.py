@@ -160,7 +160,8 @@ class Bench:
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
         """One probe (``layers``: the job's depth by default), or the same one run before."""
         args = self.args
-        layers = None if layers == self.depth else layers
+        if layers is not None and layers == self.depth:
+            layers = None
         key = (side, seq, layers, offload, steps)
         if key in self.done:
             return self.done[key]
@@ -188,16 +189,12 @@ class Bench:
     def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
         """A probe's figures: over its ranks the largest step time, peak and step peak of its measured steps, with
         the run's description (``Run.ready``)."""
-        warmup, measured = [(warmup_seq, 1)], [(seq, 0)] * steps
         if ranks == 1:
             with Run(spec, timeout_s=self.args.probe_timeout) as run:
-                for seq_, seed in warmup:
-                    run.step(seq_, seed)
-                per_rank = [
-                    {"ready": run.ready, "steps": [run.step(s, seed, budget=self.budget) for s, seed in measured]}
-                ]
+                run.step(warmup_seq, seed=1)
+                per_rank = [{"ready": run.ready, "steps": [run.step(seq, 0, budget=self.budget) for _ in range(steps)]}]
         else:
-            per_rank, stopped = run_group(spec, ranks, warmup, measured, budget=self.budget)
+            per_rank, stopped = run_group(spec, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=self.budget)
             if stopped is not None:
                 return {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": stopped}
         results = [step for rank in per_rank for step in rank["steps"]]

@@ -278,9 +278,17 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
         f"- total wall time {seconds:.0f} s",
         "",
     ]
-    memory_note = (
-        "peak = max_memory_allocated" if args.device == "cuda" else f"memory runs: 1 + {MEMORY_STEPS} steps, RSS"
-    )
+    if args.device == "cuda":
+        memory_note = (
+            "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the memory "
+            "allocated when the step started"
+        )
+    else:
+        memory_note = (
+            f"from a second run of each, 1 warm-up + {MEMORY_STEPS} measured steps with MALLOC_MMAP_THRESHOLD_ set; "
+            "peak memory = the resident-set peak less the resident set before the side was built (parameters, "
+            "AdamW states, activations, buffers), step peak = VmHWM − VmRSS before the step"
+        )
     header = ["run", "S", "AC", "step (s)", "CPU time (s)", "tokens/s", "MFU", "MFU (document)"]
     header += [f"peak memory ({unit_name})", f"step peak ({unit_name})", f"reserved − allocated ({unit_name})"]
     header.append("loss first → last")

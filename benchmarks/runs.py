@@ -20,6 +20,7 @@ GPU) and ``reserved`` (CUDA's caching allocator).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -90,8 +91,6 @@ class Measured:
     def step(self, seq: int, seed: int, *, budget: int | None = None, marker: Path | None = None) -> dict[str, Any]:
         """One training step on random rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
         the watchdog writes ``marker`` and ends the process."""
-        import contextlib
-
         import torch.distributed as dist
 
         from benchmarks.sides import random_rows
@@ -223,10 +222,10 @@ class Run:
     def __init__(self, spec: dict[str, Any], *, timeout_s: float, allocator: str | None = None):
         """``timeout_s``: for building the side and for each step; ``allocator``: the process's
         ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's default unless the user set one)."""
-        self.spec, self.timeout_s = spec, timeout_s
-        self._marker_dir = tempfile.TemporaryDirectory(prefix="bench_run_")
-        self._stderr = (Path(self._marker_dir.name) / "stderr.log").open("w+")
-        job = [*spec["job"], f"train.run_dir={self._marker_dir.name}/run"]  # what the trainer writes goes there
+        self.timeout_s = timeout_s
+        self._dir = tempfile.TemporaryDirectory(prefix="bench_run_")  # its stderr, run directory, watchdog markers
+        self._stderr = (Path(self._dir.name) / "stderr.log").open("w+")
+        job = [*spec["job"], f"train.run_dir={self._dir.name}/run"]  # what the trainer writes goes there
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.runs", json.dumps(spec | {"job": job})],
             cwd=REPO,
@@ -288,7 +287,7 @@ class Run:
 
     def step(self, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
         """One measured training step (``Measured.step``); past ``budget`` bytes of step peak (CPU) it is stopped."""
-        marker = Path(self._marker_dir.name) / f"step{seed}.json"
+        marker = Path(self._dir.name) / f"step{seed}.json"
         request = {"seq": seq, "seed": seed, "budget": budget, "marker": str(marker)}
         return self._request(request, marker)
 
@@ -314,7 +313,7 @@ class Run:
                 self._kill()
         self._proc.wait()
         self._stderr.close()
-        self._marker_dir.cleanup()
+        self._dir.cleanup()
 
 
 def group_steps(
