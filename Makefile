@@ -44,4 +44,4 @@ lint: install
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[deepspeed]"
-	$(PY) benchmarks/bench_attention.py
+	$(PY) -m benchmarks.bench_attention

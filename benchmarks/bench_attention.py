@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_attention.py                        # everything, S=16384, bf16, P=2
-    python benchmarks/bench_attention.py --seq 2048 --iters 1 --only efficiency,baselines
-    python benchmarks/bench_attention.py --only kernel          # the CPU op per pass: bf16 or fp32, layout
+    python -m benchmarks.bench_attention                        # everything, S=16384, bf16, P=2
+    python -m benchmarks.bench_attention --seq 2048 --iters 1 --only efficiency,baselines
+    python -m benchmarks.bench_attention --only kernel          # the CPU op per pass: bf16 or fp32, layout
 
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib.metadata
 import importlib.util
 import os
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from report import machine_line, table
 from torch import Tensor
 
+from benchmarks.memory import MALLOC_MMAP_THRESHOLD, StepPeak
+from benchmarks.report import command, machine_line, table
 from lctrain.attention import kernels, ring_attention, shard_sequence, ulysses_attention, usp_attention
 from lctrain.attention.kernels import accumulation_dtype
 from lctrain.attention.ring_blocks import plan_ring
@@ -45,7 +43,6 @@ from lctrain.testing import run_distributed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory", "kernel")
-MALLOC_MMAP_THRESHOLD = "65536"
 MIB = 2**20
 
 Step = Callable[[], None]
@@ -81,26 +78,6 @@ class Measurement:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _status_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-class PeakRss:
-    """Resets the resident-set high-water mark (VmHWM) on entry; ``growth`` is its rise above the entry VmRSS."""
-
-    def __enter__(self) -> PeakRss:
-        gc.collect()
-        Path("/proc/self/clear_refs").write_text("5")
-        self.baseline = _status_kib("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.growth = (_status_kib("VmHWM") - self.baseline) * 1024
-
-
 @dataclass
 class Case:
     """One implementation ready to run on this rank: its forward+backward and any correctness figures."""
@@ -121,13 +98,13 @@ def measure(cases: dict[str, Case], cfg: Config) -> dict[str, Measurement]:
     results = {name: Measurement([], 0, case.checks) for name, case in cases.items()}
     for _ in range(cfg.iters):
         for name, case in cases.items():
-            with PeakRss() as rss:
+            with StepPeak(torch.device("cpu")) as peak:
                 dist.barrier()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 case.step()
                 results[name].times.append(time.perf_counter() - start)
                 results[name].cpu_times.append(time.process_time() - cpu_start)
-            results[name].peak_bytes = max(results[name].peak_bytes, rss.growth)
+            results[name].peak_bytes = max(results[name].peak_bytes, peak.growth)
     return results
 
 
@@ -322,10 +299,10 @@ def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
     finally:
         dist.batch_isend_irecv = counter.original
     del out
-    with PeakRss() as rss:
+    with StepPeak(torch.device("cpu")) as peak:
         dist.barrier()
         autograd_step(attend, q, k, v, dout)()
-    return {"peak_bytes": rss.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
+    return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -579,7 +556,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     print("# Attention benchmark\n")
-    print(f"- command: `{shlex.join(['python', *sys.argv])}`")
+    print(f"- command: `{command()}`")
     print(f"- machine: {machine_line()}")
     print(
         f"- problem: B={cfg.batch}, Hq={cfg.heads}, Hkv={cfg.kv_heads}, D={cfg.head_dim}, {cfg.dtype}, causal; "

@@ -1,6 +1,6 @@
 """Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank.
 
-    python benchmarks/bench_loader.py [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
+    python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
 
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from itertools import islice
 
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.report import command
 from lctrain.attention import SequencePlace
 from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir
 from lctrain.data.packing import IGNORE_INDEX
@@ -94,7 +93,7 @@ def main() -> None:
     step_seconds = train_step_seconds(len(loader.tokenizer), first, args.train_steps, device)
 
     loader_rate, step_rate = local / loader_seconds, local / step_seconds
-    print(f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"command: {command()}")
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"

@@ -3,10 +3,10 @@ in one step against the plain Hugging Face baseline.
 
 Run from the repository root::
 
-    python benchmarks/bench_memory.py                    # both sections (15-25 minutes on 2 shared cores)
-    python benchmarks/bench_memory.py --only scaling --per-rank 1024,2048 --ranks 1,2
-    python benchmarks/bench_memory.py --json out.json    # also write the raw measurements
-    python benchmarks/bench_memory.py --from-json a.json --from-json b.json   # report (merged), nothing run
+    python -m benchmarks.bench_memory                    # both sections (15-25 minutes on 2 shared cores)
+    python -m benchmarks.bench_memory --only scaling --per-rank 1024,2048 --ranks 1,2
+    python -m benchmarks.bench_memory --json out.json    # also write the raw measurements
+    python -m benchmarks.bench_memory --from-json a.json --from-json b.json   # report (merged), nothing run
 
 The model is the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
 (``--override`` defaults: width 256, MLP 1024, 4 layers, 4 heads / 2 KV heads, vocabulary 8192), fp32, one
@@ -17,7 +17,7 @@ lctrain = ``Trainer.train_step`` with all the memory savers: sequence sharded ov
 4: ring 2 × Ulysses 2; 8: ring 4 × Ulysses 2), activation checkpointing ``full``, activation offload (a no-op on a
 CPU device: the activations are already in host memory), the chunked MLP (``--mlp-chunk-tokens``) and the chunked
 loss (``--loss-chunk-tokens``). Baseline = one process, the same model in plain transformers (sdpa attention), no
-checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: ``bench_trainer.BaselineSide``.
+checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: the ``hf`` side of ``sides.py``.
 
 1. Scaling: for each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or
    above the MLP and loss chunks, so the chunked tensors no longer grow with S) in one process group, shortest
@@ -34,43 +34,28 @@ checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: ``bench_train
    line's. A watchdog on every rank ends a run whose step passes its share of ``--safe-gib`` (default 16 GiB for
    all ranks, lowered to what the machine has available minus 2 GiB).
 
-Memory. On CPU there is no ``torch.cuda.max_memory_allocated``: the figure is the process's resident set (what the
-OOM killer counts). Before each measured step the high-water mark VmHWM is reset (``5`` to
-``/proc/self/clear_refs``); the step peak is VmHWM − VmRSS before the step: what the step adds on top of the
-runtime, the parameters and the AdamW states (gradients, activations, logits, communication buffers, allocator
-slack). Every process runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large buffers go back to the OS and
-one phase cannot hide another's memory. torch's profiler (``profile_memory=True``) was not used: it records
-allocations by torch's allocator per operator, not a high-water mark of the process, and misses gloo's buffers and
-the allocator's slack. For the machine total, the memory before the step is each process's PSS (proportional set
-size: shared library pages split between the processes that map them), so the sum over ranks is what the ranks
-use together; the step peaks are private memory and add up (an upper bound: the ranks' peaks need not coincide).
+Memory (``memory.py``): the step peak is the resident set a step adds on top of the runtime, the parameters and
+the AdamW states (gradients, activations, logits, communication buffers, allocator slack), each process with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large buffers go back to the OS and one phase cannot hide another's
+memory. For the machine total, the memory before the step is each process's PSS (proportional set size: shared
+library pages split between the processes that map them), so the sum over ranks is what the ranks use together;
+the step peaks are private memory and add up (an upper bound: the ranks' peaks need not coincide).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-import torch.distributed as dist
-from harness import (
-    BudgetWatchdog,
-    Rows,
-    build_side,
-    job_config,
-    log,
-    malloc_env,
-)
-from report import machine_line, peak_since_reset, reset_peak, table
-
-from lctrain.testing import run_distributed
+from benchmarks import memory
+from benchmarks.jobs import REPO, bench_job
+from benchmarks.report import command, fit_line, machine_line, table
+from benchmarks.runs import run_group
 
 MIB, GIB = 2**20, 2**30
 SECTIONS = ("scaling", "longest")
@@ -83,57 +68,12 @@ MODEL = (
     "model.num_heads=4",
     "model.num_kv_heads=2",
 )
-PLOT = Path(__file__).resolve().parents[1] / "docs" / "memory_per_rank.png"
+PLOT = REPO / "docs" / "memory_per_rank.png"
 
 
-def _status_kib(path: str, key: str) -> int:
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def pss_bytes() -> int:
-    """This process's proportional set size: its private pages plus its share of pages it maps with others."""
-    return _status_kib("/proc/self/smaps_rollup", "Pss") * 1024
-
-
-def available_bytes() -> int:
-    return _status_kib("/proc/meminfo", "MemAvailable") * 1024
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Inside the ranks
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def measure(
-    side: str, overrides: tuple[str, ...], seqs: list[int], warmup_seq: int, run_dir: str, guard: int, marker_dir: str
-) -> list[dict]:
-    """On each rank: build the side, one warm-up step at ``warmup_seq``, then one measured step per length of
-    ``seqs`` (in order); a step whose growth passes ``guard`` bytes ends the process (``BudgetWatchdog``)."""
-    runner = build_side(side, job_config(overrides, seq=warmup_seq, batch=1, run_dir=run_dir))
-    runner.step(Rows.synthetic(runner.vocab_size, 1, warmup_seq, seed=1))
-    results = []
-    for seq in seqs:
-        rows = Rows.synthetic(runner.vocab_size, 1, seq, seed=0)
-        dist.barrier()
-        rss_before = reset_peak()
-        pss_before = pss_bytes()
-        marker = Path(marker_dir) / f"rank{dist.get_rank()}.json"
-        with BudgetWatchdog(rss_before, guard, marker):
-            start = time.perf_counter()
-            loss, _ = runner.step(rows)
-            seconds = time.perf_counter() - start
-        growth = peak_since_reset() - rss_before
-        results.append(
-            {"seq": seq, "growth": growth, "rss_before": rss_before, "pss_before": pss_before, "seconds": seconds}
-        )
-        with (Path(marker_dir) / f"rank{dist.get_rank()}.jsonl").open("a") as f:  # kept if a later step is stopped
-            f.write(json.dumps(results[-1]) + "\n")
-        if dist.get_rank() == 0:
-            log(f"    S={seq:,}: rank 0 step peak {growth / MIB:,.0f} MiB, {seconds:.1f} s, loss {loss:.4f}")
-    return results
+def log(message: str) -> None:
+    """Progress on stderr; stdout is the markdown report."""
+    print(message, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,16 +108,16 @@ class Point:
         return sum(self.pss_before) + sum(self.growth)
 
 
-def overrides_for(side: str, ranks: int, args: argparse.Namespace) -> tuple[str, ...]:
-    base = (*MODEL, *args.override)
+def job_for(side: str, ranks: int, args: argparse.Namespace) -> list[str]:
+    base = ("parallel.dp=1", *MODEL, *args.override)
     if side == "baseline":
-        return (*base, "parallel.ring=1", "parallel.ulysses=1", "parallel.dp=1")
+        return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *base)
     ring, ulysses = MESHES[ranks]
-    return (
-        *base,
+    return bench_job(
+        "cpu",
         f"parallel.ring={ring}",
         f"parallel.ulysses={ulysses}",
-        "parallel.dp=1",
+        *base,
         "parallel.activation_checkpointing=full",
         "parallel.activation_offload=true",
         f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}",
@@ -186,44 +126,37 @@ def overrides_for(side: str, ranks: int, args: argparse.Namespace) -> tuple[str,
 
 
 def run_points(
-    side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace, run_dir: str, *, fitted: Sequence[bool]
+    side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace, *, fitted: Sequence[bool]
 ) -> list[Point]:
+    """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group."""
     ring, ulysses = MESHES[ranks] if side == "lctrain" else (1, 1)
     log(f"  {side}, {ranks} rank(s) (ring {ring} × ulysses {ulysses}): S = {', '.join(f'{s:,}' for s in seqs)}")
-    warmup = 2 * ring * ulysses * 32
+    spec = {"side": "hf" if side == "baseline" else "lctrain", "job": job_for(side, ranks, args), "doc_len": None}
     guard = int(args.safe_gib * GIB / ranks)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as marker_dir, malloc_env(for_memory=True):
-        try:
-            per_rank = run_distributed(
-                measure, ranks, side, overrides_for(side, ranks, args), list(seqs), warmup, run_dir, guard, marker_dir
-            )
-        except Exception:
-            markers = sorted(Path(marker_dir).glob("rank*.json"))
-            if not markers:
-                raise
-            growth = max(json.loads(m.read_text())["growth"] for m in markers)
-            logs = [Path(marker_dir) / f"rank{r}.jsonl" for r in range(ranks)]
-            per_rank = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
-            done = min(len(r) for r in per_rank)
-            log(
-                f"  stopped at S={seqs[done]:,}: a rank's step passed its {guard / MIB:,.0f} MiB share of --safe-gib "
-                f"({growth / MIB:,.0f} MiB); the {done} shorter lengths are kept"
-            )
-            seqs = seqs[:done]
+    with memory.malloc_env(for_memory=True):
+        warmup = [(2 * ring * ulysses * 32, 1)]
+        per_rank, stopped = run_group(spec, ranks, warmup, [(seq, 0) for seq in seqs], budget=guard)
+    done = len(per_rank[0]["steps"])
+    if stopped is not None:
+        log(
+            f"  stopped at S={seqs[done]:,}: a rank's step passed its {guard / MIB:,.0f} MiB share of --safe-gib "
+            f"({stopped / MIB:,.0f} MiB); the {done} shorter lengths are kept"
+        )
     log(f"  ({time.perf_counter() - started:.0f} s)")
+    steps = [rank["steps"] for rank in per_rank]
     return [
         Point(
             side,
             ranks,
             seq,
-            [r[i]["growth"] for r in per_rank],
-            [r[i]["pss_before"] for r in per_rank],
-            [r[i]["rss_before"] for r in per_rank],
-            max(r[i]["seconds"] for r in per_rank),
+            [r[i]["step_peak"] for r in steps],
+            [r[i]["pss_before"] for r in steps],
+            [r[i]["before"] for r in steps],
+            max(r[i]["step_s"] for r in steps),
             fitted[i],
         )
-        for i, seq in enumerate(seqs)
+        for i, seq in enumerate(seqs[:done])
     ]
 
 
@@ -241,10 +174,9 @@ class Fit:
 
     @staticmethod
     def of(points: Sequence[Point]) -> Fit:
-        x = np.array([p.per_rank_tokens for p in points], dtype=float)
-        y = np.array([p.peak for p in points], dtype=float)
-        slope, intercept = np.polyfit(x, y, 1)
-        return Fit(float(slope), float(intercept), float(np.abs(y - (intercept + slope * x)).max()))
+        xs, ys = [p.per_rank_tokens for p in points], [p.peak for p in points]
+        intercept, slope = fit_line(xs, ys)
+        return Fit(slope, intercept, max(abs(y - (intercept + slope * x)) for x, y in zip(xs, ys)))
 
     def peak(self, per_rank_tokens: float) -> float:
         return self.intercept + self.slope * per_rank_tokens
@@ -472,8 +404,8 @@ def plot(points: list[Point], path: Path, min_per_rank: int) -> None:
     pooled = line_points(points, "lctrain", min_per_rank)
     if fittable(pooled):
         fit = Fit.of(pooled)
-        x = np.array([min_per_rank / 2, max(p.per_rank_tokens for p in points if p.side == "lctrain")])
-        left.plot(x, fit.peak(x) / MIB, ":", color="black", label="one line fitted to every P ≥ 2")
+        x = [min_per_rank / 2, max(p.per_rank_tokens for p in points if p.side == "lctrain")]
+        left.plot(x, [fit.peak(t) / MIB for t in x], ":", color="black", label="one line fitted to every P ≥ 2")
     left.set_xlabel("tokens per rank S/P")
     left.set_title("lctrain, all savers: step peak per rank vs S/P")
     right.set_xscale("log", base=2)
@@ -535,38 +467,33 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    command = shlex.join(["python", *sys.argv])
     if args.from_json:
         saved = [json.loads(path.read_text()) for path in args.from_json]
         points = [Point(**p) for run in saved for p in run["points"]]
         machine = " / ".join(dict.fromkeys(run["machine"] for run in saved))
-        command = "`, then `".join(run["command"] for run in saved)
+        run_command = "`, then `".join(run["command"] for run in saved)
         wall = sum(run["wall_s"] for run in saved)
     else:
-        machine = machine_line()
+        machine, run_command = machine_line(), command()
         points: list[Point] = []
         # a watchdog ends any run whose ranks pass --safe-gib together (each rank: its share), or what is free now
-        args.safe_gib = min(args.safe_gib, (available_bytes() - 2 * GIB) / GIB)
+        args.safe_gib = min(args.safe_gib, (memory.available() - 2 * GIB) / GIB)
         longest = "longest" in args.only
-        with tempfile.TemporaryDirectory(prefix="bench_memory_") as run_dir:
-            log(f"one step per length, all savers on; at most {args.safe_gib:.1f} GiB for all ranks")
-            for n in sorted(set(args.ranks) | ({args.longest_ranks} if longest else set())):
-                extra = args.verify_lctrain if longest and n == args.longest_ranks else []
-                seqs = [n * s for s in args.per_rank if n * s <= args.max_fitted_seq] + extra
-                points += run_points("lctrain", n, seqs, args, run_dir, fitted=[s not in extra for s in seqs])
-            extra = args.verify_baseline if longest else []
-            seqs = args.baseline_seqs + extra
-            if seqs:
-                points += run_points("baseline", 1, seqs, args, run_dir, fitted=[s not in extra for s in seqs])
+        log(f"one step per length, all savers on; at most {args.safe_gib:.1f} GiB for all ranks")
+        for n in sorted(set(args.ranks) | ({args.longest_ranks} if longest else set())):
+            extra = args.verify_lctrain if longest and n == args.longest_ranks else []
+            seqs = [n * s for s in args.per_rank if n * s <= args.max_fitted_seq] + extra
+            points += run_points("lctrain", n, seqs, args, fitted=[s not in extra for s in seqs])
+        extra = args.verify_baseline if longest else []
+        seqs = args.baseline_seqs + extra
+        if seqs:
+            points += run_points("baseline", 1, seqs, args, fitted=[s not in extra for s in seqs])
         wall = time.perf_counter() - started
         if args.json:
-            args.json.write_text(
-                json.dumps(
-                    {"machine": machine, "command": command, "wall_s": wall, "points": [asdict(p) for p in points]}
-                )
-            )
+            saved = {"machine": machine, "command": run_command, "wall_s": wall, "points": [asdict(p) for p in points]}
+            args.json.write_text(json.dumps(saved))
     print("# Memory per rank vs sequence length\n")
-    print(f"- command: `{command}`")
+    print(f"- command: `{run_command}`")
     print(f"- machine: {machine}")
     print(f"- model: Llama {' '.join(MODEL + tuple(args.override))}, vocab 8192, fp32; one step after a warm-up step")
     print(

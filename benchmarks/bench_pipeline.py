@@ -3,9 +3,9 @@ beside the textbook bubble fraction.
 
 Run from the repository root::
 
-    python benchmarks/bench_pipeline.py            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
-    python benchmarks/bench_pipeline.py --quick    # GPipe and 1F1B, m ∈ {2, 4}
-    python benchmarks/bench_pipeline.py --schedules GPipe Interleaved1F1B --microbatches 4 16
+    python -m benchmarks.bench_pipeline            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
+    python -m benchmarks.bench_pipeline --quick    # GPipe and 1F1B, m ∈ {2, 4}
+    python -m benchmarks.bench_pipeline --schedules GPipe Interleaved1F1B --microbatches 4 16
 
 A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
 stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
@@ -37,8 +37,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from report import machine_line, one_document_batch, table
 
+from benchmarks.jobs import bench_job
+from benchmarks.report import command, machine_line, table
+from benchmarks.sides import packed_batch
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, model_config
@@ -49,7 +51,10 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> list[str]:
-    return [
+    return bench_job(
+        "cpu",
+        "parallel.ring=1",
+        "parallel.ulysses=1",
         "model.hidden_size=" + str(args.hidden),
         "model.intermediate_size=" + str(args.hidden * 8 // 3),
         f"model.num_layers={args.layers}",
@@ -58,14 +63,8 @@ def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[st
         f"data.seq_len={args.seq}",
         f"data.batch_size={microbatches}",
         *pipeline,
-        "train.device=cpu",
         "train.run_dir=/tmp/lctrain_bench_pipeline",
-        "checkpoint.every=0",
-        "checkpoint.resume=none",
-        "checkpoint.export_hf=false",
-        "logging.plot=false",
-        "logging.progress_bar=false",
-    ]
+    )
 
 
 def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
@@ -73,7 +72,7 @@ def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, fl
     all the rows."""
     trainer = Trainer(load_config(overrides))
     shape, generator = (trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), torch.Generator().manual_seed(0)
-    batch = one_document_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator))
+    batch = packed_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator), None)
     wall, cpu = [], []
     for index in range(warmup + steps):
         dist.barrier()
@@ -121,7 +120,7 @@ def main() -> None:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp = 2
     head = head_layers(args)
-    print(f"`python benchmarks/bench_pipeline.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
+    print(f"`{command()}`")
     print()
     print(machine_line())
     print()

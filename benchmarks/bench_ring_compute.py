@@ -1,8 +1,8 @@
 """Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput.
 
-    python benchmarks/bench_ring_compute.py                    # CUDA if present, else CPU (smaller sizes)
-    python benchmarks/bench_ring_compute.py --seq 131072 --ring 8
-    python benchmarks/bench_ring_compute.py --seq 16384 --ring 1 --head-dim 128 --heads 16 --kv-heads 16 \
+    python -m benchmarks.bench_ring_compute                    # CUDA if present, else CPU (smaller sizes)
+    python -m benchmarks.bench_ring_compute --seq 131072 --ring 8
+    python -m benchmarks.bench_ring_compute --seq 16384 --ring 1 --head-dim 128 --heads 16 --kv-heads 16 \
         --kernels auto,cudnn,torch_cuda_flash,flash_attn,flash_attn3   # the kernel table of docs/benchmarks.md
 
 For each sequence length it times, forward+backward, causal:

@@ -1,6 +1,6 @@
 """A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way).
 
-    python benchmarks/bench_window_kernel.py [--rows 4096] [--windows 512 2048] [--tiles 64 128 256 512 1024]
+    python -m benchmarks.bench_window_kernel [--rows 4096] [--windows 512 2048] [--tiles 64 128 256 512 1024]
 
 The block is a diagonal (causal) block of ``--rows`` queries cut by a window of W keys, as the ring plan gives a
 rank's chunk when W is smaller than the chunk. Forward+backward, fp32, median of ``--iters`` runs after a warm-up:

@@ -1,6 +1,6 @@
 """Kernel calls and attention work with and without document masking, counted from the ring plan (no timing).
 
-    python benchmarks/count_document_skipping.py [--seq 131072] [--ring 8]
+    python -m benchmarks.count_document_skipping [--seq 131072] [--ring 8]
 
 For a packed causal row on a zigzag ring, it prints, per document length, the kernel calls and the query×key
 pairs the busiest rank computes over all ring steps, and how many ring steps run (steps that no rank needs are

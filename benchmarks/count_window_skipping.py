@@ -1,6 +1,6 @@
 """Work and communication of sliding-window ring attention, counted from the ring plan (no timing).
 
-    python benchmarks/count_window_skipping.py [--seq 1048576] [--ring 8] [--windows 4096 32768 131072]
+    python -m benchmarks.count_window_skipping [--seq 1048576] [--ring 8] [--windows 4096 32768 131072]
 
 For one causal document on a ring of R ranks, zigzag and contiguous, with no window and each window W, it prints
 per rank (min … max over ranks, forward pass): the query×key pairs computed (``visible_pairs`` of every block:

@@ -2,10 +2,10 @@
 
 Run from the repository root::
 
-    python benchmarks/validate_planner.py            # every case below, 3-8 minutes on 2 shared cores
-    python benchmarks/validate_planner.py --quick    # the one-process cases only, about 2 minutes
-    python benchmarks/validate_planner.py --save m.json; python benchmarks/validate_planner.py --load m.json  # re-score
-    python benchmarks/validate_planner.py --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
+    python -m benchmarks.validate_planner            # every case below, 3-8 minutes on 2 shared cores
+    python -m benchmarks.validate_planner --quick    # the one-process cases only, about 2 minutes
+    python -m benchmarks.validate_planner --save m.json; python -m benchmarks.validate_planner --load m.json  # re-score
+    python -m benchmarks.validate_planner --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
 
 On CUDA (``--device cuda``, ``CUDA_CASES``): Llama-3.2-1B's sizes with an untied head, one GPU, bf16
 (``parallel.param_dtype=bfloat16``), three cases whose peaks lie in different phases (the loss's forward without
@@ -13,7 +13,7 @@ checkpointing, the backward with full checkpointing, small loss chunks); measure
 over the second step − the memory allocated before the ``Trainer`` was built, against the estimate in bf16 on CUDA.
 The caching allocator's reserve beyond that (fragmentation) is what the planner's ``--headroom`` covers, not this.
 
-For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this file as the worker
+For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this module as the worker
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
 to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
 instead of keeping the high-water mark of a heap). The worker trains the tiny model of
@@ -37,7 +37,6 @@ measured; and the same on the whole resident set (baseline + peak), which is wha
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
 import json
 import os
@@ -48,7 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import memory
+from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
+from benchmarks.report import command
+
 MIB = 2**20
 
 # (world size, pp, dp, ring, ulysses, activation checkpointing, seq_len, rows per step, loss chunk tokens)
@@ -71,8 +73,7 @@ CASES = [
 ]
 
 
-# one GPU: Llama-3.2-1B's sizes with an untied head, bf16 (the GPU benchmarks' shape), at world size 1
-CUDA_MODEL = {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "vocab": 128256}
+# one GPU (the job of ``jobs.bench_job``: Llama-3.2-1B's sizes with an untied head, bf16) at world size 1
 CUDA_CASES = [
     (1, 1, 1, 1, 1, "none", 16384, 1, 1024),  # the peak in the loss's forward
     (1, 1, 1, 1, 1, "full", 65536, 1, 1024),  # in the last layer's backward
@@ -80,27 +81,10 @@ CUDA_CASES = [
 ]
 
 
-def model_overrides(device: str) -> list[str]:
-    if device == "cpu":
-        return ["recipe=tiny_cpu", "train.device=cpu"]
-    m = CUDA_MODEL
-    return [
-        f"model.hidden_size={m['hidden']}",
-        f"model.intermediate_size={m['intermediate']}",
-        f"model.num_layers={m['layers']}",
-        f"model.num_heads={m['heads']}",
-        f"model.num_kv_heads={m['kv_heads']}",
-        f"model.vocab_size={m['vocab']}",
-        "model.tie_word_embeddings=false",
-        "parallel.param_dtype=bfloat16",
-        "train.device=cuda",
-    ]
-
-
 def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> list[str]:
     _, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
-    return [
-        *model_overrides(device),
+    return bench_job(
+        device,
         f"parallel.pp={pp}",
         f"parallel.dp={dp}",
         f"parallel.ring={ring}",
@@ -111,20 +95,8 @@ def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> lis
         f"train.loss_chunk_tokens={chunk}",
         f"data.paths=['{corpus}']",
         "train.steps=2",
-        "checkpoint.resume=none",
-        "checkpoint.export_hf=false",
-        "logging.plot=false",
-        "logging.progress_bar=false",
         f"train.run_dir={run_dir}",
-    ]
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` figure, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    )
 
 
 def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: str) -> None:
@@ -144,25 +116,19 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: 
     warmup = [cases[0][0], *cases[0][1:6], 256, *cases[0][7:]]
     for index, case in enumerate([warmup, *cases]):
         cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}", device_type))
-        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        baseline = torch.cuda.memory_allocated(device) if cuda else _status("VmRSS")
+        baseline = torch.cuda.memory_allocated(device) if cuda else memory.reset_peak()
         trainer = Trainer(cfg)
         batches = iter(trainer.loader)
         rows = [next(batches) for _ in range(2)]
         trainer.train_step(rows[:1])
         dist.barrier()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         start = time.perf_counter()
-        trainer.train_step(rows[1:])
-        peak = torch.cuda.max_memory_allocated(device) if cuda else _status("VmHWM")
-        seconds = time.perf_counter() - start
+        with memory.StepPeak(device) as step:
+            trainer.train_step(rows[1:])
+        seconds, peak = time.perf_counter() - start, step.peak
         del trainer, batches, rows
-        gc.collect()
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, {"baseline": baseline, "peak": peak})
         if rank == 0 and index > 0:
@@ -179,46 +145,45 @@ def estimate(case: list, device: str = "cpu") -> dict:
     layout = Layout(pp, dp, ring, ulysses, ac)
     e = 4 if device == "cpu" else 2
     work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=e, loss_chunk_tokens=chunk, device=device)
-    m = CUDA_MODEL
+    m = LLAMA_1B_UNTIED
     gpu_model = ModelSpec(
         "llama3.2-1b-untied", m["hidden"], m["intermediate"], m["layers"], m["heads"], m["kv_heads"], m["vocab"], 64
     )
-    memory = estimate_memory(NAMED_MODELS["tiny"] if device == "cpu" else gpu_model, layout, work)
-    return {k: v * GIB / MIB for k, v in memory.gib().items() if isinstance(v, float)} | {"phase": memory.phase}
+    estimated = estimate_memory(NAMED_MODELS["tiny"] if device == "cpu" else gpu_model, layout, work)
+    return {k: v * GIB / MIB for k, v in estimated.gib().items() if isinstance(v, float)} | {"phase": estimated.phase}
 
 
 def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str = "cpu") -> list[dict]:
     out = scratch / f"world{world}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = process_env()
     if device == "cpu":
-        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    elif "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # what lctrain's CLI sets
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    command += [__file__, "--worker", json.dumps(cases), str(corpus), str(out), str(scratch), device]
+        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": memory.MALLOC_MMAP_THRESHOLD}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    launch += ["-m", "benchmarks.validate_planner", "--worker", json.dumps(cases), str(corpus), str(out)]
+    launch += [str(scratch), device]
     log = scratch / f"world{world}.log"
     with log.open("w") as f:
-        proc = subprocess.run(command, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(launch, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode:
         sys.exit(f"world size {world} failed (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
 
 
-def report(results: list[dict], seconds: float, command: str, device: str = "cpu", machine: str = "") -> str:
+def report(results: list[dict], seconds: float, command_line: str, device: str = "cpu", machine: str = "") -> str:
     if device == "cpu":
         model = (
             "model: tiny (recipes/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, "
             "gloo, one thread per rank; memory in MiB per rank (the largest rank): resident set"
         )
     else:
-        m = CUDA_MODEL
+        m = LLAMA_1B_UNTIED
         model = (
             f"model: width {m['hidden']}, MLP {m['intermediate']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} "
             f"heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
             "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)"
         )
     lines = [
-        f"command: {command}",
+        f"command: {command_line}",
         machine
         or (
             f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
@@ -274,13 +239,11 @@ def main() -> None:
         device = saved.get("device", "cpu")
         print(report(saved["results"], saved["seconds"], saved["command"], device, saved.get("machine", "")))
         return
-    sys.path.insert(0, str(REPO))
-    from tests.corpus import write_corpus
+    from tests.corpus import write_corpus  # the repository root is on sys.path: `python -m` from it
 
     worlds = [1] if args.quick or args.device == "cuda" else args.worlds
     all_cases = CUDA_CASES if args.device == "cuda" else CASES
     start = time.perf_counter()
-    command = "python benchmarks/validate_planner.py " + " ".join(sys.argv[1:])
     machine = ""
     if args.device == "cuda":
         query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
@@ -297,9 +260,9 @@ def main() -> None:
                 print(f"world size {world}: {len(cases)} cases done ({time.perf_counter() - start:.0f} s)", flush=True)
     seconds = time.perf_counter() - start
     if args.save:
-        saved = {"results": results, "seconds": seconds, "command": command.strip(), "device": args.device}
+        saved = {"results": results, "seconds": seconds, "command": command(), "device": args.device}
         Path(args.save).write_text(json.dumps(saved | {"machine": machine}))
-    print(report(results, seconds, command.strip(), args.device, machine))
+    print(report(results, seconds, command(), args.device, machine))
 
 
 if __name__ == "__main__":

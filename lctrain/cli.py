@@ -17,7 +17,7 @@ USAGE = (
 
 
 # CUDA's caching allocator for long sequences: activations of many sizes, allocated and freed every layer, fragment
-# fixed-size segments; expandable segments grow in place (benchmarks/bench_gpu.py measures what it saves)
+# fixed-size segments; expandable segments grow in place (`benchmarks/bench_trainer.py --device cuda` measures it)
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU checks, prepared for a lent one-GPU machine (an H200: 15 device minutes in all, at most 10 per command, a
-# machine start costs 1-2). Every step has a timeout and writes into OUT; see docs/testing.md.
+# The GPU checks: needs one GPU and ends within GPU_CHECK_SECONDS (default 540 s). Every step has a timeout and
+# writes into OUT; see docs/testing.md.
 #
 #   bash scripts/gpu_check.sh OUT                       # tests, speed, planner, context in that order, in one call
 #   bash scripts/gpu_check.sh OUT context               # named steps only
 #
-# The whole run ends within GPU_CHECK_SECONDS (default 540, under the 600 s one device call may take): each step
-# gets the smaller of its own timeout and what is left; a step with under 30 s left is skipped (status.txt says so).
+# Each step gets the smaller of its own timeout and what is left of GPU_CHECK_SECONDS; a step with under 30 s left
+# is skipped (status.txt says so).
 #
-# Steps: tests (pytest tests/gpu), speed (benchmarks/bench_gpu.py defaults), planner (benchmarks/validate_planner.py
-# --device cuda), context (benchmarks/bench_gpu_context.py defaults); on request also offload (bench_gpu.py: the cost
-# of parallel.cpu_offload and parallel.activation_offload at 64K) and ring (benchmarks/bench_ring_compute.py).
+# Steps: tests (pytest tests/gpu), speed (python3 -m benchmarks.bench_trainer --device cuda), planner
+# (python3 -m benchmarks.validate_planner --device cuda), context (python3 -m benchmarks.bench_context --device
+# cuda); on request also offload (bench_trainer: the cost of parallel.cpu_offload and parallel.activation_offload at
+# 64K) and ring (python3 -m benchmarks.bench_ring_compute).
 # Uses the machine's python3 and its torch; lctrain is imported from this checkout. Python packages the machine lacks
 # are carried as wheels in .whl/ (docs/testing.md) and installed into /tmp/site first. OUT/status.txt lists each
 # step's exit status (124: its timeout).
@@ -56,12 +57,12 @@ step() {
 for name in "${steps[@]}"; do
   case $name in
     tests) step tests 240 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider ;;
-    speed) step speed 270 python3 benchmarks/bench_gpu.py --json "$out/speed.json" ;;
-    planner) step planner 180 python3 benchmarks/validate_planner.py --device cuda --save "$out/planner.json" ;;
-    context) step context 560 python3 benchmarks/bench_gpu_context.py --json "$out/context.json" ;;
-    offload) step offload 300 python3 benchmarks/bench_gpu.py --sides lctrain --seq 65536 --checkpointing full \
-      --cpu-offload --activation-offload --no-allocator-compare --json "$out/offload.json" ;;
-    ring) step ring 240 python3 benchmarks/bench_ring_compute.py ;;
+    speed) step speed 270 python3 -m benchmarks.bench_trainer --device cuda --json "$out/speed.json" ;;
+    planner) step planner 180 python3 -m benchmarks.validate_planner --device cuda --save "$out/planner.json" ;;
+    context) step context 560 python3 -m benchmarks.bench_context --device cuda --json "$out/context.json" ;;
+    offload) step offload 300 python3 -m benchmarks.bench_trainer --device cuda --sides lctrain --seq 65536 \
+      --checkpointing full --cpu-offload --activation-offload --no-allocator-compare --json "$out/offload.json" ;;
+    ring) step ring 240 python3 -m benchmarks.bench_ring_compute ;;
     *) echo "unknown step $name: choose from tests speed planner context offload ring" >&2; exit 2 ;;
   esac
 done

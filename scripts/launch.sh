@@ -11,7 +11,8 @@
 #   MASTER_PORT     its port (default 29500)
 #   RDZV_ID         a job id shared by the nodes (default lctrain-$MASTER_ADDR-$MASTER_PORT)
 #   PYTORCH_CUDA_ALLOC_CONF  CUDA allocator settings (default expandable_segments:True, which long sequences need,
-#                   unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set; `lctrain` itself does the same)
+#                   unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set; `lctrain` itself does the same:
+#                   lctrain.cli.ALLOCATOR_SETTINGS, which tests/distributed/test_launch.py keeps equal to this one)
 #   RDZV_TIMEOUT    seconds the nodes have to join the rendezvous (default 600); then it fails, naming what to check
 # Node ranks come from the rendezvous; the ranks of one node are consecutive, so Ulysses groups (adjacent ranks)
 # stay inside a node when parallel.ulysses divides NPROC_PER_NODE (lctrain refuses other meshes).

@@ -13,17 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-# the tiny recipe (ring 2 x ulysses 2) shrunk further: the job that the launch and cluster tests start
-TINY = [
-    "recipe=tiny_cpu",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_layers=2",
-    "data.seq_len=128",
-    "checkpoint.export_hf=false",
-    "logging.progress_bar=false",
-    "logging.plot=false",
-]
+from benchmarks.jobs import tiny_job
+
+# the tiny job (recipe tiny_cpu, ring 2 x ulysses 2) shrunk further: the job that the launch and cluster tests start
+TINY = tiny_job("model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "data.seq_len=128")
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, checkpoint: Path, log: Path, timeout: float = 300) -> None:

@@ -15,7 +15,7 @@ For every layout whose degrees multiply to the number of GPUs and that lctrain a
 
 It recommends one layout (``recommend``) and can write it as a recipe (``recipe_text``). ``docs/planner.md`` derives
 every term, lists the assumptions and the estimate's error against measured peaks
-(``benchmarks/validate_planner.py``). Pure arithmetic: importing it loads neither torch nor transformers.
+(``python -m benchmarks.validate_planner``). Pure arithmetic: importing it loads neither torch nor transformers.
 
 Modules: ``presets`` (the inputs), ``memory``, ``timing``, ``search`` (checks, estimates, recommendation),
 ``report`` (table, recipe), ``cli``.

@@ -8,7 +8,8 @@
   id) and the recipe and overrides arrive unchanged (spaces and brackets included); ``srun`` starts one task per
   node and stops the job when one fails.
 - ``launch.sh`` on one node uses ``--standalone``, and refuses ``NNODES > 1`` without ``MASTER_ADDR``; it sets
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless either allocator variable is set.
+  ``PYTORCH_CUDA_ALLOC_CONF`` to lctrain's default (``lctrain.cli.ALLOCATOR_SETTINGS``, which the script repeats for
+  the processes torchrun starts) unless either allocator variable is set.
 - Two real ``launch.sh`` runs with ``NNODES=2`` (two processes each) on loopback form one 4-rank job that trains
   the tiny recipe (ring 2 × ulysses 2, each Ulysses pair inside one "node"): its losses and gradient norms equal a
   4-process ``--standalone`` run's exactly (same ranks, same mesh, CPU fp32 gloo: bitwise deterministic).
@@ -32,6 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lctrain.cli import ALLOCATOR_SETTINGS
 from tests.corpus import corpus_overrides, write_corpus
 from tests.jobs import TINY, kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
@@ -129,7 +131,7 @@ def test_launch_on_one_node_is_standalone(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("user", "expected"),
     [
-        ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": None}),
+        ({}, {"PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_SETTINGS, "PYTORCH_ALLOC_CONF": None}),  # lctrain's own default
         ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": None}),
         (
             {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"},

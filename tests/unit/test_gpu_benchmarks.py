@@ -1,8 +1,8 @@
-"""The GPU benchmarks on CPU: every Python file ``scripts/gpu_check.sh`` runs imports and parses its arguments; the
-longest-context search (doubling, halving, bisection, the memory cap) and the layer fit on made-up probes; and a
-smoke run of ``bench_gpu.py`` and of ``bench_gpu_context.py`` with tiny shapes (``--device cpu``: fresh processes,
-the resident set standing in for device memory, ``--max-mem-gib`` for its size), whose reports hold both sides, the
-ratio, FSDP2's share, the layer fit and its check.
+"""The comparison benchmarks on CPU: every module ``scripts/gpu_check.sh`` runs imports and parses its arguments; the
+longest-context search (doubling, halving, bisection, the memory budget) and the layer fit on made-up probes; and a
+smoke run of ``benchmarks.bench_trainer`` and of ``benchmarks.bench_context`` with tiny shapes (``--device cpu``:
+fresh processes, the resident set standing in for device memory, ``--budget-mib`` for its size), whose reports
+hold both sides, the ratio, FSDP2's share, the layer fit and its check.
 """
 
 from __future__ import annotations
@@ -16,28 +16,28 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_context import fits
+from benchmarks.report import fit_line
+from benchmarks.search import Probe, Search
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_gpu_context import Probe, Search, fit_line, fits  # noqa: E402
-
 TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4"]
 TINY += ["--kv-heads", "2", "--vocab", "8192"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 STEPS = ("tests", "speed", "planner", "context")
 
 
-def gpu_check_scripts() -> list[str]:
+def gpu_check_modules() -> list[str]:
     text = (REPO / "scripts" / "gpu_check.sh").read_text()
-    return sorted(set(re.findall(r"python3 (benchmarks/\w+\.py)", text)))
+    return sorted(set(re.findall(r"python3 -m (benchmarks\.\w+)", text)))
 
 
 def test_gpu_check_runs_the_three_benchmarks_and_its_syntax_is_valid() -> None:
-    assert gpu_check_scripts() == [
-        "benchmarks/bench_gpu.py",
-        "benchmarks/bench_gpu_context.py",
-        "benchmarks/bench_ring_compute.py",
-        "benchmarks/validate_planner.py",
+    assert gpu_check_modules() == [
+        "benchmarks.bench_context",
+        "benchmarks.bench_ring_compute",
+        "benchmarks.bench_trainer",
+        "benchmarks.validate_planner",
     ]
     subprocess.run(["bash", "-n", "scripts/gpu_check.sh"], cwd=REPO, check=True)
 
@@ -65,9 +65,9 @@ def test_gpu_check_caps_each_step_by_what_is_left_of_its_budget(tmp_path: Path) 
     seconds = [int(line.split()[0]) for line in timeouts]
     assert [line.split(maxsplit=1)[1] for line in timeouts] == [
         "-m pytest",
-        "benchmarks/bench_gpu.py --json",
-        "benchmarks/validate_planner.py --device",
-        "benchmarks/bench_gpu_context.py --json",
+        "-m benchmarks.bench_trainer",
+        "-m benchmarks.validate_planner",
+        "-m benchmarks.bench_context",
     ]
     # 200 s less the 10 s of `timeout -k 10` and the whole seconds the stand-ins took; the planner's own 180 s
     assert seconds[2] == 180 and all(185 <= s <= 190 for s in seconds[:2] + seconds[3:]), seconds
@@ -82,28 +82,27 @@ def test_gpu_check_caps_each_step_by_what_is_left_of_its_budget(tmp_path: Path) 
 
 HELP = """
 import contextlib, io, runpy, sys
-sys.path.insert(0, "benchmarks")  # as running one of them puts its directory first
-for script in sys.argv[1:]:
-    sys.argv = [script, "--help"]
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_module(module, run_name="__main__")
         except SystemExit as exit:
-            assert exit.code in (0, None), (script, exit.code)
-    assert out.getvalue().startswith("usage:"), (script, out.getvalue()[:200])
-    print("ok", script)
+            assert exit.code in (0, None), (module, exit.code)
+    assert out.getvalue().startswith("usage:"), (module, out.getvalue()[:200])
+    print("ok", module)
 """
 
 
-def test_each_script_gpu_check_runs_imports_and_parses_arguments_on_cpu() -> None:
+def test_each_module_gpu_check_runs_imports_and_parses_arguments_on_cpu() -> None:
     """``--help`` of each, in one interpreter (torch imported once)."""
-    scripts = gpu_check_scripts()
+    modules = gpu_check_modules()
     result = subprocess.run(
-        [sys.executable, "-c", HELP, *scripts], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", HELP, *modules], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [word for script in scripts for word in ("ok", script)]
+    assert result.stdout.split() == [word for module in modules for word in ("ok", module)]
 
 
 def probe(limit: int, seen: list[int]):  # noqa: ANN201
@@ -134,51 +133,60 @@ def test_search_halves_when_the_start_does_not_fit_and_stops_at_the_maximum() ->
     assert seen == [1024, 512]
 
 
-def test_a_probe_fits_when_it_finished_within_the_memory_cap() -> None:
+def test_a_probe_fits_when_it_finished_within_the_memory_budget() -> None:
     gib = 2**30
-    assert fits({"ok": True, "peak_allocated": 3 * gib}, None)
-    assert fits({"ok": True, "peak_allocated": 3 * gib}, 3 * gib)
-    assert not fits({"ok": True, "peak_allocated": 3 * gib + 1}, 3 * gib)
+    assert fits({"ok": True, "step_peak": 3 * gib}, None)
+    assert fits({"ok": True, "step_peak": 3 * gib}, 3 * gib)
+    assert not fits({"ok": True, "step_peak": 3 * gib + 1}, 3 * gib)
     assert not fits({"ok": False, "error": "out of memory"}, None)  # a CUDA out-of-memory: a clean "does not fit"
 
 
 def test_fit_line_through_depths() -> None:
-    assert fit_line({2: 10.0, 4: 14.0}) == (6.0, 2.0)
-    fixed, per_layer = fit_line({1: 5.0, 2: 7.5, 4: 12.0})
+    assert fit_line([2, 4], [10.0, 14.0]) == (6.0, 2.0)
+    fixed, per_layer = fit_line([1, 2, 4], [5.0, 7.5, 12.0])
     assert per_layer == pytest.approx(65 / 28) and fixed == pytest.approx(2.75)
 
 
-def test_bench_gpu_on_cpu_reports_both_sides_and_their_ratio(tmp_path: Path) -> None:
-    command = [sys.executable, "benchmarks/bench_gpu.py", *TINY, "--seq", "128", "--checkpointing", "none"]
+def test_bench_trainer_on_cpu_reports_both_sides_and_their_ratio(tmp_path: Path) -> None:
+    """A timed run of each side, taken in turn, and a memory run of each (four fresh processes)."""
+    command = [sys.executable, "-m", "benchmarks.bench_trainer", *TINY, "--seq", "128", "--checkpointing", "none"]
     command += ["--warmup", "1", "--steps", "1", "--json", str(tmp_path / "speed.json")]
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     number = r"[\d,.]+"
-    assert re.search(rf"^\| lctrain \| 128 \| none \| {number} \| {number} \| n/a \|", out, re.MULTILINE), out
-    assert re.search(rf"^\| HF loop \| 128 \| none \| {number} \| {number} \| n/a \|", out, re.MULTILINE), out
-    assert re.search(rf"^\| 128 \| none \| {number} \| {number} \| \*\*\d+\.\d\d\*\* \|", out, re.MULTILINE), out
+    for side in ("lctrain", "HF loop"):
+        row = rf"^\| {side} \| 128 \| none \| {number} \| {number} \| {number} \| n/a \| — \| {number} \| {number} \|"
+        assert re.search(row, out, re.MULTILINE), out
+    assert re.search(rf"^\| 128 \| none \| {number} \| {number} \| \*\*\d+\.\d{{3}}\*\* \|", out, re.MULTILINE), out
     assert re.search(r"^\| 128 \| none \| — \| — \| n/a \| [\d.]+ of [\d.]+ \| [\d.]+% \|", out, re.MULTILINE), out
-    runs = json.loads((tmp_path / "speed.json").read_text())["runs"]
-    assert [r["spec"]["side"] for r in runs] == ["lctrain", "hf"] and all(r["result"]["ok"] for r in runs)
+    cases = json.loads((tmp_path / "speed.json").read_text())["cases"]
+    assert [c["side"] for c in cases] == ["lctrain", "hf"]
+    for case in cases:
+        steps = [case["result"]["ready"], *case["result"]["steps"], *case["result"]["memory"]]
+        assert len(steps) == 4 and all(step["ok"] for step in steps)  # ready, 1 timed step, 2 memory steps
 
 
-def test_bench_gpu_context_on_cpu_searches_fits_layers_and_checks_the_prediction(tmp_path: Path) -> None:
+def test_bench_context_on_cpu_searches_fits_layers_and_checks_the_prediction(tmp_path: Path) -> None:
     """Three fresh processes: each side at S=256 (the start and the maximum), and lctrain with 1 layer; the search's
     2-layer probe serves as the second depth of the fit and as the full-depth check (so the error is 0 here: the
     arithmetic of the fit has its own test)."""
-    command = [sys.executable, "benchmarks/bench_gpu_context.py", *TINY, "--sections", "search", "layers"]
+    command = [sys.executable, "-m", "benchmarks.bench_context", *TINY, "--sections", "search", "layers"]
+    command += ["--ring", "1", "--hf-checkpointing", "full"]
     command += ["--start-seq", "256", "--max-seq", "256", "--seq-unit", "128", "--warmup-seq", "64"]
-    command += ["--layer-counts", "1", "2", "--fit-seqs", "256", "--check-seq", "256", "--max-mem-gib", "8"]
+    command += ["--layer-counts", "1", "2", "--fit-seqs", "256", "--check-seq", "256", "--budget-mib", "8192"]
     command += ["--json", str(tmp_path / "context.json")]
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert re.search(r"^\| lctrain \| ≥ 256 \| — \| [\d.]+ \| n/a \| [\d.]+ \| 256 ✓ \|$", out, re.MULTILINE), out
+    probe_cell = r"256 ✓ [\d,]+ MiB"
+    assert re.search(rf"^\| lctrain \| ≥ 256 \| — \| [\d.]+ \| n/a \| [\d.]+ \| {probe_cell} \|$", out, re.MULTILINE), (
+        out
+    )
     assert re.search(r"^\| HF loop \(gradient checkpointing\) \| ≥ 256 \|", out, re.MULTILINE), out
     assert "lctrain / HF loop: **≥ 1.0×**" in out
     assert re.search(r"^\| 256 \| 2 \(predicted\) \| \*\*[\d.]+\*\* = ", out, re.MULTILINE), out
     assert re.search(r"^\| 256 \| 2 \| [\d.]+ \| [\d.]+ \| [+-]0\.0% \|$", out, re.MULTILINE), out
     probes = json.loads((tmp_path / "context.json").read_text())["probes"]
     assert len(probes) == 3 and all(p["fits"] for p in probes)
-    assert all(0 < p["result"]["peak_allocated"] <= 8 * 2**30 for p in probes)
+    assert all(0 < p["result"]["step_peak"] <= p["result"]["peak"] <= 8 * 2**30 for p in probes)

@@ -1,0 +1,355 @@
+"""The longest sequence each side (``sides.py``) trains in one step, lctrain against the plain Hugging Face loop, on
+CPU within a memory budget or on one GPU; and lctrain's memory by layer count (to predict depths and lengths too
+slow to run) and what activation offload saves.
+
+    python -m benchmarks.bench_context                # CPU: lctrain on 4 ranks vs one HF process (about 5 minutes)
+    python -m benchmarks.bench_context --device cuda  # one GPU: all three sections (a 10-minute call on an H200, est.)
+    python -m benchmarks.bench_context --device cuda --sections layers --fit-seqs 524288 1048576 --check-seq 524288
+    python -m benchmarks.bench_context --ring 1 --hidden 64 ...    # tiny shapes on CPU, tests/unit
+
+The job is that of ``bench_trainer`` (``jobs.job_from_args``: on CPU the tiny recipe, fp32; on CUDA Llama-3.2-1B's
+sizes with an untied head, bf16; the shape flags and ``--override``). lctrain runs on ``--ring`` × ``--ulysses``
+ranks (CPU default ring 4: pure ring keeps every activation at S/4 tokens per rank, and the tiny model's 2 KV heads
+would allow Ulysses 2 at most; CUDA default one GPU) with activation checkpointing ``full`` and the chunked loss
+(``--loss-chunk-tokens``, default the job's); the HF loop runs in one process, with ``--hf-checkpointing`` (CPU
+default none, full logits: the usual loop; CUDA default full, Hugging Face's gradient checkpointing).
+
+Every probe is a fresh process (``runs.Run``; several ranks: a fresh gloo group, ``runs.run_group``): one warm-up
+step at ``--warmup-seq`` (AdamW's states then exist, as in every later step), then one step at S. On CUDA a probe
+fits when it finishes (an out-of-memory is a clean "does not fit"; so is a probe past ``--probe-timeout``); on CPU
+when, moreover, every process's step peak (the resident set it adds during the step, ``memory.py``, measured with
+``MALLOC_MMAP_THRESHOLD_=65536``) stays within ``--budget-mib``, a watchdog ending a step as it passes it.
+
+Sections (``--sections``; CPU default ``search``, CUDA all three):
+
+1. ``search``: the longest S of each side. The HF loop doubles from ``--start-seq`` while it fits (halving while
+   the start does not), then bisects (``--bisect`` steps) between its longest fit and its shortest failure; lengths
+   are multiples of ``--seq-unit``, none above ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's
+   result (a fit there meets the target), then tries ``--max-seq``: the step peak grows with S, so a fit there
+   means every length in between fits ("≥ max-seq", the ratio then a lower bound); otherwise it doubles and bisects
+   like the HF loop. ``--max-seq`` bounds the run time: a step's attention work grows as S². At each side's
+   longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the largest of several
+   phases' (the loss chunks' logits, a recomputed decoder layer, ...) that grow with S at different rates.
+2. ``layers``: lctrain's peak at the same width with ``--layer-counts`` layers at each of ``--fit-seqs``; a line
+   fixed + per-layer memory through them per S predicts the full depth; the prediction is checked against a real
+   full-depth step at ``--check-seq`` (the search's probe when it ran that length), with the error.
+3. ``offload``: activation offload's memory saving and slowdown: lctrain with ``--offload-layers`` layers at
+   ``--offload-seq``, without and with ``parallel.activation_offload`` (a no-op on CPU), the second step timed.
+
+A full 16-layer step at 1M tokens takes many minutes on one GPU, which is why depth is predicted from shallow
+models (the third command above; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.jobs import add_job_args, job_from_args
+from benchmarks.memory import malloc_env
+from benchmarks.report import command, fit_line, machine_line, table
+from benchmarks.runs import Run, run_group
+from benchmarks.search import Probe, Search
+from lctrain.flops import flops_per_token
+
+MIB, GIB = 2**20, 2**30
+SECTIONS = ("search", "layers", "offload")
+# the flags' defaults by device: (CPU, CUDA)
+DEFAULTS = {
+    "sections": (["search"], list(SECTIONS)),
+    "ring": (4, 1),
+    "hf_checkpointing": ("none", "full"),
+    "budget_mib": (1024, None),
+    "start_seq": (1024, 32768),
+    "max_seq": (32768, 262144),
+    "seq_unit": (256, 8192),
+    "warmup_seq": (512, 4096),
+    "layer_counts": ([1, 2], [2, 4]),
+    "fit_seqs": ([4096, 8192], [131072, 262144]),
+    "check_seq": (4096, 131072),
+    "offload_seq": (8192, 262144),
+    "offload_layers": (2, 4),
+}
+
+
+def fits(result: dict[str, Any], budget: int | None) -> bool:
+    """A probe fits when its step finished and, with a budget (CPU), its step peak stayed within it."""
+    return bool(result["ok"]) and (budget is None or result["step_peak"] <= budget)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_args(parser)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search on CPU, all on CUDA")
+    parser.add_argument("--ring", type=int, help="lctrain's ring degree (default: 4 on CPU, 1 on CUDA)")
+    parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
+    parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
+    parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
+    parser.add_argument("--budget-mib", type=int, help="CPU: the step peak a process may add (default 1024)")
+    parser.add_argument("--start-seq", type=int, help="the HF loop's first probe")
+    parser.add_argument("--target-ratio", type=float, default=4.0, help="lctrain starts at this × the HF loop's S")
+    parser.add_argument("--max-seq", type=int, help="no probe above this")
+    parser.add_argument("--seq-unit", type=int, help="probed lengths are multiples of this")
+    parser.add_argument("--bisect", type=int, default=1, help="bisection steps after doubling")
+    parser.add_argument("--warmup-seq", type=int, help="each probe's warm-up step")
+    parser.add_argument("--layer-counts", type=int, nargs="+", help="depths of the layer fit")
+    parser.add_argument("--fit-seqs", type=int, nargs="+", help="lengths of the layer fit")
+    parser.add_argument("--check-seq", type=int, help="the full-depth run checking the prediction")
+    parser.add_argument("--offload-seq", type=int, help="activation offload: S")
+    parser.add_argument("--offload-layers", type=int, help="activation offload: layers")
+    parser.add_argument("--probe-timeout", type=float, default=240, help="seconds a probe may take to start or step")
+    parser.add_argument("--json", metavar="PATH", help="also write every probe as JSON")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and args.budget_mib is not None:
+        parser.error("--budget-mib limits a CPU run's memory; on CUDA the GPU's memory is the limit")
+    for key, values in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, values[args.device == "cuda"])
+    divisor = 2 * args.ring * args.ulysses  # zigzag sharding
+    for name in ("seq_unit", "warmup_seq", "start_seq", "max_seq"):
+        if getattr(args, name) % divisor:
+            parser.error(f"--{name.replace('_', '-')} must be a multiple of 2·ring·ulysses = {divisor}")
+    if args.start_seq % args.seq_unit or args.max_seq % args.seq_unit:
+        parser.error("--start-seq and --max-seq must be multiples of --seq-unit")
+    if args.check_seq not in args.fit_seqs:
+        parser.error(f"--check-seq {args.check_seq} must be one of --fit-seqs {args.fit_seqs} (its prediction)")
+    return args
+
+
+@dataclass
+class Bench:
+    """Runs the probes of every section and keeps them for the report."""
+
+    args: argparse.Namespace
+    log: list[dict[str, Any]] = field(default_factory=list)
+    done: dict[tuple, Probe] = field(default_factory=dict)  # every probe by what it ran: a section reuses another's
+
+    @functools.cached_property
+    def depth(self) -> int:
+        """The job's number of layers."""
+        from lctrain.config import load_config
+
+        return load_config(self.job("lctrain", self.args.check_seq, None, False)).model.num_layers
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.args.budget_mib is None else self.args.budget_mib * MIB
+
+    def job(self, side: str, seq: int, layers: int | None, offload: bool) -> list[str]:
+        args = self.args
+        ring, ulysses = (args.ring, args.ulysses) if side == "lctrain" else (1, 1)
+        changes = [f"parallel.ring={ring}", f"parallel.ulysses={ulysses}", "parallel.dp=1", f"data.seq_len={seq}"]
+        if side == "lctrain":
+            changes.append("parallel.activation_checkpointing=full")
+            if args.loss_chunk_tokens is not None:
+                changes.append(f"train.loss_chunk_tokens={args.loss_chunk_tokens}")
+        else:
+            changes.append(f"parallel.activation_checkpointing={args.hf_checkpointing}")
+        if layers is not None:
+            changes.append(f"model.num_layers={layers}")
+        if offload:
+            changes.append("parallel.activation_offload=true")
+        return job_from_args(args, *changes)
+
+    def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
+        """One probe (``layers``: the job's depth by default), or the same one run before."""
+        args = self.args
+        if layers is not None and layers == self.depth:
+            layers = None
+        key = (side, seq, layers, offload, steps)
+        if key in self.done:
+            return self.done[key]
+        spec = {"side": side, "job": self.job(side, seq, layers, offload), "doc_len": None, "threads": None}
+        ranks = args.ring * args.ulysses if side == "lctrain" else 1
+        warmup_seq = min(args.warmup_seq, seq)
+        what = f"{side}, {ranks} rank(s), S={seq}" + (f", {layers} layers" if layers else "")
+        what += ", activation offload" if offload else ""
+        print(f"probe: {what} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        with malloc_env(for_memory=args.device == "cpu"):
+            result = self.run(spec, ranks, warmup_seq, seq, steps)
+        result["wall_s"] = time.perf_counter() - started
+        probe = Probe(seq, fits(result, self.budget), result)
+        if result["ok"] and not probe.fits:
+            result["error"] = f"over --budget-mib={args.budget_mib}"
+        verdict = "fits" if probe.fits else f"does not fit ({probe.reason})"
+        if "step_peak" in result:
+            verdict += f"; step peak {result['step_peak'] / MIB:,.0f} MiB"
+        print(f"    {verdict} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        self.log.append({"probe": what, "spec": spec, "fits": probe.fits, "result": result})
+        self.done[key] = probe
+        return probe
+
+    def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
+        """A probe's figures: over its ranks the largest step time, peak and step peak of its measured steps, with
+        the run's description (``Run.ready``)."""
+        if ranks == 1:
+            with Run(spec, timeout_s=self.args.probe_timeout) as run:
+                run.step(warmup_seq, seed=1)
+                per_rank = [{"ready": run.ready, "steps": [run.step(seq, 0, budget=self.budget) for _ in range(steps)]}]
+        else:
+            per_rank, stopped = run_group(spec, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=self.budget)
+            if stopped is not None:
+                return {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": stopped}
+        results = [step for rank in per_rank for step in rank["steps"]]
+        failed = next((r for r in [per_rank[0]["ready"], *results] if not r["ok"]), None)
+        if failed is not None:
+            return failed
+        per_step = [[rank["steps"][i] for rank in per_rank] for i in range(steps)]
+        return {
+            **per_rank[0]["ready"],
+            "step_s": [max(r["step_s"] for r in step) for step in per_step],
+            "peak": max(r["peak"] for r in results),
+            "step_peak": max(r["step_peak"] for r in results),
+        }
+
+
+def memory_cell(value: float) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def step_figures(args: argparse.Namespace, probe: Probe) -> list[str]:
+    """Step time, MFU and peak memory of a fitting probe."""
+    result = probe.result
+    step, model = result["step_s"][-1], result["model"]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else result["peak_flops"]
+    per_token = flops_per_token(model["params"], model["layers"], model["hidden"], probe.seq)
+    mfu = "n/a" if peak is None else f"{100 * probe.seq / step * per_token / peak:.1f}%"
+    return [f"{step:.2f}", mfu, memory_cell(result["peak"])]
+
+
+def probe_cell(probe: Probe, budget: bool) -> str:
+    """``S ✓`` or ``S ✗``, on CPU with the step peak (``>``: the watchdog stopped the step as it passed it)."""
+    cell = f"{probe.seq:,} {'✓' if probe.fits else '✗'}"
+    if budget and "step_peak" in probe.result:
+        cell += f" {'>' if probe.result.get('aborted') else ''}{probe.result['step_peak'] / MIB:,.0f} MiB"
+    return cell
+
+
+def search_section(bench: Bench) -> list[str]:
+    args = bench.args
+    unit = args.seq_unit
+    searches = {
+        side: Search(lambda seq, side=side: bench.probe(side, seq), unit, args.max_seq) for side in ("hf", "lctrain")
+    }
+    hf = searches["hf"].run(args.start_seq, bisect=args.bisect)
+    start = min(args.max_seq, max(unit, int(args.target_ratio * (hf or unit)) // unit * unit))
+    lctrain = searches["lctrain"].run(start, bisect=args.bisect, jump=True)  # a fit at --max-seq ends it
+    labels = {"lctrain": f"lctrain ({args.ring * args.ulysses} ranks)" if args.ring * args.ulysses > 1 else "lctrain"}
+    labels["hf"] = "HF loop (gradient checkpointing)" if args.hf_checkpointing == "full" else "HF loop"
+    rows = []
+    for side, longest in (("lctrain", lctrain), ("hf", hf)):
+        search = searches[side]
+        failure = search.shortest_failure()
+        label = "none fits" if longest is None else f"{'≥ ' if longest >= args.max_seq else ''}{longest:,}"
+        cells = [labels[side], label, "—" if failure is None else f"{failure:,} ({search.probes[failure].reason[:60]})"]
+        cells += ["—"] * 3 if longest is None else step_figures(args, search.probes[longest])
+        probes = "; ".join(
+            probe_cell(p, bench.budget is not None) for p in sorted(search.probes.values(), key=lambda p: p.seq)
+        )
+        rows.append([*cells, probes])
+    ratio = f"**{'≥ ' if lctrain and lctrain >= args.max_seq else ''}{lctrain / hf:.1f}×**" if lctrain and hf else "—"
+    header = ["side", "longest S", "shortest failure", "step (s)", "MFU", "peak memory (GiB)", "probes"]
+    if bench.budget is None:
+        memory = "peak allocated"
+    else:
+        memory = f"resident set; fits: step peak ≤ {args.budget_mib:,} MiB per process"
+    note = (
+        f"One training step; lctrain on ring {args.ring} × ulysses {args.ulysses} with activation checkpointing full, "
+        f"the HF loop in one process with checkpointing {args.hf_checkpointing}; each probe a fresh process (group): a "
+        f"warm-up step at {args.warmup_seq:,} tokens, then one at S; memory = {memory}. lctrain / HF loop: {ratio}."
+    )
+    return ["## Longest sequence", "", note, "", table(header, rows), ""]
+
+
+def layers_section(bench: Bench) -> list[str]:
+    args, depth = bench.args, bench.depth
+    rows, check_rows = [], []
+    for seq in args.fit_seqs:
+        points = {}
+        for layers in args.layer_counts:
+            probe = bench.probe("lctrain", seq, layers=layers)
+            cell = memory_cell(probe.result["peak"]) if probe.fits else probe.reason[:40]
+            rows.append([f"{seq:,}", str(layers), cell])
+            if probe.fits:
+                points[layers] = probe.result["peak"]
+        if len(points) < 2:
+            rows.append([f"{seq:,}", f"{depth} (predicted)", "— (fewer than two depths fit)"])
+            continue
+        fixed, per_layer = fit_line(list(points), list(points.values()))
+        predicted = fixed + per_layer * depth
+        rows.append(
+            [
+                f"{seq:,}",
+                f"{depth} (predicted)",
+                f"**{predicted / GIB:.2f}** = {fixed / GIB:.2f} + {depth} × {per_layer / GIB:.3f}",
+            ]
+        )
+        if seq == args.check_seq:
+            real = bench.probe("lctrain", seq)  # the search's probe, when it ran this length
+            if real.fits:
+                measured = real.result["peak"]
+                check_rows.append(
+                    [f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", f"{measured / GIB:.2f}"]
+                    + [f"{(predicted - measured) / measured:+.1%}"]
+                )
+            else:
+                check_rows.append([f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", real.reason[:60], "—"])
+    lines = ["## lctrain's memory by layer count", "", table(["S", "layers", "peak memory (GiB)"], rows), ""]
+    if check_rows:
+        header = ["S", "layers", "predicted (GiB)", "measured (GiB)", "error"]
+        lines += ["Prediction against a real full-depth step:", "", table(header, check_rows), ""]
+    return lines
+
+
+def offload_section(bench: Bench) -> list[str]:
+    args = bench.args
+    rows, results = [], {}
+    for offload in (False, True):
+        probe = bench.probe("lctrain", args.offload_seq, layers=args.offload_layers, offload=offload, steps=2)
+        results[offload] = probe
+        label = "with activation offload" if offload else "without"
+        if not probe.fits:
+            rows.append([label, probe.reason[:60], "", ""])
+            continue
+        rows.append([label, f"{probe.result['step_s'][-1]:.2f}", memory_cell(probe.result["peak"]), ""])
+    if results[False].fits and results[True].fits:
+        slower = results[True].result["step_s"][-1] / results[False].result["step_s"][-1] - 1
+        saved = results[False].result["peak"] - results[True].result["peak"]
+        rows[-1][-1] = f"saves {saved / GIB:.2f} GiB, {slower:+.1%} step time"
+    where = f"lctrain, {args.offload_layers} layers, S={args.offload_seq:,}, full checkpointing, second step timed"
+    header = ["activation offload", "step (s)", "peak memory (GiB)", "effect"]
+    return ["## Activation offload", "", where, "", table(header, rows), ""]
+
+
+def main() -> None:
+    """Each section is printed (and the JSON rewritten) as soon as it is done: a run stopped by a timeout keeps what
+    it measured."""
+    args = parse_args()
+    started = time.perf_counter()
+    bench = Bench(args)
+    print("# Longest context: lctrain vs a plain Hugging Face loop\n")
+    print(f"- command: `{command()}`")
+    if args.device == "cpu":
+        print(f"- machine: {machine_line()}")
+    print(
+        f"- job (Hydra overrides of lctrain's probes): `{' '.join(bench.job('lctrain', args.max_seq, None, False))}`\n",
+        flush=True,
+    )
+    sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
+    for name in args.sections:
+        print("\n".join(sections[name](bench)), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command(), "probes": bench.log}, indent=1))
+    device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
+    print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The jobs the benchmarks run, each named once: the tiny CPU recipe without its outputs (also the job the launch and
+cluster tests start, ``tests/jobs.py``), and the one-GPU model, Llama-3.2-1B's sizes with an untied head. A job is
+a list of Hydra overrides for ``lctrain.config.load_config``; later overrides win."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from lctrain.cli import set_allocator_defaults
+
+REPO = Path(__file__).resolve().parents[1]
+# no Hugging Face export, loss plot or progress bar: outputs that a measured or tested job does not need
+QUIET = ("checkpoint.export_hf=false", "logging.plot=false", "logging.progress_bar=false")
+# the model's sizes by the names the benchmarks' flags use
+SHAPE_SETTINGS = {
+    "hidden": "model.hidden_size",
+    "intermediate": "model.intermediate_size",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "kv_heads": "model.num_kv_heads",
+    "vocab": "model.vocab_size",
+}
+LLAMA_1B_UNTIED = {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "vocab": 128256}
+
+
+def tiny_job(*changes: str) -> list[str]:
+    """``recipe=tiny_cpu`` (a small Llama on the embedded corpus, ring 2 × Ulysses 2) without its outputs, then
+    ``changes``."""
+    return ["recipe=tiny_cpu", *QUIET, *changes]
+
+
+def shape_overrides(shape: Mapping[str, int | None]) -> list[str]:
+    """The ``model.*`` overrides of ``shape`` (keys of ``SHAPE_SETTINGS``; a None size keeps the job's)."""
+    return [f"{SHAPE_SETTINGS[key]}={value}" for key, value in shape.items() if value is not None]
+
+
+def bench_job(device: str, *changes: str) -> list[str]:
+    """A benchmark's job on ``device``, never resumed: on CPU the tiny job (fp32), on CUDA ``LLAMA_1B_UNTIED`` on
+    the embedded corpus (lctrain's default bf16 there); then ``changes``."""
+    if device == "cpu":
+        base = tiny_job("train.device=cpu")
+    else:
+        base = [*QUIET, f"train.device={device}", *shape_overrides(LLAMA_1B_UNTIED)]
+    return [*base, "checkpoint.resume=none", *changes]
+
+
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """The device, model-shape and job flags of the comparison benchmarks (``bench_trainer``, ``bench_context``)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train")
+    group = parser.add_argument_group("model shape (default: the tiny recipe's on CPU; Llama-3.2-1B, untied, on CUDA)")
+    group.add_argument("--hidden", type=int, help="model.hidden_size")
+    group.add_argument("--intermediate", type=int, help="MLP width")
+    group.add_argument("--layers", type=int, help="model.num_layers")
+    group.add_argument("--heads", type=int, help="model.num_heads")
+    group.add_argument("--kv-heads", type=int, help="model.num_kv_heads")
+    group.add_argument("--vocab", type=int, help="model.vocab_size (default: the tokenizer's on CPU)")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override of both sides' job"
+    )
+    parser.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU (default: known GPUs; none on CPU)")
+
+
+def job_from_args(args: argparse.Namespace, *changes: str) -> list[str]:
+    """The job of ``args`` (device, shape flags, ``--override``), then ``changes``."""
+    shape = {key: getattr(args, key) for key in SHAPE_SETTINGS}
+    return bench_job(args.device, *shape_overrides(shape), *args.override, *changes)
+
+
+def process_env(allocator: str | None = None) -> dict[str, str]:
+    """The environment of a benchmark's child process: this one's with the repository importable and unbuffered
+    output; ``PYTORCH_CUDA_ALLOC_CONF=allocator``, or where None, lctrain's default unless the user set the
+    allocator (as ``python -m lctrain`` does)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if allocator is not None:
+        env.pop("PYTORCH_ALLOC_CONF", None)
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator
+    set_allocator_defaults(env)
+    return env
