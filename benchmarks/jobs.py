@@ -1,6 +1,6 @@
 """The jobs the benchmarks run, each named once: the tiny CPU recipe without its outputs (also the job the launch and
-cluster tests start, ``tests/jobs.py``), and the one-GPU model, Llama-3.2-1B's sizes with an untied head. A job is
-a list of Hydra overrides for ``lctrain.config.load_config``; later overrides win."""
+cluster tests start, ``tests/helpers/jobs.py``), and the one-GPU model, Llama-3.2-1B's sizes with an untied head. A job
+is a list of Hydra overrides for ``lctrain.config.load_config``; later overrides win."""
 
 from __future__ import annotations
 

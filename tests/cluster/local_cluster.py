@@ -2,11 +2,11 @@
 real one: munged, slurmctld and two slurmd nodes (``tests/cluster/harness.py``), all files in one directory.
 Needs root and Debian's packages (``apt-get install slurmctld slurmd slurm-client munge``).
 
-    sudo .venv/bin/python tests/cluster/local_cluster.py up      # prints the SLURM_CONF line to export
+    sudo .venv/bin/python -m tests.cluster.local_cluster up      # prints the SLURM_CONF line to export
     export SLURM_CONF=/tmp/lctrain-cluster/slurm.conf
     NPROC_PER_NODE=2 sbatch --nodes=2 --gpus-per-node=0 scripts/slurm/train.sbatch recipe=tiny_cpu
     squeue; scancel JOBID
-    sudo .venv/bin/python tests/cluster/local_cluster.py down    # cancels the jobs, stops the daemons, removes it
+    sudo .venv/bin/python -m tests.cluster.local_cluster down    # cancels the jobs, stops the daemons, removes it
 
 ``up --dir DIR`` chooses the directory (default /tmp/lctrain-cluster); ``--cpus N`` the CPUs of each node.
 """
@@ -18,9 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.cluster.harness import SlurmCluster, unavailable  # noqa: E402
+from tests.cluster.harness import SlurmCluster, unavailable
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ from tests.cluster.training import (
     records,
     wait_for_checkpoint_after,
 )
-from tests.jobs import rank_ends
+from tests.helpers.jobs import rank_ends
 
 
 @pytest.fixture(scope="module")

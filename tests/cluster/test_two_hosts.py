@@ -36,7 +36,7 @@ from tests.cluster.training import (
     records,
     wait_for_checkpoint_after,
 )
-from tests.jobs import kill_job, rank_ends
+from tests.helpers.jobs import kill_job, rank_ends
 
 RDZV_TIMEOUT_S = 10
 

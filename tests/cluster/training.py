@@ -1,10 +1,10 @@
 """The job the cluster tests launch, and what they check about how its ranks ended.
 
-The tiny recipe (ring 2 × ulysses 2: 4 ranks, one Ulysses pair per node), shrunk as in ``tests/jobs.py``, on the small
-corpus of ``tests/corpus.py``: ``STEPS`` steps with a checkpoint every ``EVERY``. Faults are injected as soon as a new
-checkpoint is complete, and the remaining steps leave room for the fault to land before the job ends. On CPU with gloo
-the steps are bitwise deterministic, so every resumed or multi-node run must record exactly the losses, gradient norms
-and learning rates of the uninterrupted one-node run (``reference``).
+The tiny recipe (ring 2 × ulysses 2: 4 ranks, one Ulysses pair per node), shrunk as in ``tests/helpers/jobs.py``, on the
+small corpus of ``tests/helpers/corpus.py``: ``STEPS`` steps with a checkpoint every ``EVERY``. Faults are injected as
+soon as a new checkpoint is complete, and the remaining steps leave room for the fault to land before the job ends. On
+CPU with gloo the steps are bitwise deterministic, so every resumed or multi-node run must record exactly the losses,
+gradient norms and learning rates of the uninterrupted one-node run (``reference``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.jobs import TINY, kill_job, rank_ends, recording_env
+from tests.helpers.jobs import TINY, kill_job, rank_ends, recording_env
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests
@@ -42,7 +42,7 @@ def overrides(run_dir: Path, corpus: Path) -> list[str]:
 
 def job_env(work: Path, name: str, **extra: str) -> dict[str, str]:
     """The environment of one launch named ``name``: the venv's torchrun first on ``PATH``, one thread per rank, and
-    each worker recording how it ended in ``work/name/exits`` (``tests/exit_recorder``), its output in
+    each worker recording how it ended in ``work/name/exits`` (``tests/helpers/exit_recorder``), its output in
     ``work/name/logs``."""
     directory = work / name
     directory.mkdir(parents=True, exist_ok=True)

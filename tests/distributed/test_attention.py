@@ -27,8 +27,8 @@ from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
 from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
 from lctrain.testing import run_distributed
-from tests import fake_attention_ops
-from tests.reference import reference_grads
+from tests.helpers import fake_attention_ops
+from tests.helpers.reference import reference_grads
 
 # (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.
 SPLITS = {

@@ -2,22 +2,22 @@
 trained lctrain model computes.
 
 One spawned gloo group of 2 ranks trains two small jobs for 3 steps each on a small jsonl corpus
-(``tests/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with untied
-embeddings and no activation checkpointing, and ``parallel.ulysses=2`` with tied embeddings and full activation
+(``tests/helpers/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with
+untied embeddings and no activation checkpointing, and ``parallel.ulysses=2`` with tied embeddings and full activation
 checkpointing (wrapped parameter names, one shared tensor) with Llama 3.2's ``llama3`` RoPE type. After
 ``trainer.train()`` each rank runs the trained, still sharded lctrain model (USP attention) on its zigzag shard of a
 fixed 64-token input; the logit shards are all-gathered and unsharded on rank 0. The test process then loads
-``run_dir/hf`` with ``AutoModelForCausalLM.from_pretrained`` (plain SDPA attention, one process) and compares its
-logits on the same input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2,
-exactly equal for ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
+``run_dir/hf`` with ``AutoModelForCausalLM.from_pretrained`` (plain SDPA attention, one process) and compares its logits
+on the same input: fp32, within 1e-5 absolute + 1e-5 relative (logits are O(1); observed: 5e-7 for ring=2, exactly equal
+for ulysses=2). The exported weights differ from the seeded initial ones (training happened), and
 ``AutoTokenizer.from_pretrained(run_dir/"hf")`` loads the training tokenizer (same vocabulary, same token ids on a
-sample text). Finally a fine-tuning job with ``model=hf model.path=<the ring=2 export>`` (ring=2, weights read shard
-by shard from the safetensors file, the tokenizer taken from the same directory) computes, before any step, the
-exported model's logits (same tolerance). Fine-tuning that export for one step with each RoPE scaling type
-transformers supports for Llama (linear with a new ``rope_theta``, dynamic, yarn, llama3) writes the type, factor
-and base into the exported ``config.json`` (``rope_parameters``), and ``from_pretrained`` of it reproduces the
-sharded lctrain model's logits (same tolerance), which the default RoPE would not (they differ by more than 1e-3;
-except dynamic, which up to ``max_position_embeddings`` uses the base frequencies).
+sample text). Finally a fine-tuning job with ``model=hf model.path=<the ring=2 export>`` (ring=2, weights read shard by
+shard from the safetensors file, the tokenizer taken from the same directory) computes, before any step, the exported
+model's logits (same tolerance). Fine-tuning that export for one step with each RoPE scaling type transformers supports
+for Llama (linear with a new ``rope_theta``, dynamic, yarn, llama3) writes the type, factor and base into the exported
+``config.json`` (``rope_parameters``), and ``from_pretrained`` of it reproduces the sharded lctrain model's logits (same
+tolerance), which the default RoPE would not (they differ by more than 1e-3; except dynamic, which up to
+``max_position_embeddings`` uses the base frequencies).
 
 Each other family, trained one step and exported, reloads with ``from_pretrained`` with the sliding windows it was
 trained with in its ``config.json`` and the sharded model's logits (same tolerance), which the same weights without
@@ -46,7 +46,7 @@ from lctrain.data import load_tokenizer
 from lctrain.models import random_init_source
 from lctrain.models.families import apply_sliding_window, layer_windows
 from lctrain.testing import run_distributed
-from tests.corpus import corpus_overrides, write_corpus
+from tests.helpers.corpus import corpus_overrides, write_corpus
 
 WORLD = 2
 SEQ_LEN = 64

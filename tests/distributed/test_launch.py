@@ -34,8 +34,8 @@ import psutil
 import pytest
 
 from lctrain.cli import ALLOCATOR_SETTINGS
-from tests.corpus import corpus_overrides, write_corpus
-from tests.jobs import TINY, kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
+from tests.helpers.corpus import corpus_overrides, write_corpus
+from tests.helpers.jobs import TINY, kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)  # torchrun lives next to the interpreter running the tests

@@ -21,7 +21,7 @@ import functools
 import pytest
 
 from lctrain.testing import run_distributed
-from tests.distributed.reference_training import (
+from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
     job_config,

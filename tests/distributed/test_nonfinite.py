@@ -1,12 +1,12 @@
 """A NaN/inf loss or gradient never trains silently on: ``train.nonfinite=stop`` raises before the update (the last
 checkpoint stays intact and loads), ``skip`` drops that step's update, logs a warning and goes on.
 
-One spawned gloo rank (FSDP over a group of one), a tiny model on ``tests/corpus.py``, three faults at step 2: the
-loss's token sum scaled by NaN (every gradient NaN), by inf, and a finite loss with one gradient element set to NaN
+One spawned gloo rank (FSDP over a group of one), a tiny model on ``tests/helpers/corpus.py``, three faults at step 2:
+the loss's token sum scaled by NaN (every gradient NaN), by inf, and a finite loss with one gradient element set to NaN
 after the backward. Checked for each: with ``stop``, a ``FloatingPointError`` naming the step and the setting,
-parameters equal to those after step 1, the step-1 checkpoint complete, and a new ``Trainer`` resuming from it
-with exactly the step-1 parameters; with ``skip``, the warning ``skip`` promises, parameters after step 2 equal to
-those after step 1 exactly, step 3 changing them with a finite loss, and the schedule advanced on the skipped step.
+parameters equal to those after step 1, the step-1 checkpoint complete, and a new ``Trainer`` resuming from it with
+exactly the step-1 parameters; with ``skip``, the warning ``skip`` promises, parameters after step 2 equal to those
+after step 1 exactly, step 3 changing them with a finite loss, and the schedule advanced on the skipped step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from lctrain.checkpoint import complete_checkpoints
 from lctrain.config import load_config
 from lctrain.testing import run_distributed
-from tests.corpus import corpus_overrides, write_corpus
+from tests.helpers.corpus import corpus_overrides, write_corpus
 
 BASE = [
     "model.hidden_size=32",

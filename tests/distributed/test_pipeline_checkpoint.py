@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from lctrain.train.trainer import Trainer
-from tests.corpus import write_corpus
-from tests.distributed.reference_training import job_config
+from tests.helpers.corpus import write_corpus
+from tests.helpers.reference_training import job_config
 
 STEPS = 6
 PIPELINE = ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=2"]

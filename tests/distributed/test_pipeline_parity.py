@@ -34,7 +34,7 @@ from lctrain.config import JobConfig
 from lctrain.data import load_tokenizer
 from lctrain.models.families import layer_windows
 from lctrain.testing import run_distributed
-from tests.distributed.reference_training import (
+from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
     job_config,

@@ -27,7 +27,7 @@ import pytest
 
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
-from tests.distributed.reference_training import (
+from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
     job_config,

@@ -1,8 +1,8 @@
 """A training job one of whose ranks is killed with SIGKILL stops cleanly, and relaunched with
 ``checkpoint.resume=auto`` it continues exactly where its last checkpoint left it.
 
-Three real ``torchrun`` launches on a small jsonl corpus (``tests/corpus.py``), world 2 as ``parallel.dp=2`` (two
-data-parallel ranks, each with its own data loader position, FSDP-sharded parameters and optimizer state),
+Three real ``torchrun`` launches on a small jsonl corpus (``tests/helpers/corpus.py``), world 2 as ``parallel.dp=2``
+(two data-parallel ranks, each with its own data loader position, FSDP-sharded parameters and optimizer state),
 ``train.grad_accum=2``, 20 steps, a checkpoint every 10 steps:
 
 1. an uninterrupted job (the reference), run alongside job 2;
@@ -36,8 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.corpus import corpus_overrides, write_corpus
-from tests.jobs import kill_job, wait_for_checkpoint, workers_by_rank
+from tests.helpers.corpus import corpus_overrides, write_corpus
+from tests.helpers.jobs import kill_job, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20

@@ -138,7 +138,7 @@ def test_varlen_kernel_equals_one_call_per_document(kernel, group: tuple, batch:
 def test_ring_of_one_with_documents_and_window_equals_reference(kernel: str) -> None:
     """ring_attention with each kernel choice on a packed row (documents, a window): plain, banded and document
     groups each go to the kernel the resolver picks, and the result matches float64 math per document."""
-    from tests.reference import reference_grads
+    from tests.helpers.reference import reference_grads
 
     bounds, window = [0, 1, 100, 137, 400, 512], 64
     q, k, v, dout = make((512, 512, 8, 2, 64, True), torch.bfloat16)

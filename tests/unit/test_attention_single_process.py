@@ -5,7 +5,7 @@ import torch
 
 from lctrain.attention import ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import reference_attention
-from tests.reference import reference_grads
+from tests.helpers.reference import reference_grads
 
 
 @pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)

@@ -15,7 +15,7 @@ from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH
 from lctrain.attention.kernels.torch_cuda import TORCH_CUDA_FLASH
 from lctrain.attention.kernels.varlen import looped_varlen, segment_offsets
 from lctrain.attention.merge import merge_block
-from tests import fake_attention_ops
+from tests.helpers import fake_attention_ops
 
 CPU_KERNELS = [REFERENCE, TORCH_CPU_FLASH]
 SCALE = 0.1
@@ -152,7 +152,7 @@ def test_band_tiles_cover_only_the_keys_their_rows_see(monkeypatch) -> None:  # 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The CUDA kernels' own code (layouts, windows, lse shapes, varlen packing) on CPU, through stand-ins for the CUDA
-# ops written from their documented semantics (tests/fake_attention_ops.py); tests/gpu runs the real ops.
+# ops written from their documented semantics (tests/helpers/fake_attention_ops.py); tests/gpu runs the real ops.
 # ---------------------------------------------------------------------------------------------------------------
 
 FAKED_CUDA_KERNELS = [TORCH_CUDA_FLASH, CUDNN]
@@ -243,7 +243,7 @@ def test_ring_of_one_with_the_h200_kernels_equals_reference(bounds, window, expe
     """ring_attention on one rank with auto's H200 choice, through the fake ops: six documents are one varlen call
     per pass (not six), with and without a window; exact against float64 attention per document."""
     from lctrain.attention import ring, ring_attention
-    from tests.reference import reference_grads
+    from tests.helpers.reference import reference_grads
 
     monkeypatch.setattr(ring, "resolve_kernel", lambda *args, **kwargs: fake_attention_ops.h200_auto_kernel())
     q, k, v, dout = make(48, 48, 8, 2, 16, torch.float64)

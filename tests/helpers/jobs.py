@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def recording_env(exit_dir: Path, log_dir: Path) -> dict[str, str]:
-    """Environment for a torchrun job whose workers each record how they ended (``tests/exit_recorder``) in
+    """Environment for a torchrun job whose workers each record how they ended (``tests/helpers/exit_recorder``) in
     ``exit_dir``, and write their output to files of their own under ``log_dir`` as well as to the console (torchrun
     reads its options from ``PET_*`` variables: ``--log-dir``, ``--tee 3``)."""
     exit_dir.mkdir(parents=True, exist_ok=True)
