@@ -1,8 +1,8 @@
 # lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests;
 # `make test-cluster` (root) runs the cluster suite on a local slurm cluster and two network namespaces.
 PYTHON ?= python3
-# torch is installed first, from the default index (the public one gives the CUDA build on Linux; the development
-# machines keep a CPU build of 2.13.0 on disk) or from TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu.
+# torch is installed first, from the default index (the public one gives the CUDA build on Linux; a machine may keep
+# a local CPU build) or from TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu.
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 VENV := .venv
