@@ -1,0 +1,139 @@
+"""LoRA through peft (``lctrain.models.lora``), without any process group: bad ``model.lora`` settings are refused
+before anything runs, with one line naming the setting and the fix; ``apply_lora`` puts peft's layers on the empty
+model with the names the checkpoints and the weight source expect; the adapters' initial values depend only on
+the seed and the parameter name (not on the mesh, nor on the order they are asked for).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft.tuners.lora import LoraLayer
+
+from lctrain.config import load_config
+from lctrain.models import build_empty_model, model_config, random_init_source
+from lctrain.models.hf import hf_name
+from lctrain.models.lora import PROJECTIONS, adapter_source, apply_lora
+from lctrain.train.trainer import check
+
+SMALL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4"]
+SMALL += ["model.num_kv_heads=2", "data.seq_len=128"]
+LORA = ["model.lora.rank=4"]
+
+# (overrides, substrings of the message)
+BAD_LORA = {
+    "negative_rank": (["model.lora.rank=-1"], ["model.lora.rank=-1 must be >= 1", "or 0 for full fine-tuning"]),
+    "zero_alpha": ([*LORA, "model.lora.alpha=0"], ["model.lora.alpha=0.0 must be > 0", "alpha / rank"]),
+    "dropout_range": ([*LORA, "model.lora.dropout=1.0"], ["model.lora.dropout=1.0 must be in [0, 1)"]),
+    "dropout_with_checkpointing": (
+        [*LORA, "model.lora.dropout=0.1", "parallel.activation_checkpointing=full"],
+        ["model.lora.dropout=0.1 with parallel.activation_checkpointing=full", "set model.lora.dropout=0"],
+    ),
+    "dropout_with_chunked_mlp": (
+        [*LORA, "model.lora.dropout=0.1", "parallel.mlp_chunk_tokens=32"],
+        ["with parallel.mlp_chunk_tokens=32", "other dropout masks"],
+    ),
+    "unknown_target": (
+        [*LORA, "model.lora.target_modules=[q_proj,qkv_proj]"],
+        ["model.lora.target_modules has 'qkv_proj'", "model.family='llama' does not have", "q_proj, up_proj, v_proj"],
+    ),
+    "lm_head_target": (
+        [*LORA, "model.lora.target_modules=[lm_head]"],
+        ["'lm_head': the chunked loss computes the logits from the LM head's weight", "model.lora.trainable=[lm_head]"],
+    ),
+    "unknown_trainable": (
+        [*LORA, "model.lora.trainable=[embeddings]"],
+        ["model.lora.trainable has 'embeddings'", "may be embed_tokens, input_layernorm, lm_head, norm"],
+    ),
+    "trainable_target": (
+        [*LORA, "model.lora.trainable=[q_proj]"],
+        ["model.lora.trainable has 'q_proj', which gets adapters"],
+    ),
+    "tied_trainable_embeddings": (
+        [*LORA, "model.tie_word_embeddings=true", "model.lora.trainable=[embed_tokens,norm]"],
+        ["model.lora.trainable has 'embed_tokens'", "tie_word_embeddings", "leave embed_tokens out"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LORA))
+def test_bad_lora_settings_name_the_setting_and_fix(name: str) -> None:
+    overrides, expected = BAD_LORA[name]
+    with pytest.raises(ValueError) as error:
+        check(load_config([*SMALL, *overrides]), 1)  # the check train runs before any process group
+    message = str(error.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, f"{name}: {part!r} not in {message!r}"
+
+
+def lora_model(*overrides: str) -> torch.nn.Module:
+    cfg = load_config([*SMALL, *LORA, *overrides])
+    model = build_empty_model(model_config(cfg.model, 512))
+    apply_lora(model, cfg.model.lora)
+    return model
+
+
+def test_apply_lora_adapts_the_projections_and_freezes_the_base() -> None:
+    model = lora_model("model.lora.trainable=[embed_tokens,norm]")
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    assert adapted == set(PROJECTIONS)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in name or ".modules_to_save.default." in name for name in trainable)
+    # norm matches every RMSNorm by suffix (peft's modules_to_save), as LongLoRA's "norm" does
+    copies = {hf_name(name).replace("modules_to_save.default.", "") for name in trainable if "modules_to_save" in name}
+    assert copies == {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{norm}.weight" for i in range(2) for norm in ("input_layernorm", "post_attention_layernorm")
+    }
+    # the frozen weights keep their Hugging Face names (the checkpoint's or the random init's tensors)
+    plain = {name for name, _ in build_empty_model(model.config).named_parameters()}
+    assert {hf_name(name) for name, p in model.named_parameters() if not p.requires_grad} == plain
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated before the mesh is
+
+
+def test_rank_zero_changes_nothing() -> None:
+    cfg = load_config(SMALL)
+    model = build_empty_model(model_config(cfg.model, 512))
+    names = [name for name, _ in model.named_parameters()]
+    apply_lora(model, cfg.model.lora)
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_adapter_init_depends_only_on_seed_and_name() -> None:
+    config = model_config(load_config(SMALL).model, 512)
+    base = random_init_source(config, seed=0)
+    names = [
+        (name, p.shape)
+        for name, p in lora_model("model.lora.trainable=[norm]").named_parameters()
+        if ".lora_" in name or "modules_to_save" in name
+    ]
+    first = {name: adapter_source(base, seed=0)(hf_name(name), shape) for name, shape in names}
+    again = {name: adapter_source(base, seed=0)(hf_name(name), shape) for name, shape in reversed(names)}
+    other_seed = adapter_source(base, seed=1)
+    for name, shape in names:
+        assert torch.equal(first[name], again[name]), name
+        if ".lora_B." in name:
+            assert not first[name].any()  # the adapted model starts as the base model
+        elif ".lora_A." in name:  # peft's init: Kaiming-uniform, bound sqrt(1 / in_features)
+            assert first[name].abs().max() <= shape[1] ** -0.5 and first[name].std() > 0
+            assert not torch.equal(first[name], other_seed(hf_name(name), shape))
+        else:  # a trained copy starts from the base weight
+            assert torch.equal(first[name], base(hf_name(name).replace("modules_to_save.default.", ""), shape))
+
+
+def test_planner_counts_lora_states_by_hand() -> None:
+    """Llama-3-8B, rank 16 on every projection, embeddings and norms trained, bf16, 8 GPUs: fp32 states (12 bytes
+    in the step, 16 at its end) for the trained parameters only, the frozen base in bf16 (2 bytes), all sharded."""
+    from lctrain.planner import NAMED_MODELS, Layout, Workload, stage_memory
+
+    model, layout = NAMED_MODELS["llama3-8b"], Layout(1, 1, 1, 8, "full")
+    adapters = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)  # per layer
+    trained = 32 * (adapters + 2 * 4096) + 128256 * 4096 + 4096  # + the embeddings and the final norm
+    for seq_len, moment, state_bytes in ((131072, "backward", 12), (1024, "grads", 16)):
+        work = Workload(seq_len, 8, lora_rank=16, lora_trainable=("embed_tokens", "norm"))
+        estimate = stage_memory(model, layout, work)[0]
+        assert estimate.phase == moment
+        assert estimate.states == (trained * state_bytes + model.num_params * 2) / 8
+        full = stage_memory(model, layout, Workload(seq_len, 8))[0]
+        assert full.states > 3 * estimate.states
