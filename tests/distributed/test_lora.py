@@ -1,26 +1,27 @@
 """LoRA (``model.lora``, peft's adapters on a frozen base) trains exactly like the single-process peft model under
-USP attention, FSDP2, pipeline stages and activation checkpointing; its checkpoints resume exactly and its exports
-reload with peft and with ``from_pretrained``.
+USP attention, FSDP2, pipeline stages, activation checkpointing and the other memory savers; its checkpoints resume
+exactly and its exports reload with peft and with ``from_pretrained``.
 
-Two spawned gloo groups, rank 4 and LoRA alpha 32 (so that clipping acts) on the 2-layer parity model
-(``reference_training.py``), 6 steps per case:
+Two spawned gloo groups, rank 4 and LoRA alpha 32 (so that clipping acts), 6 steps of 2 rows per case, on the
+parity model (``reference_training.py``: 2 layers, 4 with pp 2), each case against the single-process peft model
+built the same way (``apply_lora`` on the empty model, the same seeded init) at the trainer parity tests'
+tolerances: the first step's loss within 1e-5 relative and every trained parameter's gradient within 1e-5 abs +
+1e-4 rel, every step's loss within 1e-5 relative and gradient norm within 1e-3 relative. Cases: adapters only and
+with ``model.lora.trainable=[embed_tokens, norm]``, checkpointing full and selective, on
 
-- **world 4**: ring 2 × Ulysses 2 and dp 2 × ring 2, each with adapters only (activation checkpointing full) and
-  with ``model.lora.trainable=[embed_tokens, norm]`` (selective), against the single-process peft model built the
-  same way (``apply_lora`` on the empty model, the same seeded init), at the trainer parity tests' tolerances: the
-  first step's loss within 1e-5 relative and every trainable parameter's gradient within 1e-5 abs + 1e-4 rel, every
-  step's loss within 1e-5 relative and gradient norm within 1e-3 relative. In the ring × Ulysses case with
-  ``trainable``, also: the frozen parameters are stored in ``parallel.param_dtype``, have no gradient and no AdamW
-  state after the steps, and their values are bitwise those they started with; FSDP2 reduce-scatters exactly the
-  trainable parameters' gradients, once per backward (FSDP2's ``foreach_reduce`` is wrapped to count them);
-- **world 2**: pp 2 (1F1B, 4 layers), adapters only and with ``trainable``, against the same reference. The
-  second is run A, with a checkpoint every 3 steps and the export; it is relaunched from its step-3 checkpoint as B
-  (pp 2: the same losses and exported adapter as A's, bit for bit) and as C on another mesh (ring 2: A's losses
-  within 1e-5 relative); C's final checkpoint is relaunched as E, with nothing left to train and
-  ``checkpoint.export_merged=false``. In the test process: a checkpoint holds the trained state and the optimizer
-  only; C and E wrote ``adapter/``, C also ``hf/``; ``PeftModel.from_pretrained`` of each adapter on the base model
-  (the seeded init) gives the logits of C's merged export loaded with ``from_pretrained``, and those are the
-  trained sharded model's (1e-5 abs + 1e-5 rel).
+- **world 4**: ring 2 × Ulysses 2, and dp 2 × ring 2 (one of them a Mistral with a sliding window of 5). In the
+  ring × Ulysses case with ``trainable``, also: the frozen parameters are stored in ``parallel.param_dtype``, have
+  no gradient and no AdamW state after the steps, and their values are bitwise those they started with; FSDP2
+  reduce-scatters exactly the trained parameters' gradients, once per backward (FSDP2's ``foreach_reduce`` is
+  wrapped to count them);
+- **world 2**: pp 2 (1F1B; one a Qwen3 with its q/k norms trained), and ring 2 with ``parallel.cpu_offload``,
+  activation offload and a chunked MLP. The second pp case is run A, with a checkpoint every 3 steps and the
+  export; it is relaunched from its step-3 checkpoint as B (pp 2: the same losses and exported adapter as A's, bit
+  for bit) and as C on another mesh (ring 2: A's losses within 1e-5 relative); C's final checkpoint is relaunched as
+  E, with nothing left to train and ``checkpoint.export_merged=false``. In the test process: a checkpoint holds the
+  trained state and the optimizer only; C and E wrote ``adapter/``, C also ``hf/``; ``PeftModel.from_pretrained`` of
+  each adapter on the base model (the seeded init) gives the logits of C's merged export loaded with
+  ``from_pretrained``, and those are the trained sharded model's (1e-5 abs + 1e-5 rel).
 """
 
 from __future__ import annotations
@@ -51,16 +52,28 @@ from tests.helpers.reference_training import (
 STEPS = 6
 ADAPTERS = ("model.lora.rank=4", "model.lora.alpha=32")
 TRAINABLE = (*ADAPTERS, "model.lora.trainable=[embed_tokens,norm]")
-MODELS = {"adapters": ADAPTERS, "trainable": TRAINABLE}
-# (world, pp, dp, ring, ulysses, activation checkpointing, model)
-Case = tuple[int, int, int, int, int, str, str]
+# the model of a case (model.* overrides): a random-init Llama unless another family is named
+MODELS = {
+    "adapters": ADAPTERS,
+    "trainable": TRAINABLE,
+    "mistral_window": (*ADAPTERS, "model.family=mistral", "model.sliding_window=5"),
+    "qwen3": (*ADAPTERS, "model.family=qwen3", "model.lora.trainable=[norm]"),  # its q/k norms trained too
+}
+# other parallel.* settings of a case
+SAVERS = {
+    "": (),
+    "offload": ("parallel.cpu_offload=true", "parallel.activation_offload=true", "parallel.mlp_chunk_tokens=12"),
+}
+# (world, pp, dp, ring, ulysses, activation checkpointing, model, savers)
+Case = tuple[int, int, int, int, int, str, str, str]
 CASES: list[Case] = [
-    (4, 1, 1, 2, 2, "full", "adapters"),
-    (4, 1, 1, 2, 2, "selective", "trainable"),
-    (4, 1, 2, 2, 1, "selective", "adapters"),
-    (4, 1, 2, 2, 1, "full", "trainable"),
-    (2, 2, 1, 1, 1, "full", "adapters"),
-    (2, 2, 1, 1, 1, "selective", "trainable"),
+    (4, 1, 1, 2, 2, "full", "adapters", ""),
+    (4, 1, 1, 2, 2, "selective", "trainable", ""),
+    (4, 1, 2, 2, 1, "selective", "mistral_window", ""),
+    (4, 1, 2, 2, 1, "full", "trainable", ""),
+    (2, 2, 1, 1, 1, "full", "qwen3", ""),
+    (2, 2, 1, 1, 1, "selective", "trainable", ""),
+    (2, 1, 1, 2, 1, "full", "trainable", "offload"),
 ]
 FROZEN_CASE = CASES[1]
 RESUMED_CASE = CASES[5]
@@ -68,8 +81,8 @@ SEQ = 64
 
 
 def case_id(case: Case) -> str:
-    _, pp, dp, ring, ulysses, ac, model = case
-    return f"pp{pp}-dp{dp}-ring{ring}-ulysses{ulysses}-ac_{ac}-{model}"
+    _, pp, dp, ring, ulysses, ac, model, savers = case
+    return f"pp{pp}-dp{dp}-ring{ring}-ulysses{ulysses}-ac_{ac}-{model}" + (f"-{savers}" if savers else "")
 
 
 def layers_and_rows(case: Case) -> tuple[int, int]:
@@ -78,9 +91,10 @@ def layers_and_rows(case: Case) -> tuple[int, int]:
 
 
 def job(case: Case, workdir: str) -> JobConfig:
-    _, pp, dp, ring, ulysses, ac, model = case
+    _, pp, dp, ring, ulysses, ac, model, savers = case
     layers, rows = layers_and_rows(case)
     parallel = [f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.ring={ring}", f"parallel.ulysses={ulysses}"]
+    parallel += SAVERS[savers]
     return job_config(
         workdir,
         f"{workdir}/run_{case_id(case)}",
