@@ -77,6 +77,7 @@ CASES: list[Case] = [
 ]
 FROZEN_CASE = CASES[1]
 RESUMED_CASE = CASES[5]
+RESUME_AT = STEPS // 2  # run A's checkpoint that B and C resume from
 SEQ = 64
 
 
@@ -186,15 +187,16 @@ def world_2(configs: dict[Case, JobConfig], workdir: str) -> dict | None:
     from lctrain.train.trainer import Trainer
 
     run_a = configs[RESUMED_CASE]  # A: checkpoints at steps 3 and 6, and the export
-    run_a.checkpoint.every, run_a.checkpoint.export_hf = 3, True
+    run_a.checkpoint.every, run_a.checkpoint.export_hf = RESUME_AT, True
     out: dict[str, Any] = {"results": {case: train_case(cfg) for case, cfg in configs.items()}}
     checkpoints = f"{run_a.train.run_dir}/checkpoints"
-    out["B"] = Trainer(rerun(run_a, f"{workdir}/B", f"{checkpoints}/step_00000003")).train()
-    run_c = rerun(run_a, f"{workdir}/C", f"{checkpoints}/step_00000003", pp=1, ring=2)
+    resume = f"{checkpoints}/step_{RESUME_AT:08d}"
+    out["B"] = Trainer(rerun(run_a, f"{workdir}/B", resume)).train()
+    run_c = rerun(run_a, f"{workdir}/C", resume, pp=1, ring=2)
     trainer = Trainer(run_c)
     out["C"] = trainer.train()
     out["C_logits"] = sharded_logits(trainer)
-    run_e = rerun(run_c, f"{workdir}/E", f"{workdir}/C/checkpoints/step_00000006")  # nothing left to train
+    run_e = rerun(run_c, f"{workdir}/E", f"{workdir}/C/checkpoints/step_{STEPS:08d}")  # nothing left to train
     run_e.checkpoint.export_merged = False
     Trainer(run_e).train()
     return out if dist.get_rank() == 0 else None
@@ -242,9 +244,9 @@ def run_dir(case: Case, workdir: str) -> Path:
 def test_resume_from_a_lora_checkpoint_is_exact(parity_workdir: str) -> None:
     out = results_for(2, parity_workdir)
     a = out["results"][RESUMED_CASE][0]
-    assert out["B"] == a[3:]  # the same mesh: bit for bit
+    assert out["B"] == a[RESUME_AT:]  # the same mesh: bit for bit
     as_float64 = functools.partial(torch.tensor, dtype=torch.float64)
-    torch.testing.assert_close(as_float64(out["C"]), as_float64(a[3:]), atol=0, rtol=1e-5)  # another mesh
+    torch.testing.assert_close(as_float64(out["C"]), as_float64(a[RESUME_AT:]), atol=0, rtol=1e-5)  # another mesh
     exported_a = load_file(run_dir(RESUMED_CASE, parity_workdir) / "adapter" / "adapter_model.safetensors")
     exported_b = load_file(Path(parity_workdir) / "B" / "adapter" / "adapter_model.safetensors")
     assert exported_a.keys() == exported_b.keys()
@@ -255,7 +257,8 @@ def test_lora_checkpoint_holds_the_trained_state_and_the_optimizer_only(parity_w
     from lctrain.checkpoint.safe_read import read_metadata
 
     results_for(2, parity_workdir)
-    keys = read_metadata(run_dir(RESUMED_CASE, parity_workdir) / "checkpoints" / "step_00000003").state_dict_metadata
+    checkpoint = run_dir(RESUMED_CASE, parity_workdir) / "checkpoints" / f"step_{RESUME_AT:08d}"
+    keys = read_metadata(checkpoint).state_dict_metadata
     weights = [key for key in keys if key.startswith("model.")]
     assert weights and all(".lora_" in key or ".modules_to_save." in key for key in weights), weights
     assert not any(".base_layer." in key or ".original_module." in key or "lm_head" in key for key in keys)
