@@ -6,6 +6,8 @@ the seed and the parameter name (not on the mesh, nor on the order they are aske
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
@@ -164,3 +166,23 @@ def test_lora_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.
     assert args["--lora-trainable"].split(",") == cfg.model.lora.trainable
     assert args["--mesh"] == f"1,{cfg.parallel.dp},{cfg.parallel.ring},{cfg.parallel.ulysses}"
     assert int(args["--seq-len"]) == cfg.data.seq_len
+
+
+def test_every_stage_but_the_last_of_a_lora_job_exports_the_merged_model(tmp_path: Path) -> None:
+    """The next stage starts from the previous one's ``hf/``: with LoRA the merged model, whatever
+    ``checkpoint.export_merged`` says; a stage that exports the adapter only is finished once ``adapter/`` is
+    written."""
+    from lctrain.train.stages import stage_configs, stage_finished
+
+    stages = "[{train.steps: 2}, {train.steps: 3}]"
+    cfg = load_config([*SMALL, *LORA, "checkpoint.export_merged=false", f"train.stages={stages}"])
+    cfg.train.run_dir = str(tmp_path)
+    first, last = stage_configs(cfg)
+    assert first.checkpoint.export_merged and not last.checkpoint.export_merged
+    assert last.model.path == f"{tmp_path}/stage_0/hf"
+    (Path(last.train.run_dir) / "checkpoints" / "step_00000003" / ".metadata").parent.mkdir(parents=True)
+    (Path(last.train.run_dir) / "checkpoints" / "step_00000003" / ".metadata").write_bytes(b"")
+    assert not stage_finished(last)
+    (Path(last.train.run_dir) / "adapter").mkdir()
+    (Path(last.train.run_dir) / "adapter" / "adapter_config.json").write_text("{}")
+    assert stage_finished(last)
