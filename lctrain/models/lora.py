@@ -44,7 +44,7 @@ from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, 
 ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
 # the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# modules the chunked loss and the embedding lookup read by weight, not through a LoRA layer's forward
+# modules that get no adapters, and why
 _NOT_TARGETS = {
     "lm_head": "the chunked loss computes the logits from the LM head's weight, not through its forward",
     "embed_tokens": "lctrain puts adapters on linear layers only",

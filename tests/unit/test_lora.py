@@ -1,7 +1,8 @@
 """LoRA through peft (``lctrain.models.lora``), without any process group: bad ``model.lora`` settings are refused
 before anything runs, with one line naming the setting and the fix; ``apply_lora`` puts peft's layers on the empty
 model with the names the checkpoints and the weight source expect; the adapters' initial values depend only on
-the seed and the parameter name (not on the mesh, nor on the order they are asked for).
+the seed and the parameter name (not on the mesh, nor on the order they are asked for); the planner's LoRA states
+by hand, and the LoRA recipes' headers against the planner; stages of a LoRA job hand on the merged model.
 """
 
 from __future__ import annotations
