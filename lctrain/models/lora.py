@@ -26,6 +26,7 @@ model on the writing rank.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lctrain.models.config import LoraConfig
 from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
+
+logger = logging.getLogger("lctrain")
 
 ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
 # the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs
@@ -76,6 +79,15 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> None:
     if lora.rank == 0:
         return
     inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "LoRA rank %d on %s%s: %.2fM trained parameters, %.2fM frozen",
+        lora.rank,
+        ", ".join(lora_targets(lora)),
+        f"; trained in full: {', '.join(lora.trainable)}" if lora.trainable else "",
+        trained / 1e6,
+        sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6,
+    )
 
 
 def _module_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:

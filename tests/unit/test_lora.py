@@ -18,6 +18,7 @@ from lctrain.models import build_empty_model, model_config, random_init_source
 from lctrain.models.hf import hf_name
 from lctrain.models.lora import PROJECTIONS, adapter_source, apply_lora
 from lctrain.train.trainer import check
+from tests.unit.test_checkpoint_files import process_group  # noqa: F401  (a gloo group of one)
 
 SMALL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4"]
 SMALL += ["model.num_kv_heads=2", "data.seq_len=128"]
@@ -187,3 +188,24 @@ def test_every_stage_but_the_last_of_a_lora_job_exports_the_merged_model(tmp_pat
     (Path(last.train.run_dir) / "adapter").mkdir()
     (Path(last.train.run_dir) / "adapter" / "adapter_config.json").write_text("{}")
     assert stage_finished(last)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_fsdp_keeps_the_frozen_base_in_param_dtype_and_trains_fp32_adapters() -> None:
+    """FSDP2 on a group of one with ``param_dtype`` bf16: the frozen weights are stored in bf16 (half the bytes of
+    fp32), the trained ones in fp32 with fp32 gradients after a backward in bf16; the frozen ones get none."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lctrain.models import materialize
+    from lctrain.parallel.fsdp import apply_fsdp
+
+    model = lora_model("model.lora.trainable=[norm]")
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.bfloat16)
+    config = model.config
+    materialize(model, adapter_source(random_init_source(config, 0), 0), torch.device("cpu"))
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    model(input_ids=torch.randint(0, config.vocab_size, (1, 16))).logits.float().square().mean().backward()
+    assert all((p.grad is None) is (not p.requires_grad) for p in params.values())
+    assert {p.grad.dtype for p in params.values() if p.grad is not None} == {torch.float32}
