@@ -29,18 +29,20 @@ import hashlib
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lctrain.models.config import LoraConfig
 from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
+
+if TYPE_CHECKING:  # peft is imported where it is used: importing it takes seconds, and the checks never need it
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
 
 logger = logging.getLogger("lctrain")
 
@@ -63,6 +65,8 @@ def lora_targets(lora: LoraConfig) -> list[str]:
 def peft_config(lora: LoraConfig, base_path: str | None = None) -> PeftLoraConfig:
     """peft's ``LoraConfig`` for ``model.lora`` (``base_path``: the base model's directory, recorded in the
     adapter's ``adapter_config.json``)."""
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -78,6 +82,8 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> None:
     ``lora.rank`` 0: no change (full fine-tuning). Check the job first (``check_lora``)."""
     if lora.rank == 0:
         return
+    from peft import inject_adapter_in_model
+
     inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
@@ -177,6 +183,8 @@ def _peft_model(
     config: PretrainedConfig, lora: LoraConfig, tensors: dict[str, Tensor], base_path: str | None
 ) -> PeftModel:
     """An empty peft model of ``config`` holding ``tensors`` (state-dict names; the others stay on meta)."""
+    from peft import get_peft_model
+
     model = get_peft_model(build_empty_model(config), peft_config(lora, base_path), adapter_name=ADAPTER)
     model.base_model.model.load_state_dict(tensors, strict=False, assign=True)
     return model

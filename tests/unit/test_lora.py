@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft.tuners.lora import LoraLayer
 
 from lctrain.config import load_config
 from lctrain.models import build_empty_model, model_config, random_init_source
@@ -79,6 +78,8 @@ def lora_model(*overrides: str) -> torch.nn.Module:
 
 
 def test_apply_lora_adapts_the_projections_and_freezes_the_base() -> None:
+    from peft.tuners.lora import LoraLayer
+
     model = lora_model("model.lora.trainable=[embed_tokens,norm]")
     adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     assert adapted == set(PROJECTIONS)
