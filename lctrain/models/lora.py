@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lctrain.models.config import LoraConfig
@@ -190,6 +191,13 @@ def _peft_model(
     return model
 
 
+def _unaliased(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``tensors``, those that share memory with ``model``'s parameters copied."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    shared = {p.untyped_storage().data_ptr() for p in local}
+    return {name: t.clone() if t.untyped_storage().data_ptr() in shared else t for name, t in tensors.items()}
+
+
 def export_lora(
     model: nn.Module,
     config: PretrainedConfig,
@@ -219,8 +227,8 @@ def export_lora(
             adapter = {name: tensor for stage in parts for name, tensor in stage.items()}
         if not dist.is_initialized() or dist.get_rank() == 0:
             _peft_model(config, lora, adapter, base_path).save_pretrained(Path(run_dir) / "adapter")
-        if merged:
-            unloaded = _peft_model(config, lora, tensors, base_path).merge_and_unload()
+        if merged:  # peft merges in place: into copies of the tensors a mesh of one gathered without copying
+            unloaded = _peft_model(config, lora, _unaliased(tensors, model), base_path).merge_and_unload()
             tensors = {name: t for name, t in unloaded.state_dict().items() if not t.is_meta}  # this part's
     if dist.is_initialized():
         dist.barrier()  # the adapter is written before any rank returns

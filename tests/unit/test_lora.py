@@ -210,3 +210,43 @@ def test_fsdp_keeps_the_frozen_base_in_param_dtype_and_trains_fp32_adapters() ->
     model(input_ids=torch.randint(0, config.vocab_size, (1, 16))).logits.float().square().mean().backward()
     assert all((p.grad is None) is (not p.requires_grad) for p in params.values())
     assert {p.grad.dtype for p in params.values() if p.grad is not None} == {torch.float32}
+
+
+@pytest.mark.usefixtures("process_group")
+def test_export_of_a_tied_model_on_a_mesh_of_one_leaves_the_model_as_trained(tmp_path: Path) -> None:
+    """Tied embeddings, trained norms, FSDP2 on a group of one (which gathers a parameter without copying it): the
+    merged export and the adapter on the base model give the trained model's logits, and the model, after its
+    export, still does (peft merges in place: into copies)."""
+    from peft import PeftModel
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from lctrain.models import materialize
+    from lctrain.models.lora import export_lora
+    from lctrain.parallel.fsdp import apply_fsdp
+
+    cfg = load_config([*SMALL, *LORA, "model.tie_word_embeddings=true", "model.lora.trainable=[norm]"])
+    config = model_config(cfg.model, 512)
+    model = build_empty_model(config)
+    apply_lora(model, cfg.model.lora)
+    apply_fsdp(model, init_device_mesh("cpu", (1,)))
+    materialize(model, adapter_source(random_init_source(config, 0), 0), torch.device("cpu"))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:  # as if trained
+                noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
+                param.to_local().add_(noise / 20)  # a mesh of one: the local shard is the whole tensor
+    input_ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = model(input_ids=input_ids).logits
+        export_lora(model, config, cfg.model.lora, tmp_path, base_path=None, merged=True)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        base = AutoModelForCausalLM.from_config(config)
+        materialize(base, random_init_source(config, 0), torch.device("cpu"))
+        base.tie_weights()  # materialize unties a plain model's parameters: the base is the tied one
+        untrained = base(input_ids=input_ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
+        assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
+        for logits in (merged(input_ids=input_ids), adapted(input_ids=input_ids), model(input_ids=input_ids)):
+            torch.testing.assert_close(logits.logits, trained, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(untrained, trained, atol=1e-3)
