@@ -4,8 +4,9 @@
 every check of the job against that model, and where the weights come from. ``build_model`` then puts the model
 on the job's mesh (``ParallelDims.build_mesh``), applying parallelism in one fixed order:
 
-    empty model (meta) -> USP attention -> pipeline stages -> chunked MLP -> activation checkpointing (training)
-    -> FSDP over dp_cp (parameters in host memory with parallel.cpu_offload) -> weights, one full tensor at a time
+    empty model (meta) -> LoRA adapters (model.lora) -> USP attention -> pipeline stages -> chunked MLP
+    -> activation checkpointing (training) -> FSDP over dp_cp (parameters in host memory with parallel.cpu_offload)
+    -> weights, one full tensor at a time
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lctrain.models import (
 )
 from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
+from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.fsdp import apply_fsdp
@@ -47,7 +49,8 @@ class PreparedModel:
 
     tokenizer: PreTrainedTokenizerBase
     config: PretrainedConfig  # the transformers config, with the job's model.* settings applied
-    source: TensorSource  # full tensors by Hugging Face name: the checkpoint's, or a seeded random init
+    # full tensors by Hugging Face name: the checkpoint's, or a seeded random init; and the adapters' initial values
+    source: TensorSource
 
 
 def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
@@ -66,7 +69,7 @@ def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
         source = safetensors_source(cfg.model.path)  # fails now if the weights are missing
     else:
         source = random_init_source(config, cfg.train.seed)
-    return PreparedModel(tokenizer, config, source)
+    return PreparedModel(tokenizer, config, adapter_source(source, cfg.train.seed))
 
 
 @dataclass
@@ -92,6 +95,8 @@ def build_model(
     par = cfg.parallel
     model = build_empty_model(prepared.config)
     num_params = sum(p.numel() for p in model.parameters())
+    # first, on the empty model: peft's LoRA layers and trained copies; every later step sees ordinary modules
+    apply_lora(model, cfg.model.lora)
     patch_attention(
         model,
         ulysses_group=mesh.get_group("ulysses"),

@@ -30,6 +30,12 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # one key per parameter (its Hugging Face name) for the optimizer state and hyperparameters too, so each pipeline
 # stage saves its own keys and any pp degree loads them (nested param_groups would keep only one rank's)
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# the trained parameters only: a LoRA job's frozen base is not saved (it is rebuilt from model.path or the seeded
+# init); in full fine-tuning every parameter is trained
+_MODEL_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# loading leaves the frozen parameters as they are (load_state_dict's strict would miss them); the keys of the
+# trained ones were compared with the checkpoint's before (check_matches)
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def step_dir_name(step: int) -> str:
@@ -71,7 +77,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         state = {
-            "model": get_model_state_dict(model),
+            "model": get_model_state_dict(model, options=_MODEL_OPTIONS),
             "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
         }
         dcp.save(state, checkpoint_id=str(tmp))
@@ -132,7 +138,7 @@ class Checkpointer:
         path = _complete(path)
         files = self.verify(path)
         state = {
-            "model": get_model_state_dict(model),
+            "model": get_model_state_dict(model, options=_MODEL_OPTIONS),
             "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
         }
         check_matches(path, files, state)
@@ -145,7 +151,7 @@ class Checkpointer:
                 f"is damaged, or does not match this model (the model.* settings must match the run that saved "
                 f"it{config_hint(path)})"
             ) from None
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
         set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from lctrain.attention.kernels import check_kernel_choice
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
 from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
+from lctrain.models.lora import check_lora
 from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
 
@@ -119,7 +120,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     """The model first (a family lctrain runs exactly, the config features and ``model.sliding_window`` it can
     honour: ``lctrain.models.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
     builds (after its ``model.*`` settings) and the processes per node from torchrun's environment
-    (``LOCAL_WORLD_SIZE``)."""
+    (``LOCAL_WORLD_SIZE``), then the LoRA settings against the model's modules (``check_lora``)."""
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
@@ -135,6 +136,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
         max_position_embeddings=config.max_position_embeddings,
         rope_type=config.rope_parameters.get("rope_type"),
     )
+    check_lora(cfg.model.lora, config, cfg.parallel, source)
 
 
 def check_rope(cfg: JobConfig, cp: int, max_position_embeddings: int | None, rope_type: str | None = None) -> None:

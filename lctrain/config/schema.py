@@ -87,6 +87,9 @@ class CheckpointConfig:
     keep: int = 2  # newest complete checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any), none, or a checkpoint directory
     export_hf: bool = True  # at the end, write a Hugging Face model directory to <run_dir>/hf
+    # LoRA (model.lora.rank > 0): the export writes the adapter to <run_dir>/adapter (peft's format) and, with this,
+    # the base model with the adapters merged into <run_dir>/hf
+    export_merged: bool = True
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Hugging Face Llama-style models: the ``model`` config section, build empty, load weights shard by shard, export; USP
-attention patching."""
+attention patching; LoRA adapters (``lctrain.models.lora``)."""
 
-from lctrain.models.config import ModelConfig, RopeScalingConfig
+from lctrain.models.config import LoraConfig, ModelConfig, RopeScalingConfig
 from lctrain.models.hf import (
     build_empty_model,
     export_hf,
@@ -14,6 +14,7 @@ from lctrain.models.hf import (
 from lctrain.models.patch import patch_attention
 
 __all__ = [
+    "LoraConfig",
     "ModelConfig",
     "RopeScalingConfig",
     "build_empty_model",

@@ -1,6 +1,6 @@
-"""What model a job trains: a local Hugging Face checkpoint, or a fresh one built from sizes, and the RoPE scaling
-and sliding window written into its config (``lctrain.models.hf.model_config``). The ``model`` section of
-``lctrain.config.JobConfig``."""
+"""What model a job trains: a local Hugging Face checkpoint, or a fresh one built from sizes, the RoPE scaling
+and sliding window written into its config (``lctrain.models.hf.model_config``), and the LoRA adapters trained on
+it (``lctrain.models.lora``). The ``model`` section of ``lctrain.config.JobConfig``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ class RopeScalingConfig:
     original_max_position_embeddings: int | None = None  # yarn, llama3: the context the checkpoint was trained at
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft's) on a frozen base model: ``rank`` 0 trains every weight (full fine-tuning)."""
+
+    rank: int = 0  # adapter rank r; 0 = no adapters (full fine-tuning)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on each adapter's input (not with activation checkpointing or a chunked MLP)
+    # leaf names of the linear layers that get adapters; [] = the family's attention and MLP projections
+    target_modules: list[str] = field(default_factory=list)
+    # modules trained in full beside the adapters (peft's modules_to_save, matched by name suffix: norm = every
+    # RMSNorm), e.g. [embed_tokens, norm] as LongLoRA trains for long context; [] = adapters only
+    trainable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -42,3 +56,4 @@ class ModelConfig:
     sliding_window: int | None = None
     tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
     init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; rank 0 = full fine-tuning

@@ -43,11 +43,14 @@ RANDOM_INIT_CONTEXT = 131072  # max_position_embeddings of a randomly initialise
 RANDOM_INIT_ROPE_THETA = 10000.0
 # Wrappers applied by activation checkpointing and FSDP insert this into parameter names; checkpoints use HF names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
+# peft's names of the frozen weight a LoRA layer adapts and of a trained module's frozen original (lctrain.models.lora)
+_FROZEN_BASE_PREFIXES = ("base_layer.", "original_module.")
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a (possibly wrapped) parameter."""
-    for prefix in _WRAPPER_PREFIXES:
+    """The Hugging Face name of a (possibly wrapped) parameter; a LoRA adapter's name (``lora_A``, ``lora_B``, a
+    trained copy's ``modules_to_save``) is kept."""
+    for prefix in _WRAPPER_PREFIXES + _FROZEN_BASE_PREFIXES:
         name = name.replace(prefix, "")
     return name
 
@@ -210,6 +213,21 @@ def materialize(
             param.copy_(source(hf_name(name), param.shape))
 
 
+def full_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
+    """The model's full tensors (host memory) under their state-dict names (wrappers removed) on the rank at coordinate
+    0 of the parameters' mesh (dp_cp), None on the others. Every rank must call it (the shards are gathered, one
+    tensor at a time)."""
+    tensors: dict[str, Tensor] = {}
+    writer = True  # the rank at coordinate 0 of the parameters' mesh (dp_cp) keeps the full tensors
+    for name, value in get_model_state_dict(model).items():
+        if isinstance(value, DTensor):
+            writer = not any(value.device_mesh.get_coordinate())
+            value = value.full_tensor()  # a collective: every rank of the mesh takes part, one tensor at a time
+        if writer:
+            tensors[name] = value.detach().cpu().contiguous()
+    return tensors if writer else None
+
+
 def export_hf(
     model: nn.Module,
     config: PretrainedConfig,
@@ -223,19 +241,34 @@ def export_hf(
     ``AutoModelForCausalLM.from_pretrained`` loads. Every rank must call it (the shards are gathered).
 
     ``model`` holds FSDP-sharded (DTensor) or plain parameters under Hugging Face names. With pipeline stages each pp
-    rank passes its parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp: the first rank of
-    each part writes ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index
-    ``model.safetensors.index.json``, the sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``.
+    rank passes its parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp (``write_hf``).
     """
-    tensors: dict[str, Tensor] = {}
-    writer = True  # the rank at coordinate 0 of the parameters' mesh (dp_cp) keeps the full tensors
-    for name, value in get_model_state_dict(model).items():
-        if isinstance(value, DTensor):
-            writer = not any(value.device_mesh.get_coordinate())
-            value = value.full_tensor()  # a collective: every rank of the mesh takes part, one tensor at a time
-        if writer:
-            tensors[hf_name(name)] = value.detach().cpu().contiguous()
-    if config.tie_word_embeddings:
+    tensors = full_state_dict(model)
+    write_hf(
+        None if tensors is None else {hf_name(k): v for k, v in tensors.items()},
+        config,
+        out_dir,
+        tokenizer,
+        part=part,
+        num_parts=num_parts,
+    )
+
+
+def write_hf(
+    tensors: dict[str, Tensor] | None,
+    config: PretrainedConfig,
+    out_dir: str | Path,
+    tokenizer=None,
+    *,
+    part: int = 0,
+    num_parts: int = 1,
+) -> None:
+    """Write the Hugging Face directory of ``export_hf`` from full ``tensors`` under Hugging Face names (None on the
+    ranks that write nothing). Every rank must call it. With ``num_parts`` > 1 the first rank of each part writes
+    ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index ``model.safetensors.index.json``, the
+    sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``."""
+    writer = tensors is not None
+    if writer and config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once
     out_dir = Path(out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0

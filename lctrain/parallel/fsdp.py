@@ -34,7 +34,15 @@ def apply_fsdp(
     host memory (pinned when the mesh is on CUDA), copied to the device for each all-gather; the optimizer then steps
     on the CPU. The model must then be materialized with its parameters on the host (``materialize``'s
     ``params_device``).
+
+    Frozen parameters (a LoRA job's base weights: ``lctrain.models.lora``) are stored in ``param_dtype``, the
+    trainable ones in fp32, both in the same units: FSDP2 gathers a unit's parameters in ``param_dtype`` and
+    reduce-scatters only the gradients that exist, so frozen weights cost no gradient, no reduction and no
+    optimizer state.
     """
+    for param in model.parameters():
+        if not param.requires_grad:  # a frozen weight (LoRA's base) is kept in the compute dtype: never updated
+            param.data = param.data.to(param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.model.layers

@@ -64,6 +64,17 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="parallel.cpu_offload: sharded weights, gradients and AdamW states in host memory",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="model.lora.rank: LoRA adapters on every projection, the base frozen in the compute dtype (0 = off)",
+    )
+    p.add_argument(
+        "--lora-trainable",
+        default="",
+        help="model.lora.trainable, comma-separated: modules trained in full (embed_tokens, norm, lm_head)",
+    )
     p.add_argument("--top", type=int, default=12, help="feasible layouts shown (default 12)")
     p.add_argument("--all", action="store_true", help="also show the refused layouts and why")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -85,6 +96,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"lctrain plan: --{name.replace('_', '-')} must be >= 1")
+    trainable = tuple(name for name in args.lora_trainable.split(",") if name)
+    if args.lora_rank < 0 or (trainable and not args.lora_rank):
+        raise SystemExit("lctrain plan: --lora-rank must be >= 1 for LoRA (0 = full fine-tuning, no --lora-trainable)")
+    unknown = sorted(set(trainable) - {"embed_tokens", "norm", "lm_head"})
+    if unknown:
+        raise SystemExit(
+            f"lctrain plan: --lora-trainable {','.join(unknown)}: the planner knows embed_tokens, norm, lm_head"
+        )
     work = Workload(
         seq_len=args.seq_len,
         gpus_per_node=args.gpus_per_node,
@@ -95,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         offload=args.offload,
         cpu_offload=args.cpu_offload,
+        lora_rank=args.lora_rank,
+        lora_trainable=trainable,
         mfu=args.mfu,
         link_efficiency=args.link_efficiency,
         headroom=args.headroom,

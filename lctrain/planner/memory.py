@@ -8,6 +8,37 @@ from lctrain.planner.presets import FP32, GIB, Layout, ModelSpec, Workload
 from lctrain.rules import stage_layers
 
 STATE_BYTES = 4 + 4 + 8  # per parameter, FSDP-sharded: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
+LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the layers model.lora adapts by default
+
+
+@dataclass(frozen=True)
+class Lora:
+    """``model.lora``: adapters of ``rank`` on every projection of each layer (the default targets), and the
+    modules trained in full (``trainable``: ``embed_tokens``, ``norm`` (every RMSNorm), ``lm_head``)."""
+
+    rank: int
+    trainable: tuple[str, ...] = ()
+
+    def trains(self, module: str) -> bool:
+        return module in self.trainable
+
+    def layer_adapter_params(self, model: ModelSpec) -> int:
+        """One decoder layer's adapter parameters: rank · (in + out) for each projection."""
+        h, q, kv, inter = model.hidden, model.q_dim, model.kv_dim, model.intermediate
+        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (h + inter) * 3)
+
+    def layer_trained_params(self, model: ModelSpec) -> int:
+        """One decoder layer's trained parameters: its adapters and, with ``norm``, copies of its RMSNorms."""
+        norms = 2 * model.hidden + 2 * model.head_dim * model.qk_norm
+        return self.layer_adapter_params(model) + (norms if self.trains("norm") else 0)
+
+    def root_trained_params(self, model: ModelSpec, *, first: bool, last: bool) -> int:
+        """The trained copies among the root's modules (embeddings on the first stage, final norm and head on the
+        last)."""
+        embed = model.embed_params if first and self.trains("embed_tokens") else 0
+        norm = model.hidden if last and self.trains("norm") else 0
+        head = model.head_params if last and self.trains("lm_head") else 0
+        return embed + norm + head
 
 
 def kv_width(model: ModelSpec, ulysses: int) -> int:
@@ -17,7 +48,9 @@ def kv_width(model: ModelSpec, ulysses: int) -> int:
     return model.head_dim * (max(model.kv_heads, ulysses) if ulysses > 1 else model.kv_heads)
 
 
-def layer_activation_bytes(model: ModelSpec, e: int, ulysses: int, *, mlp_chunked: bool = False) -> int:
+def layer_activation_bytes(
+    model: ModelSpec, e: int, ulysses: int, *, mlp_chunked: bool = False, lora: Lora | None = None
+) -> int:
     """Bytes per local token that one decoder layer keeps for its backward when it is not checkpointed.
 
     Counted from what autograd saves in the Hugging Face Llama layer patched with USP attention:
@@ -29,14 +62,20 @@ def layer_activation_bytes(model: ModelSpec, e: int, ulysses: int, *, mlp_chunke
       keeps only its input, the norm's output);
     - Qwen3's q/k RMSNorms (on this rank's tokens, every head, before any all-to-all): each its input in fp32 (a
       copy for bf16) and the normalized value in the compute dtype, and the fp32 rsqrt per head.
+
+    With LoRA (``lora``): a frozen norm weight needs no gradient, so its normalized value is not kept; each adapter
+    keeps its ``[tokens, rank]`` middle (``lora_B``'s input); the adapted linear layers' inputs are kept by
+    ``lora_A`` as they were by the trained weights.
     """
     h, q, inter = model.hidden, model.q_dim, model.intermediate
-    norms = 2 * (h * (FP32 + 2 * e) + FP32)
+    normalized = 0 if lora is not None and not lora.trains("norm") else e  # kept for the norm weight's gradient
+    norms = 2 * (h * (FP32 + e + normalized) + FP32)
     if model.qk_norm:
-        norms += (q + model.kv_dim) * (FP32 + e) + (model.heads + model.kv_heads) * FP32
+        norms += (q + model.kv_dim) * (FP32 + normalized) + (model.heads + model.kv_heads) * FP32
     attention = q * e * (3 if ulysses > 1 else 2) + 2 * kv_width(model, ulysses) * e + model.heads * FP32
     mlp = 0 if mlp_chunked else 4 * inter * e
-    return norms + attention + mlp
+    adapters = 0 if lora is None else len(LORA_PROJECTIONS) * lora.rank * e
+    return norms + attention + mlp + adapters
 
 
 def layer_backward_bytes(model: ModelSpec, e: int, ring: int, ulysses: int, *, mlp_chunked: bool = False) -> int:
@@ -97,28 +136,39 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     e = work.dtype_bytes
     tokens = work.seq_len // layout.cp  # local tokens of one row on one GPU
     chunked = work.mlp_chunk_tokens > 0
-    full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked)
+    lora = Lora(work.lora_rank, work.lora_trainable) if work.lora_rank else None
+    full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, lora=lora)
     kept_input = 0 if (work.offload and work.device == "cuda") else model.hidden * e  # a checkpointed layer's input
     h, vocab, layer = model.hidden, model.vocab, model.layer_params
     cast = FP32 if e != FP32 else 0  # an unsharded gradient cast to fp32 for the reduce-scatter
+    # LoRA: the trained parameters (adapters, trained copies) have fp32 states and gradients; the frozen base
+    # (every original weight) is stored sharded in the compute dtype, with no gradient and no AdamW state
+    layer_trained = layer if lora is None else lora.layer_trained_params(model)
+    layer_unit = layer + (0 if lora is None else layer_trained)  # what FSDP gathers of one layer
+    norm_kept = e if lora is None or lora.trains("norm") else 0  # a norm's normalized value, for its weight gradient
     estimates = []
     for index, layers in enumerate(stage_layers(model.layers, layout.pp)):
         first, last = index == 0, index == layout.pp - 1
         root = (model.embed_params if first else 0) + ((model.head_params + h) if last else 0)
+        root_trained = root if lora is None else lora.root_trained_params(model, first=first, last=last)
+        root_unit = root + (0 if lora is None else root_trained)
         stage_params = len(layers) * layer + root
-        live_states = stage_params * (STATE_BYTES - FP32) / layout.dp_cp  # fp32 weights, AdamW exp_avg, exp_avg_sq
+        trained = len(layers) * layer_trained + root_trained
+        frozen = 0 if lora is None else stage_params
+        # fp32 weights, AdamW exp_avg, exp_avg_sq of the trained parameters; the frozen ones
+        live_states = (trained * (STATE_BYTES - FP32) + frozen * e) / layout.dp_cp
         if layout.pp == 1:  # layers resharded after forward: the current and the prefetched one are gathered
-            gathered_fwd = root * e + 2 * layer * e
-            gathered_bwd = gathered_fwd + layer * (e + cast)  # + a layer's unsharded gradient
-            unsharded_grads = root * (e + cast)
+            gathered_fwd = root_unit * e + 2 * layer_unit * e
+            gathered_bwd = gathered_fwd + layer_trained * (e + cast)  # + a layer's unsharded gradient
+            unsharded_grads = root_trained * (e + cast)
         else:  # a stage keeps its layers gathered, and their gradients unsharded, for the whole step
-            gathered_fwd = (root + len(layers) * layer) * e
-            gathered_bwd = gathered_fwd + len(layers) * layer * e + layer * cast
-            unsharded_grads = stage_params * e + max(root, layer) * cast
+            gathered_fwd = (root_unit + len(layers) * layer_unit) * e
+            gathered_bwd = gathered_fwd + len(layers) * layer_trained * e + layer_trained * cast
+            unsharded_grads = trained * e + max(root_trained, layer_trained) * cast
         in_flight = 1 if layout.pp == 1 else min(work.batch, layout.pp - index)  # 1F1B warm-up depth
         per_token = sum(kept_input if layout.checkpointed(i) else full for i in layers)
         per_token += 2 * model.head_dim * e + 3 * 8  # RoPE cos/sin, shared by the layers; ids, labels, positions
-        final_norm = h * (FP32 + e) + FP32 if last else 0  # the final norm's fp32 input, normalized value, rsqrt
+        final_norm = h * (FP32 + norm_kept) + FP32 if last else 0  # the final norm's fp32 input, [normalized], rsqrt
         per_token += final_norm
         if not first:
             per_token += h * e  # the activations received from the previous stage
@@ -135,12 +185,15 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
             chunk = min(work.loss_chunk_tokens, tokens)
             # fp32 logits of a chunk and logsumexp's temporary, plus the previous chunk's logits (still referenced
             # while the next are computed) when there are several chunks; beside them the fp32 accumulator of the
-            # head's gradient, later cast to the compute dtype; the loss's input and its gradient
+            # head's gradient, later cast to the compute dtype (none for a frozen head); the loss's input and its
+            # gradient
             logits = (3 if tokens > chunk else 2) * chunk * vocab * FP32
-            head_grad = vocab * h * (FP32 + (e if e != FP32 else 0))
-            loss_fwd = max(logits + vocab * h * FP32, head_grad) + 2 * tokens * h * e
-            loss_bwd = vocab * h * e  # the head's unsharded gradient, until the root's reduce-scatter
-        states = stage_params * STATE_BYTES / layout.dp_cp
+            head_trained = lora is None or lora.trains("lm_head")
+            head_grad = vocab * h * (FP32 + (e if e != FP32 else 0)) if head_trained else 0
+            accumulator = vocab * h * FP32 if head_trained else 0
+            loss_fwd = max(logits + accumulator, head_grad) + 2 * tokens * h * e
+            loss_bwd = vocab * h * e if head_trained else 0  # the head's unsharded gradient, until the reduce-scatter
+        states = (trained * STATE_BYTES + frozen * e) / layout.dp_cp
         if work.cpu_offload and work.device == "cuda":  # sharded states and the optimizer step in host memory
             live_states = states = 0
         phases = {

@@ -188,6 +188,8 @@ class Workload:
     mlp_chunk_tokens: int = 0  # parallel.mlp_chunk_tokens (0 = off)
     offload: bool = False  # parallel.activation_offload (checkpointed layers' inputs in host memory)
     cpu_offload: bool = False  # parallel.cpu_offload (FSDP-sharded weights, gradients, AdamW states in host memory)
+    lora_rank: int = 0  # model.lora.rank (adapters on every projection); 0 = full fine-tuning
+    lora_trainable: tuple[str, ...] = ()  # model.lora.trainable: embed_tokens, norm, lm_head
     mfu: float = 0.4  # achieved fraction of peak FLOP/s, for matmuls and attention alike
     link_efficiency: float = 0.8  # achieved fraction of the nominal link bandwidths
     headroom: float = 0.15  # fraction of device memory kept free (allocator fragmentation, CUDA context, NCCL)

@@ -14,6 +14,9 @@ SBATCH_GPUS_PER_NODE = 8
 
 def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     dtype = {2: "bf16", 4: "fp32"}[work.dtype_bytes]
+    if work.lora_rank:
+        trained = f" (+ {', '.join(work.lora_trainable)})" if work.lora_trainable else ""
+        dtype += f", LoRA rank {work.lora_rank}{trained} on a frozen base"
     return (
         f"{model.name}: {_count(model.num_params)} parameters, {model.layers} layers, {model.heads}/"
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "
@@ -115,6 +118,10 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         ]
         if model.rope_theta is not None:
             lines.append(f"  rope_theta: {model.rope_theta}")
+    if work.lora_rank:
+        lines += ["  lora:", f"    rank: {work.lora_rank}", f"    alpha: {2.0 * work.lora_rank}"]
+        if work.lora_trainable:
+            lines.append(f"    trainable: [{', '.join(work.lora_trainable)}]")
     lines += [
         "",
         "parallel:",

@@ -68,6 +68,7 @@ def stage_configs(cfg: JobConfig) -> list[JobConfig]:
             stage.model.path = str(stage_dir(cfg.train.run_dir, index - 1) / "hf")
         if index < len(cfg.train.stages) - 1:
             stage.checkpoint.export_hf = True  # the next stage starts from it
+            stage.checkpoint.export_merged = True  # with LoRA: from the merged model
         jobs.append(OmegaConf.to_object(stage))
     return jobs
 
@@ -114,4 +115,6 @@ def stage_finished(job: JobConfig) -> bool:
     found = complete_checkpoints(Path(job.train.run_dir) / "checkpoints")
     if not found or checkpoint_step(found[-1]) != job.train.steps:
         return False
-    return not job.checkpoint.export_hf or (Path(job.train.run_dir) / "hf" / "config.json").is_file()
+    adapter_only = job.model.lora.rank and not job.checkpoint.export_merged
+    export = Path(job.train.run_dir) / ("adapter/adapter_config.json" if adapter_only else "hf/config.json")
+    return not job.checkpoint.export_hf or export.is_file()

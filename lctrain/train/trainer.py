@@ -29,6 +29,7 @@ from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
 from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.models.lora import export_lora
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
@@ -292,17 +293,33 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         if cfg.checkpoint.export_hf:
-            export_hf(
-                self.model,
-                self.hf_config,
-                self.run_dir / "hf",
-                tokenizer=self.tokenizer,
-                part=self.mesh.get_local_rank("pp"),
-                num_parts=self.dims.pp,
-            )
-            logger.info("Hugging Face model written to %s", self.run_dir / "hf")
+            self.export()
         self.metrics.close()
         return losses
+
+    def export(self) -> None:
+        """The trained model as a Hugging Face directory, ``<run_dir>/hf``; with LoRA the adapter in peft's format,
+        ``<run_dir>/adapter``, and (``checkpoint.export_merged``) the merged model in ``hf/``."""
+        cfg, parts = self.cfg, {"part": self.mesh.get_local_rank("pp"), "num_parts": self.dims.pp}
+        if cfg.model.lora.rank:
+            merged = cfg.checkpoint.export_merged
+            export_lora(
+                self.model,
+                self.hf_config,
+                cfg.model.lora,
+                self.run_dir,
+                self.tokenizer,
+                base_path=cfg.model.path,
+                merged=merged,
+                pp_group=self.pp_group,
+                **parts,
+            )
+            logger.info("LoRA adapter (peft) written to %s", self.run_dir / "adapter")
+        else:
+            merged = True
+            export_hf(self.model, self.hf_config, self.run_dir / "hf", tokenizer=self.tokenizer, **parts)
+        if merged:
+            logger.info("Hugging Face model written to %s", self.run_dir / "hf")
 
 
 def check(cfg: JobConfig, world_size: int) -> None:

@@ -26,6 +26,7 @@ from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
 from lctrain.models.hf import hf_name
+from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
 
@@ -86,7 +87,8 @@ def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torc
     def capturing_optimizer_step() -> torch.Tensor:
         if not grads:  # the first step's gradients, before clipping (full_tensor: a collective, every rank calls it)
             for name, param in trainer.model.named_parameters():
-                grads[hf_name(name)] = param.grad.full_tensor()
+                if param.requires_grad:  # with LoRA: the adapters and trained copies
+                    grads[hf_name(name)] = param.grad.full_tensor()
             if trainer.pp_group is not None:
                 stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(trainer.pp_group))]
                 dist.all_gather_object(stages, grads, group=trainer.pp_group)
@@ -157,11 +159,12 @@ def reference(
 def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]:
     hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(tokenizer_path(cfg))))
     model = build_empty_model(hf_config)
+    apply_lora(model, cfg.model.lora)  # the single-process peft model, built as build_model builds it
     if cfg.model.path is not None:
         source = safetensors_source(cfg.model.path)
     else:
         source = random_init_source(hf_config, cfg.train.seed)
-    materialize(model, source, torch.device("cpu"))
+    materialize(model, adapter_source(source, cfg.train.seed), torch.device("cpu"))
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -180,7 +183,7 @@ def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]
         loss = F.cross_entropy(logits.float(), labels[valid], reduction="sum") / valid.sum()
         loss.backward()
         if not grads:
-            grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+            grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm).item())
         optimizer.step()
         scheduler.step()

@@ -181,6 +181,38 @@ def test_load_restores_model_optimizer_and_extras(process_group: None, tmp_path:
             assert torch.equal(value, restored[key][field]), (key, field)
 
 
+def frozen_inp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model_and_optimizer(seed)`` with its first layer frozen, as a LoRA job's base weights are."""
+    model, optimizer = model_and_optimizer(seed)
+    model.inp.requires_grad_(False)
+    optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+    for param in model.inp.parameters():
+        optimizer.state.pop(param)
+    return model, optimizer
+
+
+def test_frozen_parameters_are_neither_saved_nor_loaded(process_group: None, tmp_path: Path) -> None:
+    """A checkpoint holds the trained parameters and their optimizer state only; loading leaves the frozen ones as
+    the job built them; a checkpoint with every weight (full fine-tuning) does not load into a frozen model, nor the
+    reverse."""
+    from lctrain.checkpoint.safe_read import read_metadata
+
+    model, optimizer = frozen_inp(0)
+    path = Checkpointer(tmp_path / "frozen", keep=1).save(1, model, optimizer, {"step": 1})
+    keys = read_metadata(path).state_dict_metadata
+    assert {key for key in keys if key.startswith("model.")} == {"model.out.weight", "model.out.bias"}
+    assert not any("inp" in key for key in keys)
+    other, other_optimizer = frozen_inp(1)
+    frozen_before = {name: value.clone() for name, value in other.inp.state_dict().items()}
+    Checkpointer(tmp_path / "frozen", keep=1).load(path, other, other_optimizer)
+    assert torch.equal(other.out.weight, model.out.weight) and torch.equal(other.out.bias, model.out.bias)
+    assert all(torch.equal(value, frozen_before[name]) for name, value in other.inp.state_dict().items())
+    with pytest.raises(ValueError, match="it holds weight inp.weight, which this model does not have"):
+        Checkpointer(tmp_path, keep=1).load(saved(tmp_path / "full"), *frozen_inp(1))
+    with pytest.raises(ValueError, match="it has no weight inp.weight, which this model has"):
+        Checkpointer(tmp_path, keep=1).load(path, *model_and_optimizer(1))
+
+
 @pytest.mark.parametrize("name", ["step_00000004.tmp", "no_such_checkpoint"])
 def test_load_refuses_incomplete_or_missing(process_group: None, tmp_path: Path, name: str) -> None:
     make_dirs(tmp_path, {"step_00000004.tmp": True})

@@ -39,6 +39,7 @@ from lctrain.planner import (
     stage_memory,
     step_time,
 )
+from lctrain.planner.memory import Lora
 
 TINY = NAMED_MODELS["tiny"]
 CPU = HARDWARE["cpu"]
@@ -190,11 +191,15 @@ def test_layer_activations_by_hand() -> None:
     assert layer_activation_bytes(TINY, 4, 1, mlp_chunked=True) == 10_264 - 5632
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_layer_activations_equal_what_autograd_saves(family: str) -> None:
+@pytest.mark.parametrize(
+    "family,lora", [("llama", None), ("qwen3", None), ("llama", Lora(8)), ("qwen3", Lora(8, ("norm",)))]
+)
+def test_layer_activations_equal_what_autograd_saves(family: str, lora: Lora | None) -> None:
     """One patched decoder layer, fp32, one process: the bytes of every tensor autograd keeps (parameters and RoPE
-    cos/sin, shared by all layers, left out) equal the formula exactly (Qwen3: with its q/k norms)."""
+    cos/sin, shared by all layers, left out) equal the formula exactly (Qwen3: with its q/k norms; with LoRA adapters
+    on every projection, frozen or trained norms)."""
     from lctrain.models import (
+        LoraConfig,
         ModelConfig,
         build_empty_model,
         materialize,
@@ -202,12 +207,15 @@ def test_layer_activations_equal_what_autograd_saves(family: str) -> None:
         patch_attention,
         random_init_source,
     )
+    from lctrain.models.lora import adapter_source, apply_lora
 
     sizes = ModelConfig(family=family, hidden_size=128, intermediate_size=352, num_heads=4, num_kv_heads=2)
     hf = model_config(sizes, 8192)
     spec = dataclasses.replace(TINY, family=family, qk_norm=family == "qwen3")
     model = build_empty_model(hf)
-    materialize(model, random_init_source(hf, 0), torch.device("cpu"))
+    if lora is not None:
+        apply_lora(model, LoraConfig(rank=lora.rank, trainable=list(lora.trainable)))
+    materialize(model, adapter_source(random_init_source(hf, 0), 0), torch.device("cpu"))
     patch_attention(model, ulysses_group=None, ring_group=None)
     tokens = 256
     positions = torch.arange(tokens)[None]
@@ -225,7 +233,7 @@ def test_layer_activations_equal_what_autograd_saves(family: str) -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
-    assert sum(saved.values()) == tokens * layer_activation_bytes(spec, 4, 1)
+    assert sum(saved.values()) == tokens * layer_activation_bytes(spec, 4, 1, lora=lora)
 
 
 def memory(layout: Layout, seq_len: int = 65536, **work: object) -> planner.MemoryEstimate:

@@ -1,0 +1,236 @@
+"""LoRA adapters on a frozen base model, made by peft (``model.lora``).
+
+``apply_lora`` is the first step of ``lctrain.build.build_model``: on the empty (meta) model, peft's
+``inject_adapter_in_model`` replaces each target linear layer with peft's LoRA layer and each ``trainable`` module
+with peft's ``ModulesToSaveWrapper``, and freezes every other weight. The model stays the Hugging Face model (the
+same classes, ``model.model.layers``, ``lm_head``), so attention patching, pipeline stages, the chunked MLP,
+activation checkpointing and FSDP apply to it as to any other: they see ordinary modules.
+
+Names. peft renames what it wraps: a target's frozen weight ``q_proj.weight`` becomes ``q_proj.base_layer.weight``
+beside its adapters ``q_proj.lora_A.default.weight`` ``[rank, in]`` and ``q_proj.lora_B.default.weight``
+``[out, rank]``; a trainable module's frozen original is ``norm.original_module.weight`` and its trained copy
+``norm.modules_to_save.default.weight``. ``lctrain.models.hf.hf_name`` maps the frozen names back to the Hugging Face
+ones (the weights come from the checkpoint or the random init under those) and keeps the adapter names, under which
+checkpoints and the optimizer hold the trained state.
+
+Initial values (``adapter_source``): ``lora_A`` as peft draws it (Kaiming-uniform with ``a = sqrt(5)``), from a
+generator seeded by (seed, parameter name) like lctrain's random init; ``lora_B`` zeros (the adapted model starts as
+the base model); a trained copy starts from the base weight it copies. None depends on the mesh.
+
+Export (``export_lora``): ``<run_dir>/adapter`` written by peft's ``PeftModel.save_pretrained`` (``adapter_config.json``
+and ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, dir)`` loads it) and, when asked, the merged
+model (peft's ``merge_and_unload``) as a Hugging Face directory, both from the gathered full tensors on an empty peft
+model on the writing rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig, PreTrainedModel
+
+from lctrain.models.config import LoraConfig
+from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
+
+if TYPE_CHECKING:  # peft is imported where it is used: importing it takes seconds, and the checks never need it
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+
+logger = logging.getLogger("lctrain")
+
+ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
+# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# modules that get no adapters, and why
+_NOT_TARGETS = {
+    "lm_head": "the chunked loss computes the logits from the LM head's weight, not through its forward",
+    "embed_tokens": "lctrain puts adapters on linear layers only",
+}
+TRAINED_COPY = f"modules_to_save.{ADAPTER}."  # inside the name of a trainable module's trained copy
+
+
+def lora_targets(lora: LoraConfig) -> list[str]:
+    """The leaf module names that get adapters: ``model.lora.target_modules``, or the projections."""
+    return list(lora.target_modules) or list(PROJECTIONS)
+
+
+def peft_config(lora: LoraConfig, base_path: str | None = None) -> PeftLoraConfig:
+    """peft's ``LoraConfig`` for ``model.lora`` (``base_path``: the base model's directory, recorded in the
+    adapter's ``adapter_config.json``)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_targets(lora),
+        modules_to_save=list(lora.trainable) or None,
+        base_model_name_or_path=base_path,
+    )
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> None:
+    """Inject peft's LoRA layers and trainable copies into ``model`` (empty, on meta) in place and freeze the rest;
+    ``lora.rank`` 0: no change (full fine-tuning). Check the job first (``check_lora``)."""
+    if lora.rank == 0:
+        return
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "LoRA rank %d on %s%s: %.2fM trained parameters, %.2fM frozen",
+        lora.rank,
+        ", ".join(lora_targets(lora)),
+        f"; trained in full: {', '.join(lora.trainable)}" if lora.trainable else "",
+        trained / 1e6,
+        sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6,
+    )
+
+
+def _module_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:
+    """The leaf names of the decoder layers' linear layers, and of every module that holds parameters."""
+    model = build_empty_model(config)
+    linear = {
+        name.rsplit(".", 1)[-1] for name, module in model.model.layers.named_modules() if type(module) is nn.Linear
+    }
+    with_params = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    return linear, with_params
+
+
+def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source: str) -> None:
+    """Refuse ``model.lora`` settings peft or lctrain cannot train exactly on this model (``config``, with the job's
+    ``model.*`` settings) and ``parallel`` (the job's ``parallel`` section); ``source`` names the model. One
+    ``ValueError`` naming the setting and the fix, before any process group."""
+    if isinstance(lora.rank, bool) or lora.rank < 0:
+        raise ValueError(f"model.lora.rank={lora.rank} must be >= 1 (the adapters' rank), or 0 for full fine-tuning")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        raise ValueError(
+            f"model.lora.alpha={lora.alpha} must be > 0: the adapters' output is scaled by alpha / rank (e.g. "
+            f"alpha = 2 x rank = {2 * lora.rank})"
+        )
+    if not 0 <= lora.dropout < 1:
+        raise ValueError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.dropout and (parallel.activation_checkpointing != "none" or parallel.mlp_chunk_tokens):
+        setting = (
+            f"parallel.activation_checkpointing={parallel.activation_checkpointing}"
+            if parallel.activation_checkpointing != "none"
+            else f"parallel.mlp_chunk_tokens={parallel.mlp_chunk_tokens}"
+        )
+        raise ValueError(
+            f"model.lora.dropout={lora.dropout} with {setting}: the recomputation in the backward draws other dropout "
+            f"masks than the forward did (lctrain's checkpoints do not restore the RNG), so the gradients would not be "
+            f"the loss's; set model.lora.dropout=0"
+        )
+    linear, with_params = _module_names(config)
+    for name in lora_targets(lora):
+        if name in _NOT_TARGETS:
+            raise ValueError(
+                f"model.lora.target_modules has {name!r}: {_NOT_TARGETS[name]}; train it in full with "
+                f"model.lora.trainable=[{name}] instead"
+            )
+        if name not in linear:
+            raise ValueError(
+                f"model.lora.target_modules has {name!r}, which {source} does not have: its decoder layers' linear "
+                f"layers are {', '.join(sorted(linear))}"
+            )
+    for name in lora.trainable:
+        if name not in with_params or name in linear:
+            reason = "gets adapters" if name in linear else "is not a module with weights of"
+            raise ValueError(
+                f"model.lora.trainable has {name!r}, which {reason} {source}: modules trained in full may be "
+                f"{', '.join(sorted(with_params - linear))}"
+            )
+        if config.tie_word_embeddings and name in ("embed_tokens", "lm_head"):
+            raise ValueError(
+                f"model.lora.trainable has {name!r} and {source} ties its embeddings to the LM head "
+                f"(tie_word_embeddings): peft trains a copy of one while the other stays frozen, which unties them; "
+                f"leave {name} out of model.lora.trainable"
+            )
+
+
+def adapter_source(source: TensorSource, seed: int) -> TensorSource:
+    """``source`` (full tensors by Hugging Face name) completed with the adapters' initial values of the module
+    docstring: ``lora_A`` Kaiming-uniform seeded by (seed, name), ``lora_B`` zeros, a trained copy the base weight."""
+
+    def make(name: str, shape: torch.Size) -> Tensor:
+        if ".lora_A." in name:
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=gen)
+        if ".lora_B." in name:
+            return torch.zeros(shape)
+        return source(name.replace(TRAINED_COPY, ""), shape)
+
+    return make
+
+
+def _peft_model(
+    config: PretrainedConfig, lora: LoraConfig, tensors: dict[str, Tensor], base_path: str | None
+) -> PeftModel:
+    """An empty peft model of ``config`` holding ``tensors`` (state-dict names; the others stay on meta)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(build_empty_model(config), peft_config(lora, base_path), adapter_name=ADAPTER)
+    model.base_model.model.load_state_dict(tensors, strict=False, assign=True)
+    return model
+
+
+def _unaliased(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``tensors``, those that share memory with ``model``'s parameters copied."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    shared = {p.untyped_storage().data_ptr() for p in local}
+    return {name: t.clone() if t.untyped_storage().data_ptr() in shared else t for name, t in tensors.items()}
+
+
+def export_lora(
+    model: nn.Module,
+    config: PretrainedConfig,
+    lora: LoraConfig,
+    run_dir: str | Path,
+    tokenizer: Any = None,
+    *,
+    base_path: str | None,
+    merged: bool,
+    part: int = 0,
+    num_parts: int = 1,
+    pp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write ``<run_dir>/adapter`` (peft's format) and, with ``merged``, the merged model to ``<run_dir>/hf``
+    (``export_hf``'s layout, with the tokenizer). Every rank calls it.
+
+    ``model`` is the trained model (FSDP-sharded or plain, with pipeline stages this rank's parts: ``part`` its pp
+    rank of ``num_parts``, ``pp_group`` the pp group). The adapters of every part are gathered to global rank 0,
+    which writes the adapter; each part's writer merges its own layers."""
+    tensors = full_state_dict(model)  # None off the writers (coordinate 0 of dp_cp)
+    if tensors is not None:
+        trainable = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+        adapter = {name: tensors[name] for name in trainable}
+        if pp_group is not None:
+            parts: list[dict[str, Tensor]] = [{} for _ in range(dist.get_world_size(pp_group))]
+            dist.all_gather_object(parts, adapter, group=pp_group)
+            adapter = {name: tensor for stage in parts for name, tensor in stage.items()}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _peft_model(config, lora, adapter, base_path).save_pretrained(Path(run_dir) / "adapter")
+        if merged:  # peft merges in place: into copies of the tensors a mesh of one gathered without copying
+            unloaded = _peft_model(config, lora, _unaliased(tensors, model), base_path).merge_and_unload()
+            tensors = {name: t for name, t in unloaded.state_dict().items() if not t.is_meta}  # this part's
+    if dist.is_initialized():
+        dist.barrier()  # the adapter is written before any rank returns
+    if merged:
+        write_hf(tensors, config, Path(run_dir) / "hf", tokenizer, part=part, num_parts=num_parts)
