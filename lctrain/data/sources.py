@@ -233,8 +233,10 @@ class DocumentSource:
         if first is None:
             raise ValueError(f"{self.description}: the dataset has no documents")
         if text_field not in first:
+            hint = " (a chat record: use data.format=chat or auto)" if is_chat_record(first) else ""
             raise ValueError(
-                f"text_field={text_field!r} is not a field of {self.description}; available fields: {sorted(first)}"
+                f"text_field={text_field!r} is not a field of {self.description}; available fields: "
+                f"{sorted(first)}{hint}"
             )
         self._dataset = ds.select_columns([text_field])
 
