@@ -345,8 +345,10 @@ class Trainer:
         learning rates stay aligned. ``train_step`` then stops the job or, with ``train.nonfinite=skip``, goes on.
         """
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm, pp_group=self.pp_group)
-        # a step without a trained token (every label masked on every rank) is skipped like a non-finite one
-        step_if_finite(self.optimizer, torch.where(self._step_tokens[0] > 0, grad_norm, torch.nan))
+        # a step without a trained token (every label masked on every rank) is skipped like a non-finite one (with
+        # parallel.cpu_offload the norm and the step are on the host, which waits for the gradients anyway)
+        trained = self._step_tokens[0].to(grad_norm.device) > 0
+        step_if_finite(self.optimizer, torch.where(trained, grad_norm, torch.nan))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -405,8 +407,10 @@ class Trainer:
             tokens_per_s = tokens_per_step / elapsed
             devices = dist.get_world_size()
             mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
-            every = cfg.train.val_every
-            validation = self.val_rows and (self.step == cfg.train.steps or (every and self.step % every == 0))
+            val_every = cfg.train.val_every
+            validation = bool(self.val_rows) and (
+                self.step == cfg.train.steps or (val_every > 0 and self.step % val_every == 0)
+            )
             line = self.metrics.log(
                 self.step,
                 {
