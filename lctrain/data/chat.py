@@ -158,10 +158,11 @@ class ChatEncoder:
         template: str | None = None,
         train_on: str = "assistant",
         source: int = 0,
-        template_name: str = "data.chat_template",
     ):
         if train_on not in TRAIN_ON:
             raise ValueError(f"data.train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
+        # how errors name the template: the file of data.chat_template, or the tokenizer's own
+        self.template_name = "data.chat_template" if template else f"{tokenizer.name_or_path}'s template"
         template = template or tokenizer.chat_template
         if not template:
             raise ValueError(
@@ -170,7 +171,6 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.template = template
-        self.template_name = template_name
         self.train_on = train_on
         self.source = source
         self.marked = has_generation_marks(template)
