@@ -13,7 +13,7 @@ the CPU by default, or on a GPU with ``--device cuda``.
 
 Conversations (the same place, rows as the chat recipes pack them; every figure global rows and tokens per second):
 short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_sft`` reads; its conversations are
-made from the library's files as they are read), and long ones, 200-turn conversations of ~128K tokens in a jsonl
+made from the library's files as they are read), and long ones, 200-turn conversations of ~126K tokens in a jsonl
 file at 131,072-token rows, each through the embedded tokenizer's template with ``{% generation %}`` marks
 (``return_assistant_tokens_mask``) and through the same template without them (prefixes and offsets, the path of
 Llama, Qwen and Mistral templates). Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
@@ -81,7 +81,7 @@ def train_step_seconds(vocab_size: int, batch: dict, steps: int, device: torch.d
 
 
 def write_long_conversations(path: Path, count: int, seed: int = 0) -> None:
-    """``count`` jsonl conversations of ``LONG_TURNS`` turns (user and assistant in turn), each ~120K tokens of the
+    """``count`` jsonl conversations of ``LONG_TURNS`` turns (user and assistant in turn), each 125,743 tokens of the
     embedded tokenizer: excerpts of 2,750 characters of the standard library's ``inspect.py``."""
     import inspect
 
@@ -147,7 +147,7 @@ def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: 
         write_long_conversations(long_file, args.long_conversations + 1)
         long = DataConfig(seq_len=LONG_SEQ_LEN, paths=[str(long_file)], format="chat", tokenizer=str(tokenizer_dir))
         marks_off = {"chat_template": str(plain)}
-        long_name = f"{LONG_TURNS} turns, ~128K tokens"
+        long_name = f"{LONG_TURNS} turns, ~126K tokens"
         cases = [
             ("short (embedded chat corpus), generation marks", short, args.chat_rows),
             ("short (embedded chat corpus), prefixes", dataclasses.replace(short, **marks_off), args.chat_rows),
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the training step runs (the loader runs on CPU)")
     parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
-    parser.add_argument("--long-conversations", type=int, default=4, help="~128K-token conversations timed")
+    parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
     parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
     start_line = machine_line()
