@@ -1,6 +1,8 @@
-"""Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank.
+"""Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank, for
+text and for conversations.
 
     python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
+        [--chat-rows 300] [--long-conversations 4] [--default-job-steps 12]
 
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
@@ -8,25 +10,45 @@ whole rows and keeps S/(R·U) tokens of each, so the loader's figure is per-rank
 the same run: one forward + backward + AdamW step of a tiny Llama (hidden 256, 4 layers, 4 heads) on one batch of
 that rank's S/(R·U) tokens, on one process (no communication), i.e. the tokens one rank consumes per step; on
 the CPU by default, or on a GPU with ``--device cuda``.
+
+Conversations (the same place, rows as the chat recipes pack them; every figure global rows and tokens per second):
+short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_sft`` reads; its conversations are
+made from the library's files as they are read), and long ones, 200-turn conversations of ~126K tokens in a jsonl
+file at 131,072-token rows, each through the embedded tokenizer's template with ``{% generation %}`` marks
+(``return_assistant_tokens_mask``) and through the same template without them (prefixes and offsets, the path of
+Llama, Qwen and Mistral templates). Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
+ulysses 2, 1024-token rows) consumes, measured here as the median step of ``--default-job-steps`` training steps of
+it on a spawned gloo group.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import platform
+import random
 import statistics
+import tempfile
 import time
 from itertools import islice
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.report import command
+from benchmarks.jobs import tiny_job
+from benchmarks.report import command, machine_line
 from lctrain.attention import SequencePlace
 from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir
 from lctrain.data.packing import IGNORE_INDEX
+from lctrain.data.tokenizer import CHAT_TEMPLATE
+from lctrain.testing import run_distributed
+
+LONG_TURNS = 200
+LONG_SEQ_LEN = 131072
 
 
 def train_step_seconds(vocab_size: int, batch: dict, steps: int, device: torch.device) -> float:
@@ -58,6 +80,86 @@ def train_step_seconds(vocab_size: int, batch: dict, steps: int, device: torch.d
     return statistics.median(times[1:])
 
 
+def write_long_conversations(path: Path, count: int, seed: int = 0) -> None:
+    """``count`` jsonl conversations of ``LONG_TURNS`` turns (user and assistant in turn), each 125,743 tokens of the
+    embedded tokenizer: excerpts of 2,750 characters of the standard library's ``inspect.py``."""
+    import inspect
+
+    text = Path(inspect.__file__).read_text()
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(count):
+            messages = []
+            for turn in range(LONG_TURNS):
+                start = rng.randrange(len(text) - 2750)
+                role = "user" if turn % 2 == 0 else "assistant"
+                messages.append({"role": role, "content": text[start : start + 2750]})
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def loader_rates(config: DataConfig, place: SequencePlace, rows: int) -> tuple[float, float]:
+    """Global rows/s and tokens/s of a loader over ``rows`` rows after the first (which opens the stream)."""
+    batches = iter(PackedLoader(config, place=place))
+    next(batches)
+    start = time.perf_counter()
+    for _ in islice(batches, rows):
+        pass
+    seconds = time.perf_counter() - start
+    return rows / seconds, rows * config.seq_len / seconds
+
+
+def default_job_steps(steps: int) -> list[float] | None:
+    """The seconds of each training step of the default job (``recipe=tiny_cpu``, no validation) on this rank; rank
+    0 returns them."""
+    import torch.distributed as dist
+
+    from lctrain.config import load_config
+    from lctrain.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = load_config(tiny_job(f"train.run_dir={run_dir}", "checkpoint.resume=none", f"train.steps={steps}"))
+        trainer = Trainer(cfg)
+        batches, times = iter(trainer.loader), []
+        for _ in range(steps):
+            batch = next(batches)
+            start = time.perf_counter()
+            trainer.train_step([batch])
+            times.append(time.perf_counter() - start)
+    return times if dist.get_rank() == 0 else None
+
+
+def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: Path) -> list[str]:
+    """The conversation figures, each against the default job's consumption."""
+    times = run_distributed(default_job_steps, 4, args.default_job_steps)[0]
+    step = statistics.median(times[2:])  # the first steps warm up
+    job_rows, job_tokens = 1 / step, 1024 / step
+    lines = [
+        f"default job (recipe=tiny_cpu, 4 processes): median step {step:.3f} s over {len(times) - 2} steps = "
+        f"{job_rows:.2f} rows/s, {job_tokens:,.0f} tokens/s",
+        "",
+        f"{'conversations':58} {'rows/s':>9} {'tokens/s':>11} {'x the job':>10}",
+    ]
+    short = DataConfig(seq_len=1024, format="chat", tokenizer=str(tokenizer_dir))
+    with tempfile.TemporaryDirectory() as scratch:
+        plain = Path(scratch) / "chatml_without_marks.jinja"
+        plain.write_text(CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+        long_file = Path(scratch) / "long.jsonl"
+        write_long_conversations(long_file, args.long_conversations + 1)
+        long = DataConfig(seq_len=LONG_SEQ_LEN, paths=[str(long_file)], format="chat", tokenizer=str(tokenizer_dir))
+        marks_off = {"chat_template": str(plain)}
+        long_name = f"{LONG_TURNS} turns, ~126K tokens"
+        cases = [
+            ("short (embedded chat corpus), generation marks", short, args.chat_rows),
+            ("short (embedded chat corpus), prefixes", dataclasses.replace(short, **marks_off), args.chat_rows),
+            (f"{long_name}, generation marks", long, args.long_conversations),
+            (f"{long_name}, prefixes", dataclasses.replace(long, **marks_off), args.long_conversations),
+        ]
+        for name, config, rows in cases:
+            rows_per_s, tokens_per_s = loader_rates(config, place, rows)
+            lines.append(f"{name:58} {rows_per_s:9.2f} {tokens_per_s:11,.0f} {tokens_per_s / job_tokens:9.1f}x")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -68,7 +170,11 @@ def main() -> None:
     )
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the training step runs (the loader runs on CPU)")
+    parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
+    parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
+    parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
+    start_line = machine_line()
     cp = args.ring * args.ulysses
     local = args.seq_len // cp
 
@@ -110,6 +216,10 @@ def main() -> None:
     print(f"{'tiny Llama fwd+bwd+AdamW on ' + str(local) + ' tokens':44} {step_seconds:10.4f} {step_rate:12,.0f}")
     print(f"ratio loader / train step: {loader_rate / step_rate:.1f}x (target >= 10x)")
     print(f"resume skip: re-reading a whole epoch ({skipped} documents, no tokenization) takes {skip_seconds:.2f} s")
+    print()
+    print("\n".join(chat_section(args, place, default_tokenizer_dir())))
+    print()
+    print(f"machine: {start_line}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from pathlib import Path
 from lctrain.cli import set_allocator_defaults
 
 REPO = Path(__file__).resolve().parents[1]
-# no Hugging Face export, loss plot or progress bar: outputs that a measured or tested job does not need
-QUIET = ("checkpoint.export_hf=false", "logging.plot=false", "logging.progress_bar=false")
+# no Hugging Face export, loss plot, progress bar or validation: outputs that a measured or tested job does not need
+QUIET = ("checkpoint.export_hf=false", "logging.plot=false", "logging.progress_bar=false", "data.val_sources=[]")
 # the model's sizes by the names the benchmarks' flags use
 SHAPE_SETTINGS = {
     "hidden": "model.hidden_size",

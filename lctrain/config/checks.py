@@ -11,6 +11,7 @@ from typing import Any
 
 from lctrain.attention.kernels import check_kernel_choice
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
+from lctrain.data import check_data_config
 from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
 from lctrain.models.lora import check_lora
 from lctrain.parallel.dims import ParallelDims
@@ -114,6 +115,7 @@ def check_job(
         raise ValueError(f"train.device={train.device!r} must be auto, cuda or cpu")
     if cfg.logging.wandb not in ("disabled", "offline", "online"):
         raise ValueError(f"logging.wandb={cfg.logging.wandb!r} must be disabled, offline or online")
+    check_data_config(cfg.data)  # the data settings on their own; lctrain.train.trainer.check reads the data
 
 
 def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:

@@ -77,6 +77,8 @@ class TrainConfig:
     # ({data.seq_len: 32768, train.steps: 200, parallel.ring: 4}), in <run_dir>/stage_<k>, each starting from the
     # previous stage's exported weights; [] = one run
     stages: list[dict[str, Any]] = field(default_factory=list)
+    val_every: int = 0  # score data.val_sources every this many steps, and at the end; 0 = only at the end
+    val_rows: int = 8  # packed rows of data.val_sources scored each time (the same rows every time)
 
 
 @dataclass

@@ -1,13 +1,21 @@
-"""Text documents, streamed with Hugging Face ``datasets`` and split over data-parallel ranks.
+"""Documents of one source, streamed with Hugging Face ``datasets`` and split over data-parallel ranks.
 
 A source is one of: local files (jsonl/json, parquet, txt; globs allowed; a txt file is one document), a hub dataset
-(needs network; never used in tests), or, when neither is given, the embedded default corpus: the ``*.py`` files of
-the Python standard library, sorted, one document per file.
+(needs network; never used in tests), or, when neither is given, an embedded default corpus, in two splits
+(``split``: ``train``, or ``validation`` = every ``HELD_OUT_EVERY``-th file, never trained on):
+
+- text: the ``*.py`` files of the Python standard library, sorted, one document per file;
+- chat: questions about the standard library's functions answered by their docstrings (``lctrain.data.stdlib_chat``).
+
+A source holds text documents (``texts``) or chat records (``records``: each record's JSON text and where it is,
+``file:line``, for the errors). ``format``: ``text``, ``chat``, or ``auto``: chat when the first record has
+``messages`` or ``prompt`` and ``completion``.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -16,9 +24,16 @@ from pathlib import Path
 import datasets
 from datasets.distributed import split_dataset_by_node
 
+from lctrain.data.chat import is_chat_record
+from lctrain.data.stdlib_chat import stdlib_conversations
+
 # File suffix -> the `datasets` builder that reads it. txt files are read whole (one document per file).
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+DATA_FORMATS = ("auto", "text", "chat")
+EMBEDDED_SPLITS = ("train", "validation")
+HELD_OUT_EVERY = 50  # the embedded corpora's validation split: files 49, 99, 149, ... of the sorted list
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_TEST_DIRS = {"test", "tests", "idle_test"}  # the chat corpus asks about the library, not about its tests
 
 
 def resolve_paths(paths: Sequence[str]) -> list[str]:
@@ -50,6 +65,19 @@ def stdlib_files() -> list[str]:
     return sorted(files)
 
 
+def embedded_files(chat: bool, split: str) -> list[str]:
+    """The files of an embedded corpus's split: the standard library's (without its tests, for chat), sorted, with
+    every ``HELD_OUT_EVERY``-th one in ``validation`` and the others in ``train``."""
+    if split not in EMBEDDED_SPLITS:
+        raise ValueError(f"split={split!r}: the embedded corpus has the splits {', '.join(EMBEDDED_SPLITS)}")
+    files = stdlib_files()
+    if chat:
+        root = sysconfig.get_paths()["stdlib"]
+        files = [f for f in files if not _TEST_DIRS & set(Path(os.path.relpath(f, root)).parts[:-1])]
+    held_out = {i for i in range(HELD_OUT_EVERY - 1, len(files), HELD_OUT_EVERY)}
+    return [f for i, f in enumerate(files) if (i in held_out) == (split == "validation")]
+
+
 def read_text_files(paths: list[str]) -> Iterator[dict[str, str]]:
     """One ``{"text": ...}`` per UTF-8 file, in order; files that are not valid UTF-8 are skipped."""
     for path in paths:
@@ -61,36 +89,97 @@ def read_text_files(paths: list[str]) -> Iterator[dict[str, str]]:
             continue
 
 
-def _text_files_dataset(paths: list[str]) -> datasets.IterableDataset:
+def read_records(paths: list[str]) -> Iterator[dict[str, str]]:
+    """One ``{"record": <JSON text>, "where": <file:line>}`` per record of each file, in order: a jsonl line (blank
+    lines skipped), an element of a json file holding one array, a parquet row."""
+    for path in paths:
+        suffix = Path(path).suffix
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            row = 0
+            for batch in pq.ParquetFile(path).iter_batches():
+                for record in batch.to_pylist():
+                    yield {"record": json.dumps(record, default=str), "where": f"{path} row {row}"}
+                    row += 1
+            continue
+        if suffix == ".txt":
+            raise ValueError(f"{path}: a txt file is one text document, not chat records: use data.format=text")
+        with open(path, encoding="utf-8") as f:
+            first = f.read(1024).lstrip()[:1]
+            f.seek(0)
+            if suffix == ".json" and first == "[":
+                for index, record in enumerate(json.load(f)):
+                    yield {"record": json.dumps(record), "where": f"{path} record {index}"}
+                continue
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield {"record": line, "where": f"{path}:{number}"}
+
+
+_TEXT_FEATURES = datasets.Features({"text": datasets.Value("string")})
+_RECORD_FEATURES = datasets.Features({"record": datasets.Value("string"), "where": datasets.Value("string")})
+
+
+def _from_files(reader, paths: list[str], features: datasets.Features) -> datasets.IterableDataset:
     # One shard per file, so dp ranks split (and shuffling reorders) whole files.
-    features = datasets.Features({"text": datasets.Value("string")})
-    return datasets.IterableDataset.from_generator(read_text_files, features=features, gen_kwargs={"paths": paths})
+    return datasets.IterableDataset.from_generator(reader, features=features, gen_kwargs={"paths": paths})
 
 
-def _open(
+def _hub_records(example: dict, index: int, *, name: str) -> dict[str, str]:
+    return {"record": json.dumps(example, default=str), "where": f"{name} record {index}"}
+
+
+def _first_record(paths: Sequence[str], dataset: str | None, dataset_config: str | None, split: str) -> dict | None:
+    """The first record of a source of files or a hub dataset (for ``format=auto``); None when it has none or the
+    files are not records (txt)."""
+    if dataset:
+        return next(iter(datasets.load_dataset(dataset, dataset_config, split=split, streaming=True)), None)
+    files = resolve_paths(paths)
+    if any(Path(f).suffix == ".txt" for f in files):
+        return None
+    first = next(read_records(files[:1]), None)
+    try:
+        return None if first is None else json.loads(first["record"])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{first['where']}: not valid JSON ({error.msg}); write one JSON object per line") from None
+
+
+def _open_text(
     paths: Sequence[str], dataset: str | None, dataset_config: str | None, split: str
 ) -> datasets.IterableDataset:
     if dataset:
         return datasets.load_dataset(dataset, dataset_config, split=split, streaming=True)
     if not paths:
-        return _text_files_dataset(stdlib_files())
+        return _from_files(read_text_files, embedded_files(False, split), _TEXT_FEATURES)
     files = resolve_paths(paths)
     builders = {FORMATS[Path(f).suffix] for f in files}
     if len(builders) > 1:
         raise ValueError(f"paths: {list(paths)} mix formats {sorted(builders)}; use files of one format")
     builder = builders.pop()
     if builder == "text":
-        return _text_files_dataset(files)
+        return _from_files(read_text_files, files, _TEXT_FEATURES)
     return datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
 
 
-class DocumentSource:
-    """The text documents of one data-parallel rank.
+def _open_records(
+    paths: Sequence[str], dataset: str | None, dataset_config: str | None, split: str
+) -> datasets.IterableDataset:
+    if dataset:
+        ds = datasets.load_dataset(dataset, dataset_config, split=split, streaming=True)
+        return ds.map(_hub_records, with_indices=True, fn_kwargs={"name": dataset}, remove_columns=ds.column_names)
+    if not paths:
+        return _from_files(stdlib_conversations, embedded_files(True, split), _RECORD_FEATURES)
+    return _from_files(read_records, resolve_paths(paths), _RECORD_FEATURES)
 
-    Ranks ``0..dp_size-1`` see disjoint sets of documents whose union is the whole dataset. ``texts(epoch)`` gives
-    the same sequence on every call with the same arguments: the shuffle (buffer of ``shuffle_buffer`` documents,
-    0 = off, plus a shuffled file order) is seeded by ``seed`` and re-drawn for every epoch. Without shuffling every
-    epoch has the same order. Empty texts are skipped.
+
+class DocumentSource:
+    """The documents of one data-parallel rank: text documents (``texts``) or chat records (``records``).
+
+    Ranks ``0..dp_size-1`` see disjoint sets of documents whose union is the whole dataset. ``texts(epoch)`` and
+    ``records(epoch)`` give the same sequence on every call with the same arguments: the shuffle (buffer of
+    ``shuffle_buffer`` documents, 0 = off, plus a shuffled file order) is seeded by ``seed`` and re-drawn for every
+    epoch. Without shuffling every epoch has the same order. Empty texts are skipped.
     """
 
     def __init__(
@@ -101,6 +190,7 @@ class DocumentSource:
         dataset_config: str | None = None,
         split: str = "train",
         text_field: str = "text",
+        format: str = "text",
         shuffle_buffer: int = 0,
         seed: int = 0,
         dp_rank: int = 0,
@@ -112,6 +202,8 @@ class DocumentSource:
             raise ValueError(f"shuffle_buffer={shuffle_buffer} must be >= 0 (0 turns shuffling off)")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        if format not in DATA_FORMATS:
+            raise ValueError(f"format={format!r} must be one of {', '.join(DATA_FORMATS)}")
         self.text_field = text_field
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -122,29 +214,49 @@ class DocumentSource:
         elif paths:
             self.description = f"paths={list(paths)}"
         else:
-            self.description = "the embedded default corpus (Python standard library)"
+            kind = "chat: the standard library's docstrings" if format == "chat" else "Python standard library"
+            self.description = f"the embedded default corpus ({kind}, split {split})"
+        if format == "auto":
+            chat = bool(paths or dataset) and is_chat_record(_first_record(paths, dataset, dataset_config, split))
+            format = "chat" if chat else "text"
+        self.format = format
+        if format == "chat":
+            self._dataset = _open_records(paths, dataset, dataset_config, split)
+            if next(iter(self._dataset), None) is None:
+                raise ValueError(f"{self.description}: the dataset has no records")
+            return
         try:
-            ds = _open(paths, dataset, dataset_config, split)
+            ds = _open_text(paths, dataset, dataset_config, split)
             first = next(iter(ds), None)
         except StopIteration:  # datasets' json builder raises it (while inferring features) when all files are empty
             first = None
         if first is None:
             raise ValueError(f"{self.description}: the dataset has no documents")
         if text_field not in first:
+            hint = " (a chat record: use data.format=chat or auto)" if is_chat_record(first) else ""
             raise ValueError(
-                f"text_field={text_field!r} is not a field of {self.description}; available fields: {sorted(first)}"
+                f"text_field={text_field!r} is not a field of {self.description}; available fields: "
+                f"{sorted(first)}{hint}"
             )
         self._dataset = ds.select_columns([text_field])
 
-    def texts(self, epoch: int) -> Iterator[str]:
-        """This rank's documents for ``epoch``, in order."""
+    def _stream(self, epoch: int) -> datasets.IterableDataset:
         ds = self._dataset
         if self.shuffle_buffer:
             ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
         ds = split_dataset_by_node(ds, rank=self.dp_rank, world_size=self.dp_size)
         if self.shuffle_buffer:
             ds.set_epoch(epoch)
-        for example in ds:
+        return ds
+
+    def texts(self, epoch: int) -> Iterator[str]:
+        """This rank's text documents for ``epoch``, in order."""
+        for example in self._stream(epoch):
             text = example[self.text_field]
             if text:
                 yield text
+
+    def records(self, epoch: int) -> Iterator[tuple[str, str]]:
+        """This rank's chat records for ``epoch``, in order: (the record's JSON text, where it is)."""
+        for example in self._stream(epoch):
+            yield example["record"], example["where"]

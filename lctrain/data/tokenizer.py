@@ -1,9 +1,12 @@
 """Tokenizers: a Hugging Face tokenizer from a local directory, or the embedded default one trained on first use.
 
-The default is a byte-level BPE (vocab 8192, special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>``) trained with the
-``tokenizers`` library on every 4th file of the Python standard library (sorted; the first ~3 MB), which takes a
-few seconds, is deterministic and downloads nothing. It is saved under ``<cache>/tokenizers/<name>``, where
-``<cache>`` is the ``cache_dir`` argument, else ``$LCTRAIN_CACHE``, else ``~/.cache/lctrain``.
+The default is a byte-level BPE (vocab 8192, special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>`` and ChatML's
+``<|im_start|>`` ``<|im_end|>``) trained with the ``tokenizers`` library on every 4th file of the Python standard
+library (sorted; the first ~3 MB), which takes a few seconds, is deterministic and downloads nothing. It carries a
+ChatML chat template (``CHAT_TEMPLATE``: ``<|im_start|>role\n ... <|im_end|>\n`` per message after ``<|bos|>``, the
+assistant's turns marked with ``{% generation %}``), so an export of a model trained with it holds its template. It
+is saved under ``<cache>/tokenizers/<name>``, where ``<cache>`` is the ``cache_dir`` argument, else
+``$LCTRAIN_CACHE``, else ``~/.cache/lctrain``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,21 @@ from lctrain.data.sources import read_text_files, stdlib_files
 
 DEFAULT_VOCAB_SIZE = 8192
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+# ChatML after the BOS token; the assistant's content and its end-of-turn token are the {% generation %} span
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{{- '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 _TRAIN_BYTES = 3_000_000
 # tokenizer_config.json's class of a tokenizer.json saved as is (transformers 5 and 4 spell it differently)
 TOKENIZER_FILE_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -32,7 +50,7 @@ TOKENIZER_FILE_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 def default_tokenizer_name() -> str:
     """Names the default tokenizer after the Python version whose standard library it was trained on."""
-    return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bpe{DEFAULT_VOCAB_SIZE}"
+    return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bpe{DEFAULT_VOCAB_SIZE}-chatml"
 
 
 def _training_texts() -> Iterator[str]:
@@ -51,12 +69,16 @@ def train_default_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=DEFAULT_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS.values()),
+        special_tokens=[*SPECIAL_TOKENS.values(), *CHAT_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_texts(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+    trained = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, **SPECIAL_TOKENS, additional_special_tokens=CHAT_TOKENS
+    )
+    trained.chat_template = CHAT_TEMPLATE
+    return trained
 
 
 def default_tokenizer_dir(cache_dir: str | Path | None = None) -> Path:

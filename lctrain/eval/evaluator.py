@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.runtime import resolve_device
-from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.loss import chunked_cross_entropy_by_group
 
 logger = logging.getLogger("lctrain")
 
@@ -84,6 +84,50 @@ def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
 
 def perplexity_lengths(cfg: EvalConfig) -> list[int]:
     return list(cfg.perplexity_lengths or cfg.lengths)
+
+
+def dp_turns(count: int, dp_rank: int, dp: int) -> Iterator[tuple[int, bool]]:
+    """(index, keep) for dp rank ``dp_rank`` of ``dp``: items ``dp_rank, dp_rank + dp, ...``; every rank gets the
+    same number of turns, and a turn past the end repeats item 0 with ``keep=False`` (a forward FSDP needs, then
+    dropped)."""
+    for turn in range(math.ceil(count / dp)):
+        index = turn * dp + dp_rank
+        yield (index, True) if index < count else (0, False)
+
+
+@torch.no_grad()
+def score_rows(
+    hidden_states: FinalHiddenStates,
+    rows: Sequence[dict[str, Any]],
+    *,
+    groups: Sequence[Tensor] | None = None,
+    num_groups: int = 1,
+    dp_rank: int,
+    dp: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    chunk_tokens: int,
+) -> Tensor:
+    """The summed negative log-likelihood and the number of predicted tokens of each group of tokens over
+    ``rows``: float64 ``[num_groups, 2]``, the same on every rank of ``group`` (dp_cp).
+
+    Each row is one batch of this rank's part of one packed row (``input_ids``, ``labels``, ``position_ids``
+    ``[1, S_local]``, ``cu_seqlens``); ``groups[i]`` (``[1, S_local]`` ints in ``[0, num_groups)``) puts each token
+    of row i in a group (None: one group). Dp rank d scores rows d, d + dp, ... (``dp_turns``) and the sums are
+    all-reduced over ``group``: context-parallel ranks add their parts of a row, dp ranks their rows."""
+    totals = torch.zeros(num_groups, 2, dtype=torch.float64, device=device)
+    for index, keep in dp_turns(len(rows), dp_rank, dp):
+        row = rows[index]
+        hidden = hidden_states(row["input_ids"].to(device), row["position_ids"].to(device), row["cu_seqlens"][0])
+        labels = row["labels"].to(device)
+        row_groups = torch.zeros_like(labels) if groups is None else groups[index].to(device)
+        _, sums, counts = chunked_cross_entropy_by_group(
+            hidden, hidden_states.model.lm_head.weight, labels, row_groups, num_groups, chunk_tokens=chunk_tokens
+        )
+        if keep:
+            totals += torch.stack([sums, counts.double()], dim=1)
+    dist.all_reduce(totals, group=group)
+    return totals
 
 
 class Evaluator:
@@ -136,11 +180,8 @@ class Evaluator:
         return self.final_hidden_states(input_ids.to(self.device), position_ids.to(self.device), cu_seqlens)
 
     def _my_items(self, count: int) -> Iterator[tuple[int, bool]]:
-        """(index, keep) for this dp rank: items ``dp_rank, dp_rank + dp, ...``; every rank gets the same number of
-        turns, and a turn past the end repeats item 0 with ``keep=False`` (a forward FSDP needs, then dropped)."""
-        for turn in range(math.ceil(count / self.dp)):
-            index = turn * self.dp + self.dp_rank
-            yield (index, True) if index < count else (0, False)
+        """(index, keep) for this dp rank (``dp_turns``)."""
+        return dp_turns(count, self.dp_rank, self.dp)
 
     @torch.no_grad()
     def passkey(self) -> list[dict[str, Any]]:
@@ -223,21 +264,17 @@ class Evaluator:
         for length in perplexity_lengths(self.cfg.eval):
             data = replace(self.cfg.data, seq_len=length, batch_size=1, truncate=True, tokenizer=self.tokenizer_path)
             loader = iter(PackedLoader(data, dp_rank=0, dp_size=1, place=self.place))
-            totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed NLL, predicted tokens
             batches = [next(loader) for _ in range(rows)]
-            for index, keep in self._my_items(rows):
-                batch = batches[index]
-                hidden = self.hidden_states(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"][0])
-                nll, tokens = chunked_cross_entropy(
-                    hidden,
-                    self.model.lm_head.weight,
-                    batch["labels"].to(self.device),
-                    chunk_tokens=self.cfg.train.loss_chunk_tokens,
-                )
-                if keep:
-                    totals += torch.stack([nll.double(), tokens.double()])
-            dist.all_reduce(totals, group=self.dp_cp_group)
-            nll, tokens = totals.tolist()
+            totals = score_rows(
+                self.final_hidden_states,
+                batches,
+                dp_rank=self.dp_rank,
+                dp=self.dp,
+                group=self.dp_cp_group,
+                device=self.device,
+                chunk_tokens=self.cfg.train.loss_chunk_tokens,
+            )
+            nll, tokens = totals[0].tolist()  # summed NLL, predicted tokens
             mean = nll / max(tokens, 1)
             results.append({"length": length, "rows": rows, "tokens": int(tokens), "nll": mean, "ppl": math.exp(mean)})
             logger.info("perplexity at length %d: %.3f (NLL %.4f over %d tokens)", length, math.exp(mean), mean, tokens)

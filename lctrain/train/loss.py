@@ -14,6 +14,8 @@ logits are the matmul in the inputs' dtype, then upcast, and the weight gradient
 
 The caller divides the sum by the number of valid tokens over every rank that shares the step (dp × ring ×
 ulysses and the gradient-accumulation micro-batches), so that the loss equals the mean over the global batch.
+``chunked_cross_entropy_by_group`` also sums the token losses by a group index per token (the source of each token
+in a mixture, a position bucket in validation), from the same chunks: no logits are computed twice.
 """
 
 from __future__ import annotations
@@ -45,9 +47,20 @@ def _addmm_fp32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, needs_grad: bool) -> Tensor:
-        """hidden ``[T, H]``, weight ``[V, H]``, labels ``[T]`` -> the summed loss (fp32 scalar)."""
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        chunk_tokens: int,
+        needs_grad: bool,
+        groups: Tensor | None,
+        num_groups: int,
+    ) -> tuple[Tensor, Tensor]:
+        """hidden ``[T, H]``, weight ``[V, H]``, labels ``[T]``, groups ``[T]`` int64 or None -> the summed loss
+        (fp32 scalar) and the summed loss per group (fp64 ``[num_groups]``, not differentiable)."""
         total = hidden.new_zeros((), dtype=torch.float32)
+        group_sums = hidden.new_zeros(num_groups, dtype=torch.float64)
         grad_hidden = torch.zeros_like(hidden) if needs_grad and hidden.requires_grad else None
         accumulate = torch.promote_types(weight.dtype, torch.float32)  # the head's gradient sums over all tokens
         grad_weight = (
@@ -63,7 +76,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             targets = targets.clamp(min=0)[:, None]  # ignored rows pick class 0, then are masked out
             logits = _mm_fp32(chunk, weight.t()) if tensor_cores else (chunk @ weight.t()).float()  # [chunk, V]
             lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, targets).squeeze(1)) * valid).sum()
+            token_losses = (lse - logits.gather(1, targets).squeeze(1)) * valid  # [chunk]
+            total += token_losses.sum()
+            if groups is not None:
+                group_sums.index_add_(0, groups[rows], token_losses.double())
             if grad_hidden is None and grad_weight is None:
                 continue
             # d(summed loss)/d(logits) = softmax - one-hot, zero on ignored rows; computed in place in the logits
@@ -79,15 +95,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             elif grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
-        return total
+        ctx.mark_non_differentiable(group_sums)
+        return total, group_sums
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_total: Tensor, grad_group_sums: Tensor) -> tuple[Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_total.to(torch.float32)
         return (
             None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
             None if grad_weight is None else grad_weight * scale.to(grad_weight.dtype),
+            None,
+            None,
             None,
             None,
             None,
@@ -103,6 +122,28 @@ def chunked_cross_entropy(
     ``IGNORE_INDEX`` for tokens that predict nothing. Logits are reduced in fp32, ``chunk_tokens`` at a time (the
     module docstring says where the matmuls run).
     """
+    total, _ = _chunked(hidden, weight, labels, None, 1, chunk_tokens)
+    return total, (labels != IGNORE_INDEX).sum()
+
+
+def chunked_cross_entropy_by_group(
+    hidden: Tensor, weight: Tensor, labels: Tensor, groups: Tensor, num_groups: int, *, chunk_tokens: int = 1024
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``chunked_cross_entropy``'s summed loss (the same value, differentiable), and per group: the summed loss
+    (fp64 ``[num_groups]``, detached) and the number of valid tokens (int64 ``[num_groups]``). ``groups`` is an
+    integer tensor of the labels' shape with values in ``[0, num_groups)``."""
+    if groups.shape != labels.shape:
+        raise ValueError(f"groups {tuple(groups.shape)} and labels {tuple(labels.shape)} differ in shape")
+    groups = groups.reshape(-1).long()
+    total, sums = _chunked(hidden, weight, labels, groups, num_groups, chunk_tokens)
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=labels.device)
+    counts.index_add_(0, groups, (labels.reshape(-1) != IGNORE_INDEX).long())  # no boolean indexing: no host sync
+    return total, sums, counts
+
+
+def _chunked(
+    hidden: Tensor, weight: Tensor, labels: Tensor, groups: Tensor | None, num_groups: int, chunk_tokens: int
+) -> tuple[Tensor, Tensor]:
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     if hidden.shape[:-1] != labels.shape:
@@ -110,5 +151,4 @@ def chunked_cross_entropy(
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
     labels = labels.reshape(-1)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    total = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, needs_grad)
-    return total, (labels != IGNORE_INDEX).sum()
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, needs_grad, groups, num_groups)

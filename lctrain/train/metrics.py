@@ -1,5 +1,6 @@
 """Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
-plot at the end. Also the peak FLOP/s and memory the line reports (FLOPs per token: ``lctrain.flops``)."""
+plot at the end (and, when the run validates, a validation plot: ``val_loss.png``). Also the peak FLOP/s and memory
+the line reports (FLOPs per token: ``lctrain.flops``)."""
 
 from __future__ import annotations
 
@@ -59,22 +60,28 @@ class MetricsLogger:
                 project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb, config=job_config, resume="allow"
             )
 
-    def log(self, step: int, metrics: dict[str, float | None]) -> str | None:
-        """Record one step; returns the formatted line when this step is printed."""
+    def log(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """Record one step; returns the formatted line when this step is printed (every ``logging.every`` steps, and
+        at each validation). A dict value (``val_loss_by_position``) goes to W&B as ``key/sub`` values."""
         if not self.enabled:
             return None
         record = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
-        if step % self.cfg.every:
+            flat = {}
+            for key, value in metrics.items():
+                flat.update({f"{key}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+            self.wandb_run.log({k: v for k, v in flat.items() if v is not None}, step=step)
+        validated = metrics.get("val_loss") is not None
+        if step % self.cfg.every and not validated:
             return None
         mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
-        return (
+        line = (
             f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e}"
             f" | tok/s {metrics['tokens_per_s']:.0f} | mfu {mfu} | mem {metrics['peak_mem_gib']:.2f} GiB"
         )
+        return line + (f" | val_loss {metrics['val_loss']:.4f}" if validated else "")
 
     def close(self) -> None:
         if not self.enabled:
@@ -83,6 +90,8 @@ class MetricsLogger:
             self.wandb_run.finish()
         if self.cfg.plot:
             plot_loss(self.path, self.run_dir / "loss.png")
+            if any(record.get("val_loss") is not None for record in _read_jsonl(self.path)):
+                plot_validation(self.path, self.run_dir / "val_loss.png")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -110,6 +119,45 @@ def plot_loss(metrics_path: Path, out: Path) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(metrics_path.parent.name)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_validation(metrics_path: Path, out: Path) -> None:
+    """Validation loss against step (beside the training loss's running mean), and the loss by position at up to
+    eight validations spread over the run (one line each, later ones darker), from ``metrics.jsonl``, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = _read_jsonl(metrics_path)
+    validations = [r for r in records if r.get("val_loss") is not None]
+    fig, (curve, by_position) = plt.subplots(1, 2, figsize=(11, 4))
+    losses = [r["loss"] for r in records]
+    window = max(1, len(losses) // 20)
+    trend = [sum(losses[max(0, i + 1 - window) : i + 1]) / min(window, i + 1) for i in range(len(losses))]
+    curve.plot([r["step"] for r in records], trend, alpha=0.5, label=f"training loss (mean of {window} steps)")
+    curve.plot([r["step"] for r in validations], [r["val_loss"] for r in validations], "o-", label="validation loss")
+    curve.set_xlabel("step")
+    curve.set_ylabel("loss")
+    curve.legend()
+    curve.grid(alpha=0.3)
+    buckets = list(validations[-1]["val_loss_by_position"])
+    colors = plt.get_cmap("viridis_r")
+    shown = sorted({round(i * (len(validations) - 1) / 7) for i in range(8)})
+    for index in shown:
+        record = validations[index]
+        values = [record["val_loss_by_position"].get(bucket) for bucket in buckets]
+        shade = colors(0.15 + 0.85 * (index + 1) / len(validations))
+        by_position.plot(range(len(buckets)), values, "o-", color=shade, label=f"step {record['step']}")
+    by_position.set_xticks(range(len(buckets)), [f"[{b.replace('-', ', ')})" for b in buckets], fontsize=8)
+    by_position.set_xlabel("document position of the predicting token")
+    by_position.set_ylabel("validation loss")
+    by_position.legend(fontsize=7, ncol=2)
+    by_position.grid(alpha=0.3)
+    fig.suptitle(f"{metrics_path.parent.name}: validation")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

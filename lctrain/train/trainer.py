@@ -24,7 +24,8 @@ from lctrain.attention import SequencePlace
 from lctrain.build import build_model, prepare_model, tokenizer_path
 from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
-from lctrain.data import IGNORE_INDEX, PackedLoader
+from lctrain.data import IGNORE_INDEX, PackedLoader, check_data, load_tokenizer
+from lctrain.eval.evaluator import score_rows
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
@@ -33,14 +34,41 @@ from lctrain.models.lora import export_lora
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
-from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.loss import chunked_cross_entropy, chunked_cross_entropy_by_group
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
-from lctrain.train.stages import check_stages, pending_stages
+from lctrain.train.stages import check_stages, pending_stages, stage_configs
 
 logger = logging.getLogger("lctrain")
 
 Batch = dict[str, Any]
+
+
+def position_buckets(seq_len: int) -> list[int]:
+    """The edges ``[0, b, 4b, 16b, ..., seq_len]`` of the validation's loss-by-position buckets: ``b`` = 4096, or
+    for rows shorter than 64K the largest power of 4 with 16·b <= seq_len, so that there are at least three buckets
+    (seq_len 1024: [0, 64), [64, 256), [256, 1024); 131072: [0, 4K), [4K, 16K), [16K, 64K), [64K, 128K))."""
+    first = 4096
+    while first > 1 and 16 * first > seq_len:
+        first //= 4
+    edges = [0]
+    while first < seq_len:
+        edges.append(first)
+        first *= 4
+    return [*edges, seq_len]
+
+
+def check_validation(cfg: JobConfig) -> None:
+    """The validation settings: one ``ValueError`` naming the setting and the fix."""
+    if cfg.train.val_every < 0:
+        raise ValueError(f"train.val_every={cfg.train.val_every} must be >= 0 (0 = only at the end)")
+    if cfg.train.val_rows < 1:
+        raise ValueError(f"train.val_rows={cfg.train.val_rows} must be >= 1")
+    if cfg.data.val_sources and cfg.parallel.pp > 1:
+        raise ValueError(
+            f"data.val_sources with parallel.pp={cfg.parallel.pp}: validation runs without a pipeline; leave "
+            f"data.val_sources empty and score the export with `lctrain eval` (tasks=[perplexity])"
+        )
 
 
 class Trainer:
@@ -65,13 +93,18 @@ class Trainer:
         self.pp_group = self.mesh.get_group("pp") if self.dims.pp > 1 else None
         torch.manual_seed(cfg.train.seed)
 
-        # 3. data: this rank's dp shard of the rows, cut to its place
+        # 3. data: this rank's dp shard of the rows, cut to its place; the validation rows (every rank the same rows)
         self.loader = PackedLoader(
             dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)),
             dp_rank=self.mesh.get_local_rank("dp"),
             dp_size=self.dims.dp,
             place=self.place,
         )
+        self.sources = self.loader.names  # with several, each step reports loss/<name> and tokens/<name>
+        check_validation(cfg)
+        self.val_names = [source.name for source in cfg.data.val_sources]
+        self.val_edges = position_buckets(cfg.data.seq_len)
+        self.val_rows, self.val_groups = self._validation_rows() if self.val_names else ([], [])
 
         # 4. model (lctrain.build). With pp > 1 the schedule runs this rank's stage modules, and self.model is their
         # parts under Hugging Face names, for the optimizer, clipping, checkpoints and export.
@@ -90,6 +123,10 @@ class Trainer:
         else:
             self.hidden_states = FinalHiddenStates(self.model)
         self._valid_tokens = torch.ones((), device=self.device)
+        # the step's trained tokens over dp_cp: the total, then per source (with several); the per-source loss sums
+        self._step_tokens = torch.ones(1, dtype=torch.int64, device=self.device)
+        sums = len(self.sources) if len(self.sources) > 1 else 0
+        self._source_loss = torch.zeros(sums, dtype=torch.float64, device=self.device)
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -116,6 +153,64 @@ class Trainer:
             cfg.data.seq_len,
             self.device,
         )
+
+    def _validation_rows(self) -> tuple[list[Batch], list[Tensor]]:
+        """``train.val_rows`` rows of ``data.val_sources`` (this rank's part of each, the same rows on every dp rank),
+        packed with ``truncate``: every row starts at a document start, so a token's position is the context it is
+        predicted from. Each token's group: its source x its position bucket (``position_buckets``)."""
+        cfg = self.cfg
+        data = dataclasses.replace(
+            cfg.data,
+            tokenizer=tokenizer_path(cfg),
+            paths=[],
+            dataset=None,
+            sources=cfg.data.val_sources,
+            val_sources=[],
+            batch_size=1,
+            truncate=True,
+        )
+        rows = iter(PackedLoader(data, place=self.place))
+        batches = [next(rows) for _ in range(cfg.train.val_rows)]
+        inner = torch.tensor(self.val_edges[1:-1])
+        buckets = len(self.val_edges) - 1
+        groups = [
+            batch["sources"].long() * buckets + torch.bucketize(batch["position_ids"], inner, right=True)
+            for batch in batches
+        ]
+        return batches, groups
+
+    def validate(self) -> dict[str, Any]:
+        """The validation rows scored on the training mesh without gradients (``lctrain.eval.evaluator.score_rows``):
+        ``val_loss`` (the token mean), ``val_tokens``, ``val_loss_by_position`` (``"a-b"``: the mean loss of the
+        tokens predicted at document positions [a, b); None where there is none) and, with several validation
+        sources, ``val_loss/<name>``. Reads the sums back to the host."""
+        buckets = len(self.val_edges) - 1
+        totals = score_rows(
+            self.hidden_states,
+            self.val_rows,
+            groups=self.val_groups,
+            num_groups=len(self.val_names) * buckets,
+            dp_rank=self.mesh.get_local_rank("dp"),
+            dp=self.dims.dp,
+            group=self.dp_cp_group,
+            device=self.device,
+            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+        )
+        sums = totals.view(len(self.val_names), buckets, 2).cpu()  # [source, bucket, (NLL, tokens)]
+
+        def mean(part: Tensor) -> float | None:
+            nll, tokens = part.reshape(-1, 2).sum(0).tolist()
+            return nll / tokens if tokens else None
+
+        edges = self.val_edges
+        result = {
+            "val_loss": mean(sums),
+            "val_tokens": int(sums[..., 1].sum()),
+            "val_loss_by_position": {f"{edges[b]}-{edges[b + 1]}": mean(sums[:, b]) for b in range(buckets)},
+        }
+        if len(self.val_names) > 1:
+            result.update({f"val_loss/{name}": mean(sums[i]) for i, name in enumerate(self.val_names)})
+        return result
 
     def _loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
         """The token-summed loss of ``hidden`` ``[..., H]`` against ``labels`` ``[...]`` (the chunked loss)."""
@@ -174,7 +269,8 @@ class Trainer:
         return tensor.to(self.device, non_blocking=True)
 
     def forward_loss_sum(self, batch: Batch, row: int) -> torch.Tensor:
-        """The token-summed loss of one row of this rank's micro-batch (``[1, S_local]`` tokens)."""
+        """The token-summed loss of one row of this rank's micro-batch (``[1, S_local]`` tokens). With several
+        sources, the row's loss sums per source are added to the step's (``_source_loss``), from the same chunks."""
         rows = slice(row, row + 1)
         hidden = self.hidden_states(
             self._to_device(batch["input_ids"][rows]),
@@ -182,16 +278,36 @@ class Trainer:
             batch["cu_seqlens"][row],  # on the host: the attention plans its blocks from it
         )
         # the LM head was all-gathered by the root's forward and is kept for its backward
-        return self._loss_sum(hidden, self.model.lm_head.weight, self._to_device(batch["labels"][rows]))
+        labels = self._to_device(batch["labels"][rows])
+        if len(self.sources) == 1:
+            return self._loss_sum(hidden, self.model.lm_head.weight, labels)
+        total, sums, _ = chunked_cross_entropy_by_group(
+            hidden,
+            self.model.lm_head.weight,
+            labels,
+            self._to_device(batch["sources"][rows]),
+            len(self.sources),
+            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+        )
+        self._source_loss += sums
+        return total
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
         """Accumulate the gradients of the step's global mean loss over ``micro_batches``; returns this rank's share
         of that loss (summed over dp_cp it is the global mean)."""
         # valid tokens of the whole step, summed over dp_cp: each rank's loss is its token sum / this count, so the
-        # gradients summed over dp_cp (apply_fsdp) and accumulated over micro-batches are the global mean's
-        valid = self._to_device(sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches))
-        dist.all_reduce(valid, group=self.dp_cp_group)
-        valid = valid.clamp(min=1)
+        # gradients summed over dp_cp (apply_fsdp) and accumulated over micro-batches are the global mean's. A rank
+        # without any adds 0; a step without any changes nothing (optimizer_step). With several sources, their
+        # counts travel in the same all-reduce.
+        masks = [batch["labels"] != IGNORE_INDEX for batch in micro_batches]
+        counts = [sum(mask.sum() for mask in masks).view(1)]
+        if len(self.sources) > 1:
+            sources = [batch["sources"][mask].long() for batch, mask in zip(micro_batches, masks)]
+            counts.append(sum(torch.bincount(s, minlength=len(self.sources)) for s in sources))
+        self._step_tokens = self._to_device(torch.cat(counts))
+        dist.all_reduce(self._step_tokens, group=self.dp_cp_group)
+        self._source_loss = torch.zeros_like(self._source_loss)
+        valid = self._step_tokens[0].clamp(min=1)
         if self.schedule is not None:
             return self._pipeline_forward_backward(micro_batches, valid)
         loss = torch.zeros((), device=self.device)
@@ -230,19 +346,33 @@ class Trainer:
         learning rates stay aligned. ``train_step`` then stops the job or, with ``train.nonfinite=skip``, goes on.
         """
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm, pp_group=self.pp_group)
-        step_if_finite(self.optimizer, grad_norm)
+        # a step without a trained token (every label masked on every rank) is skipped like a non-finite one (with
+        # parallel.cpu_offload the norm and the step are on the host, which waits for the gradients anyway)
+        trained = self._step_tokens[0].to(grad_norm.device) > 0
+        step_if_finite(self.optimizer, torch.where(trained, grad_norm, torch.nan))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm,
-        read back to the host together: the step's one host sync."""
+        """One optimizer step over ``grad_accum`` micro-batches; returns the global mean loss and the grad norm
+        (with several sources also ``loss/<name>``, the token mean of that source's trained tokens in the step, and
+        ``tokens/<name>``, their number), read back to the host together: the step's one host sync."""
         loss = self.forward_backward(micro_batches)
         grad_norm = self.optimizer_step()
-        dist.all_reduce(loss)  # the last stage's shares over dp_cp (other pipeline stages add 0)
+        # the last stage's shares over dp_cp (other pipeline stages add 0), with the per-source loss sums
+        shares = loss.view(1) if not len(self._source_loss) else torch.cat([loss.view(1).double(), self._source_loss])
+        dist.all_reduce(shares)
         # the norm is on the host already with parallel.cpu_offload (the gradients are there)
-        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device, non_blocking=True)]).tolist()
+        norm = grad_norm.to(loss.device, non_blocking=True).view(1)
+        loss_value, norm_value, trained, *per_source = torch.cat(
+            [shares[:1], norm.to(shares.dtype), self._step_tokens.to(shares.dtype), shares[1:]]
+        ).tolist()
+        if not trained:
+            logger.warning(
+                "step %d: no trained token in this step (every label is masked on every rank): update skipped",
+                self.step + 1,
+            )
         if not math.isfinite(norm_value):
             if self.cfg.train.nonfinite == "stop":
                 raise FloatingPointError(
@@ -250,7 +380,12 @@ class Trainer:
                     f"without updating, so the last checkpoint is intact. Set train.nonfinite=skip to skip such steps"
                 )
             logger.warning("step %d: the gradient norm is %s: update skipped", self.step + 1, norm_value)
-        return {"loss": loss_value, "grad_norm": norm_value}
+        result = {"loss": loss_value, "grad_norm": norm_value}
+        tokens, sums = per_source[: len(per_source) // 2], per_source[len(per_source) // 2 :]
+        for name, count, total in zip(self.sources, tokens, sums):
+            known = count and self.schedule is None  # the pipeline's last stage computes the total only
+            result.update({f"loss/{name}": total / count if known else None, f"tokens/{name}": int(count)})
+        return result
 
     def train(self) -> list[float]:
         """Run to ``train.steps``; returns the losses of the steps run here."""
@@ -273,6 +408,10 @@ class Trainer:
             tokens_per_s = tokens_per_step / elapsed
             devices = dist.get_world_size()
             mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
+            val_every = cfg.train.val_every
+            validation = bool(self.val_rows) and (
+                self.step == cfg.train.steps or (val_every > 0 and self.step % val_every == 0)
+            )
             line = self.metrics.log(
                 self.step,
                 {
@@ -282,6 +421,7 @@ class Trainer:
                     "mfu": mfu,
                     "peak_mem_gib": peak_memory_gib(self.device),
                     "step_time_s": elapsed,
+                    **(self.validate() if validation else {}),
                 },
             )
             if line is not None:
@@ -292,6 +432,7 @@ class Trainer:
             if self.step == cfg.train.steps or (every and self.step % every == 0):
                 self.save_checkpoint()
         bar.close()
+        self._log_skipped()
         if cfg.checkpoint.export_hf:
             self.export()
         self.metrics.close()
@@ -321,14 +462,32 @@ class Trainer:
         if merged:
             logger.info("Hugging Face model written to %s", self.run_dir / "hf")
 
+    def _log_skipped(self) -> None:
+        """One line with the records the loaders skipped (conversations longer than a row, or without a trained
+        token), summed over the dp ranks (the context-parallel ranks of a dp rank read the same ones)."""
+        skipped = self.loader.skipped()
+        counts = torch.tensor([[c["overlong"], c["untrained"]] for c in skipped.values()], device=self.device)
+        dist.all_reduce(counts, group=self.mesh.get_group("dp"))
+        if self.rank == 0 and counts.any():
+            lines = [
+                f"{overlong} conversations longer than data.seq_len dropped (data.overlong=drop), {untrained} without "
+                f"a trained token skipped" + (f" ({name})" if len(skipped) > 1 else "")
+                for name, (overlong, untrained) in zip(skipped, counts.tolist())
+            ]
+            logger.info("data: %s", "; ".join(lines))
+
 
 def check(cfg: JobConfig, world_size: int) -> None:
-    """Every stage of the job (one, without ``train.stages``) checked against its model, before any process group
-    exists: ``ValueError`` or ``FileNotFoundError`` naming the setting."""
+    """Every stage of the job (one, without ``train.stages``) checked against its model and its data, before any
+    process group exists: ``ValueError`` or ``FileNotFoundError`` naming the setting."""
     if cfg.train.stages:
         check_stages(cfg, world_size)
+        tokenizer = load_tokenizer(tokenizer_path(cfg))
     else:
-        prepare_model(cfg, world_size)
+        tokenizer = prepare_model(cfg, world_size).tokenizer
+    for job in stage_configs(cfg):
+        check_validation(job)
+        check_data(job.data, tokenizer)
 
 
 def train(cfg: JobConfig) -> None:

@@ -33,3 +33,38 @@ def write_corpus(
 def corpus_overrides(path: Path) -> list[str]:
     """Hydra overrides that train on the corpus at ``path`` (with the default tokenizer)."""
     return [f"data.paths=['{path}']"]
+
+
+def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) -> Path:
+    """Write ``conversations`` jsonl chat records (``{"messages": [...]}``) made of excerpts of one standard-library
+    file to ``path``; returns ``path``. One in four opens with a system prompt; they have one or two user / assistant
+    exchanges of a few to ~15 tokens a turn, so a 64-token row packs one to three of them and some are longer than
+    such a row (dropped). The first one's user turn is ~30 tokens and its answer short, and the next two are longer
+    than the rest of a 64-token row: the first row's first and last quarters hold only tokens without loss (its ring
+    rank 0 of 2 has no trained token). One in ten has no assistant turn (nothing to train: skipped). ``seed`` picks
+    the excerpts."""
+    text = Path(textwrap.__file__).read_text()
+    rng = random.Random(seed)
+
+    def excerpt(low: int, high: int) -> str:
+        length = rng.randint(low, high)
+        start = rng.randrange(len(text) - length)
+        return text[start : start + length].strip() or "x"
+
+    records = [[{"role": "user", "content": excerpt(110, 120)}, {"role": "assistant", "content": excerpt(10, 15)}]]
+    records += [
+        [{"role": "user", "content": excerpt(60, 70)}, {"role": "assistant", "content": excerpt(60, 70)}]
+        for _ in range(2)
+    ]
+    while len(records) < conversations:
+        messages = [{"role": "system", "content": excerpt(5, 20)}] if rng.random() < 0.25 else []
+        answered = rng.random() > 0.1
+        for _ in range(rng.choice([1, 1, 2])):
+            messages.append({"role": "user", "content": excerpt(3, 25)})
+            if answered:
+                messages.append({"role": "assistant", "content": excerpt(3, 40)})
+        records.append(messages)
+    with path.open("w") as f:
+        for messages in records:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path

@@ -8,7 +8,8 @@ them divided by their valid tokens; then ``torch.nn.utils.clip_grad_norm_``, and
 groups (``build_optimizer``) and warmup + cosine schedule (``build_scheduler``).
 
 The corpus is a jsonl file of short and long documents (cut from a stdlib source file), so packed rows hold several
-documents and documents continue across rows; the reference asserts both.
+documents and documents continue across rows; the reference asserts both. Other data (``data``: conversations, a
+mixture) replaces it; the labels are the loader's, so masked tokens are left out of the reference's loss as well.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def job_config(
     grad_accum: int = 1,
     parallel: Sequence[str] = (),
     model: Sequence[str] = (),
+    data: Sequence[str] = (),
 ) -> JobConfig:
     """The tiny fp32 job of the parity tests on ``<workdir>/corpus.jsonl``; ``parallel`` = ``parallel.*``
-    overrides, ``model`` = ``model.*`` overrides (another family, a window, a checkpoint)."""
+    overrides, ``model`` = ``model.*`` overrides (another family, a window, a checkpoint), ``data`` = ``data.*``
+    overrides that replace the corpus (other files, ``data.sources``)."""
     return load_config(
         [
             "model.hidden_size=64",
@@ -55,7 +58,7 @@ def job_config(
             "model.num_heads=4",
             "model.num_kv_heads=2",
             *model,
-            f"data.paths=[{workdir}/corpus.jsonl]",
+            *(data or [f"data.paths=[{workdir}/corpus.jsonl]"]),
             f"data.seq_len={SEQ_LEN}",
             f"data.batch_size={batch_size}",
             *parallel,
@@ -108,23 +111,42 @@ def world_job(configs: dict) -> dict | None:
     return results if dist.get_rank() == 0 else None
 
 
-def document_pieces(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every document piece of every row of ``batches``, each a sequence of its own, right-padded: input ids,
-    position ids and labels ``[N, L]`` (padding: token 0, position 0, label -100). Causal attention never lets a
-    token see the padding after it, so each piece is computed as if alone."""
+def document_pieces(
+    batches: list[dict], keys: Sequence[str] = ("input_ids", "position_ids", "labels")
+) -> tuple[torch.Tensor, ...]:
+    """Every document piece of every row of ``batches``, each a sequence of its own, right-padded: by default input
+    ids, position ids and labels ``[N, L]`` (padding: token 0, position 0, label -100), else the ``keys`` asked for
+    (``sources``). Causal attention never lets a token see the padding after it, so each piece is computed as if
+    alone."""
     pieces = [
-        tuple(batch[key][row, a:b] for key in ("input_ids", "position_ids", "labels"))
+        tuple(batch[key][row, a:b] for key in keys)
         for batch in batches
         for row, bounds in enumerate(batch["cu_seqlens"])
         for a, b in zip(bounds.tolist(), bounds[1:].tolist())
     ]
-    input_ids, position_ids, labels = zip(*pieces)
     pad = torch.nn.utils.rnn.pad_sequence
-    return (
-        pad(input_ids, batch_first=True),
-        pad(position_ids, batch_first=True),
-        pad(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    return tuple(
+        pad(column, batch_first=True, padding_value=IGNORE_INDEX if key == "labels" else 0)
+        for key, column in zip(keys, zip(*pieces))
     )
+
+
+@torch.no_grad()
+def token_losses(model: torch.nn.Module, batches: list[dict]) -> dict[str, torch.Tensor]:
+    """The cross-entropy of every trained label of ``batches`` (whole rows) under the plain ``model``, each piece a
+    sequence of its own, with that token's document position and source: 1-D tensors ``loss`` (float64),
+    ``position``, ``source``."""
+    input_ids, position_ids, labels, sources = document_pieces(
+        batches, ("input_ids", "position_ids", "labels", "sources")
+    )
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    valid = labels != IGNORE_INDEX
+    logits = model.lm_head(hidden[valid]).double()
+    return {
+        "loss": F.cross_entropy(logits, labels[valid], reduction="none"),
+        "position": position_ids[valid],
+        "source": sources[valid].long(),
+    }
 
 
 @functools.cache
@@ -137,6 +159,7 @@ def reference(
     grad_accum: int,
     num_layers: int = 2,
     model: tuple[str, ...] = (),
+    data: tuple[str, ...] = (),
 ) -> tuple[list[float], list[float], dict]:
     """Losses, pre-clipping gradient norms and first-step gradients of the plain model over the same rows."""
     threads = torch.get_num_threads()
@@ -150,13 +173,15 @@ def reference(
             batch_size=batch_size,
             grad_accum=grad_accum,
             model=model,
+            data=data,
         )
-        return _reference(cfg, dp)
+        return _reference(cfg, dp, continued=not data)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]:
+def reference_model(cfg: JobConfig) -> torch.nn.Module:
+    """The plain Hugging Face model of a job with its initial weights (the checkpoint's, or the seeded init)."""
     hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(tokenizer_path(cfg))))
     model = build_empty_model(hf_config)
     apply_lora(model, cfg.model.lora)  # the single-process peft model, built as build_model builds it
@@ -165,6 +190,11 @@ def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]
     else:
         source = random_init_source(hf_config, cfg.train.seed)
     materialize(model, adapter_source(source, cfg.train.seed), torch.device("cpu"))
+    return model
+
+
+def _reference(cfg: JobConfig, dp: int, *, continued: bool) -> tuple[list[float], list[float], dict]:
+    model = reference_model(cfg)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -192,7 +222,8 @@ def _reference(cfg: JobConfig, dp: int) -> tuple[list[float], list[float], dict]
     # the data must exercise packing: most rows hold several documents, and some continue a document
     several = sum(len(bounds) > 2 for bounds in cu_seqlens)
     assert several >= len(cu_seqlens) // 2, f"only {several} of {len(cu_seqlens)} rows hold several documents"
-    assert (torch.cat(first_positions) > 0).any(), "no row continues a document from the previous row"
+    if continued:  # text documents continue across rows (conversations never do)
+        assert (torch.cat(first_positions) > 0).any(), "no row continues a document from the previous row"
     return losses, norms, grads
 
 

@@ -344,8 +344,22 @@ MISTRAL_7B_V01 = {
     "sliding_window": 4096,
     "tie_word_embeddings": False,
 }
+# Llama-3.1-8B-Instruct: Llama-3-8B's sizes at 128K with the llama3 RoPE scaling, as published
+LLAMA31_8B_INSTRUCT = {
+    **LLAMA3_8B,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
 CHECKPOINTS = {
     "/models/Meta-Llama-3-8B": LLAMA3_8B,
+    "/models/Meta-Llama-3-8B-Instruct": LLAMA3_8B,
+    "/models/Llama-3.1-8B-Instruct": LLAMA31_8B_INSTRUCT,
     "/models/Qwen3-8B": QWEN3_8B,
     "/models/Mistral-7B-v0.1": MISTRAL_7B_V01,
 }

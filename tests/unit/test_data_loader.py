@@ -22,12 +22,6 @@ WORDS = "alpha beta gamma delta def return class import lambda yield while 0 1 4
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tokenizer, trained once per session (a few seconds)."""
-    return default_tokenizer_dir(tmp_path_factory.getbasetemp() / "lctrain-cache")
-
-
-@pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[str]]:
     """Two jsonl files of 15 documents each (8 to 200 words); returns (files, texts in file order)."""
     root = tmp_path_factory.mktemp("corpus")

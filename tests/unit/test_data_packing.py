@@ -1,11 +1,12 @@
-"""Packer: rows of exactly seq_len tokens, globally shifted labels, per-document positions, cu_seqlens."""
+"""Packer: rows of exactly seq_len tokens, globally shifted labels, per-document positions, cu_seqlens; documents
+with their own trained tokens, and conversations that are never split across rows."""
 
 import random
 
 import pytest
 import torch
 
-from lctrain.data.packing import IGNORE_INDEX, PackedRow, Packer
+from lctrain.data.packing import IGNORE_INDEX, Document, PackedRow, Packer
 
 IGNORE = IGNORE_INDEX
 
@@ -129,3 +130,63 @@ def test_errors() -> None:
         Packer(iter([]), 4, truncate=True, offset=3)
     with pytest.raises(ValueError, match="offset=5 is not inside the next document"):
         next(Packer(iter([torch.arange(5)]), 4, offset=5))
+
+
+def test_conversation_docstring_example() -> None:
+    a, b, c, u, v, w, pad = 10, 11, 12, 20, 21, 22, 0
+    conversation = Document(torch.tensor([u, v, w]), torch.tensor([False, False, True]), source=1, splittable=False)
+    rows = list(Packer(iter([torch.tensor([a, b, c]), conversation, torch.tensor([a, a, a, a])]), 4))
+    assert as_lists(rows[0]) == ([a, b, c, pad], [b, c, IGNORE, IGNORE], [0, 1, 2, 0], [0, 3, 4])
+    assert as_lists(rows[1]) == ([u, v, w, a], [IGNORE, w, IGNORE, a], [0, 1, 2, 0], [0, 3, 4])
+    assert rows[0].sources.tolist() == [0, 0, 0, 0] and rows[1].sources.tolist() == [1, 1, 1, 0]
+    assert rows[0].sources.dtype == torch.int16
+
+
+def reference_mixed_rows(docs: list[Document], seq_len: int) -> list[list[tuple[int, int, int, int]]]:
+    """(token, label, position, source) per slot, token by token: text continues into the next row; a conversation
+    that does not fit in the room left pads the row (token 0, label -100, positions from 0) and starts the next."""
+    rows: list[list[tuple[int, int, int, int]]] = []
+    row: list[tuple[int, int, int, int]] = []
+    for doc in docs:
+        tokens = doc.tokens.tolist()
+        trained = [True] * len(tokens) if doc.trained is None else doc.trained.tolist()
+        if not doc.splittable and len(tokens) > seq_len - len(row) and row:
+            row += [(0, IGNORE, j, 0) for j in range(seq_len - len(row))]
+            rows.append(row)
+            row = []
+        for j, token in enumerate(tokens):
+            label = tokens[j + 1] if j + 1 < len(tokens) and trained[j + 1] else IGNORE
+            row.append((token, label, j, doc.source))
+            if len(row) == seq_len:
+                rows.append(row)
+                row = []
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mixed_documents_match_token_by_token_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    seq_len = rng.choice([8, 16, 64])
+    docs = []
+    for _ in range(80):
+        length = rng.choice([1, 2, 3, 7, 17, 40])
+        tokens = torch.tensor([rng.randrange(1, 50_000) for _ in range(length)])
+        if rng.random() < 0.5 and length <= seq_len:  # a conversation: some tokens trained
+            trained = torch.tensor([rng.random() < 0.5 for _ in range(length)])
+            docs.append(Document(tokens, trained, source=1, splittable=False))
+        else:
+            docs.append(Document(tokens, source=2))
+    rows = list(Packer(iter(docs), seq_len))
+    expected = reference_mixed_rows(docs, seq_len)
+    assert len(rows) == len(expected) > 0
+    for row, want in zip(rows, expected):
+        ids, labels, positions, cu = as_lists(row)
+        assert list(zip(ids, labels, positions, row.sources.tolist())) == want
+        starts = [i for i, (_, _, pos, _) in enumerate(want) if pos == 0 and i > 0]
+        assert cu == [0, *starts, seq_len]
+
+
+def test_a_conversation_longer_than_a_row_is_refused() -> None:
+    conversation = Document(torch.arange(5), torch.ones(5, dtype=torch.bool), splittable=False)
+    with pytest.raises(ValueError, match="a conversation of 5 tokens does not fit in a row of seq_len=4"):
+        next(Packer(iter([conversation]), 4))

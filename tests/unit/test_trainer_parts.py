@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,55 @@ def test_metrics_jsonl_drops_steps_after_the_resumed_one_and_plots(tmp_path: Pat
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     other_rank = MetricsLogger(cfg, tmp_path / "r1", rank=1, resume_step=0, job_config={})
     assert other_rank.log(2, record(1.0)) is None and not (tmp_path / "r1").exists()
+
+
+def test_validation_records_print_and_plot(tmp_path: Path) -> None:
+    """A step that validates carries val_loss, val_tokens and val_loss_by_position in metrics.jsonl, prints its line
+    even off the logging cadence, and the run gets val_loss.png beside loss.png."""
+    base = {"grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": None, "peak_mem_gib": 0.1}
+    metrics = MetricsLogger(LoggingConfig(every=10), tmp_path, rank=0, resume_step=0, job_config={})
+    for step in range(1, 7):
+        record = {**base, "loss": 8.0 - step}
+        if step % 3 == 0:
+            by_position = {"0-64": 6.0 - step / 3, "64-256": 5.5 - step / 3, "256-1024": None}
+            record.update({"val_loss": 5.0 - step / 3, "val_tokens": 1000, "val_loss_by_position": by_position})
+        line = metrics.log(step, record)
+        assert (line is not None) == (step % 3 == 0)
+    assert line.endswith(" | val_loss 3.0000")
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[5]["val_loss_by_position"] == {"0-64": 4.0, "64-256": 3.5, "256-1024": None}
+    assert "val_loss" not in records[0]
+    assert (tmp_path / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_position_buckets_are_powers_of_four_up_to_the_row() -> None:
+    from lctrain.train.trainer import position_buckets
+
+    assert position_buckets(131072) == [0, 4096, 16384, 65536, 131072]
+    assert position_buckets(524288) == [0, 4096, 16384, 65536, 262144, 524288]
+    assert position_buckets(1024) == [0, 64, 256, 1024]  # short rows: the first bucket is seq_len / 16
+    assert position_buckets(8192) == [0, 256, 1024, 4096, 8192]
+    assert position_buckets(64) == [0, 4, 16, 64]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["train.val_every=-1"], "train.val_every=-1 must be >= 0 (0 = only at the end)"),
+        (["train.val_rows=0"], "train.val_rows=0 must be >= 1"),
+        (
+            ["parallel.pp=2", "data.val_sources=[{name: v, split: validation}]"],
+            "data.val_sources with parallel.pp=2: validation runs without a pipeline",
+        ),
+    ],
+)
+def test_bad_validation_settings_name_the_setting(overrides: list[str], expected: str) -> None:
+    from lctrain.config import load_config
+    from lctrain.train.trainer import check_validation
+
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check_validation(load_config(overrides))
 
 
 def test_every_config_field_is_documented_with_its_default() -> None:

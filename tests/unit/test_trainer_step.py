@@ -100,6 +100,24 @@ def test_a_training_step_reads_back_once_and_the_optimizer_step_never(trainer) -
     assert optimizer_step.reads == []
 
 
+def test_a_step_without_a_trained_token_changes_no_weight(trainer, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """Every label masked (a batch of prompts only): the loss is 0, not NaN, the update is skipped on the device (the
+    parameters and AdamW's state stay bitwise), the step is logged; the next step with tokens trains normally."""
+    vocab = trainer.hf_config.vocab_size
+    trainer.train_step([batch(vocab, 0)])
+    before = {name: p.detach().full_tensor().clone() for name, p in trainer.model.named_parameters()}
+    masked = batch(vocab, 1)
+    masked["labels"] = torch.full_like(masked["labels"], IGNORE_INDEX)
+    with caplog.at_level("WARNING", logger="lctrain"):
+        result = trainer.train_step([masked])
+    assert result["loss"] == 0.0 and result["grad_norm"] == 0.0
+    assert any("no trained token in this step" in r.getMessage() for r in caplog.records)
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param.detach().full_tensor(), before[name]), name
+    trainer.train_step([batch(vocab, 2)])
+    assert any(not torch.equal(p.detach().full_tensor(), before[n]) for n, p in trainer.model.named_parameters())
+
+
 def test_adamw_is_fused() -> None:
     optimizer = build_optimizer(torch.nn.Linear(4, 4), OptimConfig())
     assert optimizer.defaults["fused"] is True
