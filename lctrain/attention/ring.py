@@ -7,13 +7,19 @@ which no rank computes anything are not steps: with a sliding window of W keys s
 fetches only the W - 1 tokens before each of its chunks, from its ring neighbours, and far ranks send nothing.
 
 Forward: each rank keeps its queries; it posts the transfers of the next step before computing the current one
-(two steps' K/V buffers at most), so the transfer overlaps the block computation. Partial results are merged
-with the online-softmax rule in fp32. K and V are never repeated for GQA.
+(two steps' K/V buffers at most), so the transfer overlaps the block computation; the own piece (step 0) comes
+first, so the first transfer overlaps it. Partial results are merged with the online-softmax rule in fp32. K and
+V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one more K/V piece per
+layer).
 
-Backward: the K/V rows are fetched again, step by step; each block's gradient is computed with the final ``out``
-and ``lse``, so it is exact on its own. The dK/dV this rank computes for the fetched rows (fp32) go straight back
-to their owner, posted after the step's blocks and waited for after the next step's; each rank adds what comes
-back to the gradients of its own piece.
+Backward: the steps run in reverse, the last one first, on the K/V kept from the forward, so the first step
+fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse``, so it is exact on
+its own. While a step's blocks run, the K/V of the step after it travel, and so do the dK/dV this rank computed
+(fp32) for the keys of the step before, on their way back to their owner; the own piece comes last, so the last
+return overlaps it. Each rank adds what comes back to the gradients of its own piece.
+
+The timeline of every pass (``timeline.py``, ``LCTRAIN_RING_TIMELINE``) records when each transfer is posted,
+waited for and done, against each block's computation.
 
 What each step computes comes from the plan: blocks that the causal mask, the document boundaries
 (``cu_seqlens``) or the window hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one
@@ -26,7 +32,7 @@ name: the ``kernels`` package).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,7 @@ from lctrain.attention.kernels import (
 )
 from lctrain.attention.merge import merge_block
 from lctrain.attention.ring_blocks import Block, Step, group_documents, plan_ring
+from lctrain.attention.timeline import NoTimeline, PassTimeline, pass_timeline
 from lctrain.rules import check_layout, check_ulysses_heads
 
 
@@ -53,27 +60,39 @@ def _rows(index: slice) -> int:
     return index.stop - index.start
 
 
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass
 class _Transfer:
     """Posted sends and receives; the tensors stay referenced until ``wait`` returns."""
 
     works: list[dist.Work]
     tensors: list[Tensor]
+    timeline: PassTimeline | NoTimeline = field(default_factory=NoTimeline)
+    event: dict | None = None  # its timeline event
 
     def wait(self) -> None:
+        self.timeline.waiting(self.event)
         for work in self.works:
             work.wait()
+        self.timeline.done(self.event)
 
 
 class _Peers:
-    """Point-to-point transfers with the ring ranks at a given offset from this one."""
+    """Point-to-point transfers with the ring ranks at a given offset from this one, recorded in ``timeline``."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeline: PassTimeline | NoTimeline) -> None:
         self.group = group
+        self.timeline = timeline
         self.rank, self.size = _group_coordinates(group)
 
-    def start(self, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int) -> _Transfer:
-        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``.
+    def start(
+        self, what: str, source: int, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int
+    ) -> _Transfer:
+        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``
+        (``what`` of step ``source``, for the timeline).
 
         Every rank calls this at every step other than step 0, with tensors of zero rows when it has nothing to
         send or receive: each call then involves every rank of the group, as ``batch_isend_irecv`` requires when
@@ -82,7 +101,9 @@ class _Peers:
         send = [t.contiguous() for t in send]
         ops = [dist.P2POp(dist.isend, t, self._global(send_offset), self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self._global(receive_offset), self.group) for t in receive]
-        return _Transfer(dist.batch_isend_irecv(ops), send + receive)
+        works = dist.batch_isend_irecv(ops)
+        event = self.timeline.posted(what, source, _bytes(send), _bytes(receive))
+        return _Transfer(works, send + receive, self.timeline, event)
 
     def _global(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
@@ -95,7 +116,8 @@ def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, 
         return _Transfer([], []), k[:, step.keys], v[:, step.keys]
     k_in = k.new_empty((k.shape[0], _rows(step.keys), *k.shape[2:]))
     v_in = torch.empty_like(k_in)
-    transfer = peers.start([k[:, step.send], v[:, step.send]], step.source, [k_in, v_in], -step.source)
+    send = [k[:, step.send], v[:, step.send]]
+    transfer = peers.start("kv", step.source, send, step.source, [k_in, v_in], -step.source)
     return transfer, k_in, v_in
 
 
@@ -137,13 +159,14 @@ def _ring_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    group: dist.ProcessGroup | None,
+    peers: _Peers,
     plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
-) -> tuple[Tensor, Tensor]:
-    peers = _Peers(group)
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """(out, lse, the last step's K/V when it is not the own piece: kept for the backward)."""
+    timeline = peers.timeline
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
     out = lse = None
@@ -154,7 +177,9 @@ def _ring_forward(
         if index + 1 < len(plan):  # the next step's keys travel while this step computes
             fetched = _fetch(peers, plan[index + 1], k, v)
         for block in _calls(step, kernel):
+            started = timeline.now()
             out_block, lse_block = _block_forward(kernel, q, k_step, v_step, block, scale)
+            timeline.computed(step.source, started)
             if out is None and block.rows == slice(0, seq_len):  # a first block over every row starts the accumulators
                 out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
                 continue
@@ -162,7 +187,9 @@ def _ring_forward(
                 out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
                 lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
-    return out.to(q.dtype), lse
+    timeline.finish()
+    kept = (k_step, v_step) if plan[-1].source != 0 else None
+    return out.to(q.dtype), lse, kept
 
 
 def _accumulate(acc: Tensor | None, index: slice, grad: Tensor, like: Tensor, acc_dtype: torch.dtype) -> Tensor:
@@ -182,25 +209,30 @@ def _ring_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    group: dist.ProcessGroup | None,
+    kept: tuple[Tensor, Tensor] | None,
+    peers: _Peers,
     plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    peers = _Peers(group)
+    """The plan's steps in reverse: the last on the K/V ``kept`` by the forward, the own piece (step 0) last."""
+    timeline = peers.timeline
     acc_dtype = lse.dtype
     dq = dk = dv = None  # gradients of this rank's queries and of its own K/V piece
     returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the previous step's dK/dV, in flight
-    fetched = _fetch(peers, plan[0], k, v)
-    for index, step in enumerate(plan):
+    steps = plan[::-1]
+    fetched = (_Transfer([], []), *kept) if kept is not None else _fetch(peers, steps[0], k, v)
+    for index, step in enumerate(steps):
         transfer, k_step, v_step = fetched
         transfer.wait()
-        if index + 1 < len(plan):
-            fetched = _fetch(peers, plan[index + 1], k, v)
+        if index + 1 < len(steps):
+            fetched = _fetch(peers, steps[index + 1], k, v)
         dk_step = dv_step = None  # this rank's part of the gradients of the keys fetched at this step
         for block in _calls(step, kernel):
+            started = timeline.now()
             dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
+            timeline.computed(step.source, started)
             dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
             dk_step = _accumulate(dk_step, block.cols, dk_block, k_step, acc_dtype)
             dv_step = _accumulate(dv_step, block.cols, dv_block, v_step, acc_dtype)
@@ -215,10 +247,11 @@ def _ring_backward(
         # Send our part back to the keys' owner; receive the part of ring rank + source for the rows it fetched.
         dk_in = torch.empty((k.shape[0], _rows(step.send), *k.shape[2:]), dtype=acc_dtype, device=k.device)
         dv_in = torch.empty_like(dk_in)
-        transfer = peers.start([dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
+        transfer = peers.start("dkv", step.source, [dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
         returning = (transfer, step.send, dk_in, dv_in)
     if returning is not None:
         dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+    timeline.finish()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -231,6 +264,14 @@ def _add_returned(
     return _accumulate(dk, rows, dk_in, k, acc_dtype), _accumulate(dv, rows, dv_in, k, acc_dtype)
 
 
+def _peers(group: dist.ProcessGroup | None, pass_name: str, plan: tuple[Step, ...]) -> _Peers:
+    """The pass's transfers, recorded in its timeline when the ring has more than one step (``timeline.py``)."""
+    if len(plan) == 1:
+        return _Peers(group, NoTimeline())
+    ring_rank, ring_size = _group_coordinates(group)
+    return _Peers(group, pass_timeline(pass_name, dist.get_rank(), ring_rank, ring_size))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plan, scale, choice):  # noqa: ANN001, ANN205 (autograd signature)
@@ -238,18 +279,19 @@ class _RingAttention(torch.autograd.Function):
             q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
         )
         input_dtype = q.dtype
-        if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
-            q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
+        if len(plan) == 1:  # nothing travels: keep q, k, v (and out) in the dtype the kernel's backward takes
+            q, k, v = (t.to(kernel.backward_dtype(input_dtype)) for t in (q, k, v))
         else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
             k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        peers = _peers(group, "forward", plan)
+        out, lse, kept = _ring_forward(q, k, v, peers, plan, scale=scale, kernel=kernel)
+        ctx.save_for_backward(q, k, v, out, lse, *(kept or (None, None)))
         ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
         return out.to(input_dtype)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, k_kept, v_kept = ctx.saved_tensors
         options = ctx.options
         dq, dk, dv = _ring_backward(
             dout.contiguous(),
@@ -258,7 +300,8 @@ class _RingAttention(torch.autograd.Function):
             v,
             out,
             lse,
-            options["group"],
+            None if k_kept is None else (k_kept, v_kept),
+            _peers(options["group"], "backward", options["plan"]),
             options["plan"],
             scale=options["scale"],
             kernel=options["kernel"],

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import random
+import tempfile
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -23,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
+from lctrain.attention import shard_sequence, timeline, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
 from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
 from lctrain.testing import run_distributed
@@ -247,6 +250,20 @@ def count_kernel_calls(
     return counts
 
 
+def record_timeline(world: int) -> tuple[list[dict], list[Call]]:
+    """One fwd+bwd of pure ring attention (zigzag, causal) with the ring timeline on: the records this rank wrote
+    (``LCTRAIN_RING_TIMELINE``) and its kernel calls (``CountingKernel``)."""
+    case = Case(1, world, True, "zigzag", 4, 4, 16, torch.float32, batch=1, tokens_per_rank=16)
+    counter = CountingKernel()
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        mock.patch.dict(os.environ, {timeline.ENVIRONMENT: directory}),
+        mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve),
+    ):
+        run_usp(case, *_groups(world, 1))
+        return timeline.read_timelines(Path(directory), dist.get_rank()), counter.calls
+
+
 def bad_input_errors(world: int) -> dict[str, str]:
     """Message of each bad-input error, raised on every rank before any communication (no rank hangs)."""
     ring_group, ulysses_group, _, _ = _groups(1, world)
@@ -357,6 +374,7 @@ def world_job(world: int) -> dict:
             results["counts"][key] = count_kernel_calls(world, layout, causal, 16 * world, documents)
         for layout in ("zigzag", "contiguous"):  # 16 tokens per rank, chunks of 8 (zigzag) or 16, window 4
             results["counts"][(layout, "window")] = count_kernel_calls(world, layout, True, 16 * world, window=4)
+        results["timeline"] = record_timeline(world)
     if world == 8:
         results["bf16_growth"] = {
             (u, r, round_blocks): run_bf16_growth(u, r, round_blocks)
@@ -433,12 +451,47 @@ def _counts(world: int, key: tuple) -> list[Counts]:
 def test_zigzag_balances_causal_work(world: int) -> None:
     per_rank = [counts.calls for counts in _counts(world, ("zigzag", True))]
     assert all(len(calls) == 2 * world for calls in per_rank)  # one fwd and one bwd call per ring step
-    # K/V are fetched R - 1 times in each pass, dK/dV returned R - 1 times in the backward
-    assert all(counts.exchanges == 3 * world - 3 for counts in _counts(world, ("zigzag", True)))
+    # K/V are fetched R - 1 times in the forward and R - 2 times in the backward (which starts with the last step,
+    # on the K/V the forward kept), dK/dV returned R - 1 times in the backward
+    assert all(counts.exchanges == 3 * world - 4 for counts in _counts(world, ("zigzag", True)))
     assert len({_work(calls) for calls in per_rank}) == 1
     # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
     full_work = 2 * world * (16 * world // world) ** 2
     assert _work(per_rank[0]) < 0.6 * full_work
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_timeline_locates_every_transfer_against_the_blocks(world: int) -> None:
+    """The timeline has a record per pass with every kernel call and every transfer (posted, waited for, done, in
+    that order), and shows the schedule: the forward's step s + 1 K/V posted before step s computes; the backward
+    from the last step down to the own piece, the next step's K/V and the previous step's dK/dV travelling while a
+    step computes, the last dK/dV return while the own piece computes."""
+    steps = list(range(world))
+    for rank_result in results_for(world):
+        (forward, backward), calls = rank_result["timeline"]
+        assert (forward["pass"], backward["pass"]) == ("forward", "backward")
+        for record, kind, order in ((forward, "fwd", steps), (backward, "bwd", steps[::-1])):
+            computed = [e for e in record["events"] if e["what"] == "compute"]
+            assert [e["source"] for e in computed] == order  # one kernel call per step here
+            assert len(computed) == sum(call[0] == kind for call in calls)
+            for event in record["events"]:
+                if event["what"] != "compute":
+                    assert event["posted"] <= event["wait"] <= event["done"] <= record["duration"]
+        start = {
+            (r["pass"], e["source"]): e["start"]
+            for r in (forward, backward)
+            for e in r["events"]
+            if e["what"] == "compute"
+        }
+        kv = [e for e in forward["events"] if e["what"] == "kv"]
+        assert [e["source"] for e in kv] == steps[1:]
+        assert all(e["posted"] <= start[("forward", e["source"] - 1)] for e in kv)
+        kv = [e for e in backward["events"] if e["what"] == "kv"]
+        assert [e["source"] for e in kv] == steps[-2:0:-1]  # not the last step's: kept from the forward
+        assert all(e["posted"] <= start[("backward", e["source"] + 1)] for e in kv)
+        returned = [e for e in backward["events"] if e["what"] == "dkv"]
+        assert [e["source"] for e in returned] == steps[:0:-1]
+        assert all(e["posted"] <= start[("backward", e["source"] - 1)] <= e["done"] for e in returned)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -492,14 +545,18 @@ def test_small_window_computes_the_band_and_sends_only_its_edge(world: int, layo
         assert _work([c for c in counts.calls if c[0] == "fwd"]) == band <= tokens * window
         assert _work([c for c in counts.calls if c[0] == "bwd"]) == band
         # A chunk's last window - 1 tokens go to the rank holding the next chunk, if another; K/V travel in the
-        # forward and again in the backward, which returns dK/dV of what this rank fetched to their owners.
+        # forward and again in the backward, except those of the last step, which the forward kept; the backward
+        # returns dK/dV of what this rank fetched to their owners.
         starts = {c.start: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
         stops = {c.stop: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
         sending = sum(starts.get(chunk.stop, rank) != rank for chunk in chunks)
         fetching = sum(stops.get(chunk.start, rank) != rank for chunk in chunks)
-        assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim
+        last = plan_ring(rank, world, tokens, causal=True, layout=layout, window=window)[-1].send
+        kept = (last.stop - last.start) * 2 * heads * dim  # K and V this rank sent at the last step
+        assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim - kept
         steps = 2 if layout == "contiguous" or world == 2 else 3  # sources 0, 1 (and R - 1 for zigzag)
-        assert counts.exchanges == 3 * (steps - 1)  # fetch, fetch again, return dK/dV at each other step
+        # fetch and return dK/dV at each other step, fetch again at each but the last
+        assert counts.exchanges == 3 * (steps - 1) - 1
 
 
 @pytest.mark.parametrize("case", FAKE_H200_CASES, ids=str)
