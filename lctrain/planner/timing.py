@@ -15,7 +15,9 @@ BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward
 @dataclass
 class RingStep:
     """One ring step of one layer on one GPU: compute (attention of half an (S/R)² block for its heads) against
-    the transfer of the next K/V piece (forward) and of K/V plus the fp32 dK/dV accumulators (backward)."""
+    the transfer of the next K/V piece (forward) and, in the backward, of the fp32 dK/dV returned to their owner
+    plus, with a ring of more than two, the next K/V piece fetched again (a ring of two keeps its one remote piece
+    from the forward)."""
 
     link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
     tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
@@ -34,6 +36,23 @@ def flops_rate(hw: Hardware, work: Workload) -> float:
     return hw.tflops * 1e12 * work.mfu
 
 
+def attention_rates(hw: Hardware, work: Workload) -> tuple[float, float]:
+    """FLOP/s of the attention kernel, forward and backward: measured ones (``lctrain probe``) as they are, else
+    the peak x mfu for both."""
+    forward = hw.attention_tflops * 1e12 if hw.attention_tflops else flops_rate(hw, work)
+    backward = hw.attention_backward_tflops * 1e12 if hw.attention_backward_tflops else forward
+    return forward, backward
+
+
+def link_bandwidth(hw: Hardware, work: Workload, field: str) -> float:
+    """Bytes/s of link ``field`` (``intra_gbps``, ``inter_gbps``, ``alltoall_gbps``): measured as it is, nominal x
+    link efficiency; the all-to-all's is the link inside a node's when not measured."""
+    if field == "alltoall_gbps" and hw.alltoall_gbps is None:
+        field = "intra_gbps"
+    efficiency = 1.0 if field in hw.measured else work.link_efficiency
+    return getattr(hw, field) * 1e9 * efficiency
+
+
 def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) -> RingStep:
     """Compute vs communication of one ring step (see the module doc and ``docs/planner.md``)."""
     ring, ulysses, e = layout.ring, layout.ulysses, work.dtype_bytes
@@ -42,23 +61,27 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
         return RingStep("none", piece, 0.0, 0.0, 0.0, 0.0, 0.0)
     inside = groups_inside_nodes(layout.cp, work.gpus_per_node)
     link = "intra" if inside else "inter"
-    bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
-    rate = flops_rate(hw, work)
+    bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")
+    rate_fwd, rate_bwd = attention_rates(hw, work)
     kv_elements = piece * kv_width(model, ulysses) / ulysses  # S/R tokens × max(Hkv/U, 1) heads × D
     pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
     flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
-    # hides when S/R ≥ max(Hkv, U)/Hq · max(e, (e + 4)/2.5) · C/W (forward: K, V in e; backward adds fp32 dK, dV)
+    backward_bytes = FP32 + (e if ring > 2 else 0)  # per K/V element: fp32 dK/dV, and K/V again when R > 2
+    # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd)/W (b: the backward's bytes per element)
     threshold = (
-        max(model.kv_heads, ulysses) / model.heads * max(e, (e + FP32) / BACKWARD_FLOPS_RATIO) * rate / bandwidth
+        max(model.kv_heads, ulysses)
+        / model.heads
+        * max(e * rate_fwd, backward_bytes * rate_bwd / BACKWARD_FLOPS_RATIO)
+        / bandwidth
     )
     return RingStep(
         link=link,
         tokens_per_rank=piece,
         threshold_tokens=threshold,
-        compute_fwd_s=flops_fwd / rate,
+        compute_fwd_s=flops_fwd / rate_fwd,
         comm_fwd_s=2 * kv_elements * e / bandwidth,
-        compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate,
-        comm_bwd_s=2 * kv_elements * (e + FP32) / bandwidth,
+        compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate_bwd,
+        comm_bwd_s=2 * kv_elements * backward_bytes / bandwidth,
     )
 
 
@@ -106,14 +129,14 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
         tokens = work.seq_len // layout.cp
         moved = (layout.ulysses - 1) / layout.ulysses
         per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
-        ulysses = rows * layers * per_layer * (2 + recomputed) / (hw.intra_gbps * 1e9 * work.link_efficiency)
+        ulysses = rows * layers * per_layer * (2 + recomputed) / link_bandwidth(hw, work, "alltoall_gbps")
     fsdp_exposed = 0.0
     if layout.dp_cp > 1:
         stage_params = model.num_params / layout.pp
         gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
         volume = stage_params * (gathers * e + FP32) * (layout.dp_cp - 1) / layout.dp_cp
         inside = groups_inside_nodes(layout.dp_cp, work.gpus_per_node)
-        bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
+        bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")
         fsdp_exposed = max(0.0, volume / bandwidth - compute)
     busy = compute + ring_exposed + ulysses
     bubble = busy * (layout.pp - 1) / rows
