@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks import rings
 from benchmarks.memory import MALLOC_MMAP_THRESHOLD, StepPeak
 from benchmarks.report import command, machine_line, table
 from lctrain.attention import kernels, ring_attention, shard_sequence, ulysses_attention, usp_attention
@@ -215,27 +216,17 @@ def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
 
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
-    """PyTorch context parallel's ring (head-tail load balancing = our zigzag shards), CPU flash kernels."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-    q, k, v, dout = (t.detach().transpose(1, 2).contiguous() for t in shard(full, "zigzag"))  # [B, H, S/P, D]
+    """PyTorch context parallel's ring (``rings.torch_ring``), its CPU ops cast like lctrain's blocks."""
     group = dist.group.WORLD
-    forward_op = cpu_compute_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, "forward")
-    backward_op = cpu_compute_op(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "backward"
-    )
+    forward_op = cpu_compute_op(rings.CPU_FORWARD, "forward")
+    backward_op = cpu_compute_op(rings.CPU_BACKWARD, "backward")
+    passes = rings.torch_ring(*shard(full, "zigzag"), group, forward_op=forward_op, backward_op=backward_op)
 
     def forward_backward() -> tuple[Tensor, ...]:
-        out, lse = cp._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True, dropout_p=0.0)
-        out = out.to(q.dtype)  # the merged output comes back in the op's (compute) dtype
-        grads = cp._templated_ring_attention_backward(
-            group, 2, backward_op, dout, "grad_out", q, k, v, out, lse, True, dropout_p=0.0
-        )
-        return (out, *grads)
+        return (passes.forward(), *passes.backward())
 
     ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *shard(full, "zigzag"))
-    theirs = tuple(t.transpose(1, 2) for t in forward_backward())
-    return Case(forward_backward, compare(ours, theirs))
+    return Case(forward_backward, compare(ours, forward_backward()))
 
 
 def ulysses_case(full: tuple[Tensor, ...]) -> Case:
