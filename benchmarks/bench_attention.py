@@ -478,13 +478,15 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
 
 def planned_bytes(ranks: int, seq_per_rank: int, row_bytes: int, gradient_row_bytes: int) -> list[tuple[int, int]]:
     """(forward, backward) bytes each rank sends by its ring plan (zigzag, causal): the K/V rows other ranks fetch
-    from it, in each pass, plus in the backward the dK/dV of the rows it fetched, returned to their owners."""
+    from it, in the forward, and again in the backward but for the last step's (which the forward kept), plus in
+    the backward the dK/dV of the rows it fetched, returned to their owners."""
     sent = []
     for rank in range(ranks):
         plan = plan_ring(rank, ranks, seq_per_rank, causal=True, layout="zigzag")
         forward = sum(step.send.stop - step.send.start for step in plan) * row_bytes
+        again = forward - (plan[-1].send.stop - plan[-1].send.start) * row_bytes
         returned = sum(step.keys.stop - step.keys.start for step in plan if step.source) * gradient_row_bytes
-        sent.append((forward, forward + returned))
+        sent.append((forward, again + returned))
     return sent
 
 
@@ -526,10 +528,10 @@ def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[s
     print(
         f"\nd_model = Hkv·D = {d_model}. Forward: at ring step s each rank sends ring rank + s the K/V rows it needs "
         f"({cfg.dtype}): the whole piece when that rank comes earlier in the sequence, the first half otherwise "
-        f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again, "
-        f"plus the dK/dV ({accumulation_dtype(DTYPES[cfg.dtype])}) of the rows each rank fetched, returned to their "
-        f"owner. No timings here: P>2 oversubscribes {os.cpu_count()} cores. The peak should stay flat from P=2 on "
-        f"(O(S/P)); P=1 has no receive buffers."
+        f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again "
+        f"but the last step's (kept from the forward), plus the dK/dV ({accumulation_dtype(DTYPES[cfg.dtype])}) of "
+        f"the rows each rank fetched, returned to their owner. No timings here: P>2 oversubscribes "
+        f"{os.cpu_count()} cores. The peak should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers."
     )
 
 

@@ -16,16 +16,20 @@ Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, 
   makes them, with nothing to hide behind, on the limited link;
 - *ring*: lctrain's ring on the limited link; *exposed* = (ring − compute only) / comm only: 0 when every transfer
   hides, 1 when none does; and ring / max(compute only, comm only);
+- *waited / comm*: the same exposure from the timeline (below): the seconds the ring waited for its transfers over
+  comm only, which the machine's other load does not blur (a slower compute only hides more, it does not add);
 - *waits*: where it waits, from the ring's timeline (``lctrain.attention.timeline``) of one more run on the
   limited link: seconds spent waiting for the forward's K/V, the backward's K/V and the dK/dV returns (busiest rank);
 - *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
 
 Per link rate and shape, the planner's prediction: ``lctrain.probe.measure`` runs in the same ranks on the limited
 link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
-does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's compute
-equals its transfer, per pass: the step's compute = compute only / P, fitted as a·T²; its transfer = comm only
-times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as b·T; the knee is b/a,
-and the larger of the two passes' knees is the ring's.
+does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
+equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
+transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
+b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
+(``ring.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
+two passes' knees is the ring's. The waits show where the ring itself stops waiting.
 
 Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
 point runs once, in turn (the limit set for each), so that a change in the machine's load hits them alike. The
@@ -300,7 +304,11 @@ def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, i
 
 
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
-    """Per pass, the T at which a step's compute (a·T²) equals its transfer (b·T): b / a (module doc)."""
+    """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
+    a·T²): b / (overlap · a) (module doc)."""
+    from lctrain.attention.ring import PIECES
+
+    overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
     result = {}
     for name in ("forward", "backward"):
         ts = [p["tokens"] for p in points]
@@ -309,7 +317,7 @@ def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
         transfer = [p["comm"][name] * busiest / total for p, (busiest, total) in zip(points, share)]
         a = sum(c * t**2 for c, t in zip(compute, ts)) / sum(t**4 for t in ts)  # least squares through 0
         b = sum(m * t for m, t in zip(transfer, ts)) / sum(t**2 for t in ts)
-        result[name] = b / a
+        result[name] = b / (overlap * a)
     return result
 
 
@@ -346,6 +354,7 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
                     f"{compute / comm:.2f}",
                     f"{ring:.3f}",
                     f"**{(ring - compute) / comm:.2f}**",
+                    f"{(waits['forward_kv'] + waits['backward_kv'] + waits['backward_dkv']) / comm:.2f}",
                     f"{ring / max(compute, comm):.2f}",
                     f"{1e3 * waits['forward_kv']:.0f} / {1e3 * waits['backward_kv']:.0f} / "
                     f"{1e3 * waits['backward_dkv']:.0f}",
@@ -380,7 +389,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
                 ]
             )
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
-    header += ["exposed", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV (ms)", "planner S/R min", "PyTorch s"]
+    header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV (ms)"]
+    header += ["planner S/R min", "PyTorch s"]
     print("\n## Overlap on the limited link\n")
     print(table(header, rows))
     print("\n## Predicted threshold and measured knee (tokens per rank)\n")

@@ -64,6 +64,26 @@ def _bytes(tensors: list[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# The forward's last K/V fetch and every dK/dV return travel in this many pieces of rows, each its own exchange:
+# the blocks of the rows that have arrived compute while the rest travels, and a return starts as soon as its
+# rows' gradients are complete (docs/parallelism.md, "What travels"). lctrain.planner.timing.RING_PIECES says the same.
+PIECES = 4
+
+
+def _cuts(rows: int, pieces: int) -> list[slice]:
+    """``rows`` rows cut into ``pieces`` consecutive runs as even as can be (empty ones when there are fewer rows):
+    every rank cuts the same rows the same way, so each piece's send meets its receive."""
+    bounds = [rows * i // pieces for i in range(pieces + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _rows_first(like: Tensor, rows: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """An empty buffer of ``rows`` rows stored rows first, ``[rows, B, ...]`` (a run of rows is contiguous: it can be
+    received into), and its ``[B, rows, ...]`` view, which the blocks index."""
+    store = torch.empty((rows, like.shape[0], *like.shape[2:]), dtype=dtype, device=like.device)
+    return store, store.transpose(0, 1)
+
+
 @dataclass
 class _Transfer:
     """Posted sends and receives; the tensors stay referenced until ``wait`` returns."""
@@ -78,6 +98,21 @@ class _Transfer:
         for work in self.works:
             work.wait()
         self.timeline.done(self.event)
+
+
+class _Arriving:
+    """A step's transfers, one per piece of its rows, waited for in order as far as each block needs."""
+
+    def __init__(self, transfers: list[_Transfer]) -> None:
+        self.transfers = transfers
+        self.done = 0
+
+    def wait(self, piece: int | None = None) -> None:
+        """Wait for pieces up to ``piece`` (None: all)."""
+        last = len(self.transfers) - 1 if piece is None else min(piece, len(self.transfers) - 1)
+        while self.done <= last:
+            self.transfers[self.done].wait()
+            self.done += 1
 
 
 class _Peers:
@@ -105,20 +140,65 @@ class _Peers:
         event = self.timeline.posted(what, source, _bytes(send), _bytes(receive))
         return _Transfer(works, send + receive, self.timeline, event)
 
+    def exchange(
+        self,
+        what: str,
+        source: int,
+        send: list[Tensor],
+        send_offset: int,
+        receive: list[Tensor],
+        receive_offset: int,
+        pieces: list[tuple[slice, slice]],
+    ) -> list[_Transfer]:
+        """``start`` once per piece: rows ``a`` of the ``[B, rows, ...]`` tensors ``send`` (sent rows first) and
+        rows ``b`` of the rows-first buffers ``receive``, for each ``(a, b)`` of ``pieces``."""
+        return [
+            self.start(
+                what,
+                source,
+                [t[:, a].transpose(0, 1) for t in send],
+                send_offset,
+                [t[b] for t in receive],
+                receive_offset,
+            )
+            for a, b in pieces
+        ]
+
     def _global(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
 
 
-def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, Tensor, Tensor]:
-    """Post a step's K/V transfers: rows ``step.send`` of ``k``, ``v`` out, rows ``step.keys`` of the source's
-    in; returns the transfer and the K/V the step's blocks index (local views at step 0)."""
+def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor, pieces: int = 1) -> tuple[_Arriving, Tensor, Tensor]:
+    """Post a step's K/V transfers, in ``pieces`` pieces of rows: rows ``step.send`` of ``k``, ``v`` out, rows
+    ``step.keys`` of the source's in; returns them and the K/V the step's blocks index (local views at step 0)."""
     if step.source == 0:
-        return _Transfer([], []), k[:, step.keys], v[:, step.keys]
-    k_in = k.new_empty((k.shape[0], _rows(step.keys), *k.shape[2:]))
-    v_in = torch.empty_like(k_in)
+        return _Arriving([]), k[:, step.keys], v[:, step.keys]
+    (k_store, k_in), (v_store, v_in) = (_rows_first(k, _rows(step.keys), k.dtype) for _ in range(2))
+    cuts = list(zip(_cuts(_rows(step.send), pieces), _cuts(_rows(step.keys), pieces)))
     send = [k[:, step.send], v[:, step.send]]
-    transfer = peers.start("kv", step.source, send, step.source, [k_in, v_in], -step.source)
-    return transfer, k_in, v_in
+    transfers = peers.exchange("kv", step.source, send, step.source, [k_store, v_store], -step.source, cuts)
+    return _Arriving(transfers), k_in, v_in
+
+
+def _plain(block: Block) -> bool:
+    """A full rectangle: it can be cut at any key column."""
+    return not block.causal and block.window_left is None and block.segments is None
+
+
+def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, Block]]:
+    """The kernel calls of a step whose key rows arrive (or whose dK/dV leave) in pieces ``cuts``, in order, each
+    with the last piece it needs: the full rectangles cut at the pieces' boundaries, piece by piece, then every
+    other block (causal, banded, document groups), which needs them all."""
+    last = len(cuts) - 1
+    if last <= 0:
+        return [(0, block) for block in blocks]
+    parts = []
+    for index, cut in enumerate(cuts):
+        for block in filter(_plain, blocks):
+            cols = slice(max(block.cols.start, cut.start), min(block.cols.stop, cut.stop))
+            if cols.start < cols.stop:
+                parts.append((index, Block(block.rows, cols, causal=False)))
+    return parts + [(last, block) for block in blocks if not _plain(block)]
 
 
 def _calls(step: Step, kernel: AttentionKernel) -> tuple[Block, ...]:
@@ -172,11 +252,14 @@ def _ring_forward(
     out = lse = None
     fetched = _fetch(peers, plan[0], k, v)
     for index, step in enumerate(plan):
-        transfer, k_step, v_step = fetched
-        transfer.wait()
-        if index + 1 < len(plan):  # the next step's keys travel while this step computes
-            fetched = _fetch(peers, plan[index + 1], k, v)
-        for block in _calls(step, kernel):
+        arriving, k_step, v_step = fetched
+        last = index + 1 == len(plan)
+        if not last:  # the next step's keys travel while this step computes; the last step's in pieces
+            arriving.wait()
+            fetched = _fetch(peers, plan[index + 1], k, v, PIECES if index + 2 == len(plan) else 1)
+        cuts = _cuts(_rows(step.keys), len(arriving.transfers)) if step.source else [step.keys]
+        for piece, block in _by_piece(_calls(step, kernel), cuts):
+            arriving.wait(piece)
             started = timeline.now()
             out_block, lse_block = _block_forward(kernel, q, k_step, v_step, block, scale)
             timeline.computed(step.source, started)
@@ -187,6 +270,7 @@ def _ring_forward(
                 out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
                 lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
+        arriving.wait()  # pieces no block needed
     timeline.finish()
     kept = (k_step, v_step) if plan[-1].source != 0 else None
     return out.to(q.dtype), lse, kept
@@ -200,6 +284,33 @@ def _accumulate(acc: Tensor | None, index: slice, grad: Tensor, like: Tensor, ac
         acc = torch.zeros(like.shape, dtype=acc_dtype, device=like.device)
     acc[:, index] += grad
     return acc
+
+
+class _Returning:
+    """The dK/dV this rank computed at ``step`` (``dk``, ``dv``: fp32, the rows it fetched), on their way back to
+    the keys' owner piece by piece, and what comes back in exchange: the gradients of rows ``step.send`` of this
+    rank's piece, from the rank that fetched them."""
+
+    def __init__(self, peers: _Peers, step: Step, dk: Tensor, dv: Tensor) -> None:
+        self.peers, self.step, self.dk, self.dv = peers, step, dk, dv
+        (self.dk_store, self.dk_in), (self.dv_store, self.dv_in) = (
+            _rows_first(dk, _rows(step.send), dk.dtype) for _ in range(2)
+        )
+        self.cuts = list(zip(_cuts(_rows(step.keys), PIECES), _cuts(_rows(step.send), PIECES)))
+        self.posted = 0
+        self.transfers: list[_Transfer] = []
+
+    def post(self, pieces: int) -> None:
+        """Send the pieces before ``pieces`` not sent yet: their rows' gradients are complete."""
+        cuts, self.posted = self.cuts[self.posted : pieces], max(self.posted, pieces)
+        stores, source = [self.dk_store, self.dv_store], self.step.source
+        self.transfers += self.peers.exchange("dkv", source, [self.dk, self.dv], -source, stores, source, cuts)
+
+    def add_to(self, dk: Tensor | None, dv: Tensor | None, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Wait for every piece and add what came back to the gradients of this rank's piece."""
+        _Arriving(self.transfers).wait()
+        rows, acc_dtype = self.step.send, self.dk.dtype
+        return _accumulate(dk, rows, self.dk_in, k, acc_dtype), _accumulate(dv, rows, self.dv_in, k, acc_dtype)
 
 
 def _ring_backward(
@@ -216,52 +327,57 @@ def _ring_backward(
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The plan's steps in reverse: the last on the K/V ``kept`` by the forward, the own piece (step 0) last."""
+    """The plan's steps in reverse: the last on the K/V ``kept`` by the forward, the own piece (step 0) last. A
+    step's dK/dV leave in pieces as their rows are done (when all its blocks are full rectangles, computed piece by
+    piece), after the previous step's have come back."""
     timeline = peers.timeline
     acc_dtype = lse.dtype
     dq = dk = dv = None  # gradients of this rank's queries and of its own K/V piece
-    returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the previous step's dK/dV, in flight
+    returning: _Returning | None = None  # the previous step's dK/dV, in flight
     steps = plan[::-1]
-    fetched = (_Transfer([], []), *kept) if kept is not None else _fetch(peers, steps[0], k, v)
+    fetched = (_Arriving([]), *kept) if kept is not None else _fetch(peers, steps[0], k, v)
     for index, step in enumerate(steps):
-        transfer, k_step, v_step = fetched
-        transfer.wait()
+        arriving, k_step, v_step = fetched
+        arriving.wait()
         if index + 1 < len(steps):
             fetched = _fetch(peers, steps[index + 1], k, v)
-        dk_step = dv_step = None  # this rank's part of the gradients of the keys fetched at this step
-        for block in _calls(step, kernel):
+        if step.source == 0:  # our own keys
+            for block in _calls(step, kernel):
+                started = timeline.now()
+                dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
+                timeline.computed(step.source, started)
+                dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
+                dk = _accumulate(dk, block.cols, dk_block, k, acc_dtype)
+                dv = _accumulate(dv, block.cols, dv_block, v, acc_dtype)
+            continue
+        # this rank's part of the gradients of the keys fetched at this step, returned to their owner piece by piece
+        dk_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
+        dv_step = torch.zeros(v_step.shape, dtype=acc_dtype, device=k.device)
+        current = _Returning(peers, step, dk_step, dv_step)
+        calls = _calls(step, kernel)
+        parts = _by_piece(calls, _cuts(_rows(step.keys), PIECES))
+        piecewise = all(map(_plain, calls))  # else some block needs every row: its gradients are complete at the end
+        for position, (piece, block) in enumerate(parts):
             started = timeline.now()
             dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
             timeline.computed(step.source, started)
             dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
-            dk_step = _accumulate(dk_step, block.cols, dk_block, k_step, acc_dtype)
-            dv_step = _accumulate(dv_step, block.cols, dv_block, v_step, acc_dtype)
-        if step.source == 0:  # our own keys
-            dk = _accumulate(dk, step.keys, dk_step, k, acc_dtype)
-            dv = _accumulate(dv, step.keys, dv_step, v, acc_dtype)
-            continue
+            dk_step[:, block.cols] += dk_block
+            dv_step[:, block.cols] += dv_block
+            following = parts[position + 1][0] if position + 1 < len(parts) else PIECES
+            if piecewise and following > piece:  # pieces before the next part's are complete
+                if returning is not None:  # one step's dK/dV in flight at a time
+                    dk, dv = returning.add_to(dk, dv, k)
+                    returning = None
+                current.post(following)
         if returning is not None:
-            dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
-        if dk_step is None:  # no block, no keys fetched: nothing to give back
-            dk_step = dv_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
-        # Send our part back to the keys' owner; receive the part of ring rank + source for the rows it fetched.
-        dk_in = torch.empty((k.shape[0], _rows(step.send), *k.shape[2:]), dtype=acc_dtype, device=k.device)
-        dv_in = torch.empty_like(dk_in)
-        transfer = peers.start("dkv", step.source, [dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
-        returning = (transfer, step.send, dk_in, dv_in)
+            dk, dv = returning.add_to(dk, dv, k)
+        current.post(PIECES)  # the rest: pieces no block touched, or every piece when not piecewise
+        returning = current
     if returning is not None:
-        dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+        dk, dv = returning.add_to(dk, dv, k)
     timeline.finish()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _add_returned(
-    returning: tuple[_Transfer, slice, Tensor, Tensor], dk: Tensor, dv: Tensor, k: Tensor, acc_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """Wait for a dK/dV exchange and add what came back to the gradients of rows ``rows`` of our piece."""
-    transfer, rows, dk_in, dv_in = returning
-    transfer.wait()
-    return _accumulate(dk, rows, dk_in, k, acc_dtype), _accumulate(dv, rows, dv_in, k, acc_dtype)
 
 
 def _peers(group: dist.ProcessGroup | None, pass_name: str, plan: tuple[Step, ...]) -> _Peers:

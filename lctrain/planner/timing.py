@@ -12,12 +12,18 @@ from lctrain.rules import groups_inside_nodes, stage_layers
 BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
 
 
+# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.ring.PIECES; a test
+# keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
+RING_PIECES = 4
+
+
 @dataclass
 class RingStep:
     """One ring step of one layer on one GPU: compute (attention of half an (S/R)² block for its heads) against
     the transfer of the next K/V piece (forward) and, in the backward, of the fp32 dK/dV returned to their owner
     plus, with a ring of more than two, the next K/V piece fetched again (a ring of two keeps its one remote piece
-    from the forward)."""
+    from the forward). A transfer hides behind ``overlap`` steps' compute: one, or on a ring of two, whose one
+    transfer per pass travels in pieces while both steps compute, 2 - 1/RING_PIECES."""
 
     link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
     tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
@@ -26,10 +32,22 @@ class RingStep:
     comm_fwd_s: float
     compute_bwd_s: float
     comm_bwd_s: float
+    overlap: float = 1.0
 
     @property
     def hidden(self) -> bool:
-        return self.compute_fwd_s >= self.comm_fwd_s and self.compute_bwd_s >= self.comm_bwd_s
+        return (
+            self.overlap * self.compute_fwd_s >= self.comm_fwd_s
+            and self.overlap * self.compute_bwd_s >= self.comm_bwd_s
+        )
+
+    @property
+    def exposed_fwd_s(self) -> float:
+        return max(0.0, self.comm_fwd_s - self.overlap * self.compute_fwd_s)
+
+    @property
+    def exposed_bwd_s(self) -> float:
+        return max(0.0, self.comm_bwd_s - self.overlap * self.compute_bwd_s)
 
 
 def flops_rate(hw: Hardware, work: Workload) -> float:
@@ -67,12 +85,14 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
     pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
     flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
     backward_bytes = FP32 + (e if ring > 2 else 0)  # per K/V element: fp32 dK/dV, and K/V again when R > 2
-    # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd)/W (b: the backward's bytes per element)
+    overlap = 2 - 1 / RING_PIECES if ring == 2 else 1.0
+    # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd) / (W · overlap) (b: the backward's bytes per
+    # K/V element)
     threshold = (
         max(model.kv_heads, ulysses)
         / model.heads
         * max(e * rate_fwd, backward_bytes * rate_bwd / BACKWARD_FLOPS_RATIO)
-        / bandwidth
+        / (bandwidth * overlap)
     )
     return RingStep(
         link=link,
@@ -82,6 +102,7 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
         comm_fwd_s=2 * kv_elements * e / bandwidth,
         compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate_bwd,
         comm_bwd_s=2 * kv_elements * backward_bytes / bandwidth,
+        overlap=overlap,
     )
 
 
@@ -121,9 +142,8 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
     ring_exposed = 0.0
     if layout.ring > 1:
-        fwd = max(0.0, ring.comm_fwd_s - ring.compute_fwd_s) * (1 + recomputed)
-        bwd = max(0.0, ring.comm_bwd_s - ring.compute_bwd_s)
-        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + bwd)
+        fwd = ring.exposed_fwd_s * (1 + recomputed)
+        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + ring.exposed_bwd_s)
     ulysses = 0.0
     if layout.ulysses > 1:
         tokens = work.seq_len // layout.cp

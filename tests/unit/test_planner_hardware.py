@@ -12,6 +12,7 @@ import pytest
 
 from lctrain.planner import HARDWARE, NAMED_MODELS, Layout, Workload, ring_step
 from lctrain.planner.presets import load_hardware
+from lctrain.planner.timing import RING_PIECES
 
 PROBED = {
     "name": "probed-cuda",
@@ -41,16 +42,23 @@ def test_measured_figures_replace_the_preset_and_missing_ones_come_from_it(tmp_p
     assert load_hardware(write(tmp_path, device="cpu")).mem_gib == 139.8  # the cpu preset's the rest
 
 
+def test_ring_pieces_are_the_rings() -> None:
+    from lctrain.attention import ring
+
+    assert RING_PIECES == ring.PIECES
+
+
 def test_ring_step_uses_measured_rates_as_achieved(tmp_path: Path) -> None:
     """Ring inside a node: W = the measured 300 GB/s as it is, C = the measured kernel rates (no MFU); the nominal
     inter-node link of the preset still gets the link efficiency."""
     model, hw = NAMED_MODELS["llama3-8b"], load_hardware(write(tmp_path))
     work = Workload(seq_len=65536, gpus_per_node=8, mfu=0.4, link_efficiency=0.8)
-    for ring, backward_bytes in ((2, 4), (4, 2 + 4)):  # a ring of two fetches no K/V again in the backward
+    # a ring of two fetches no K/V again in the backward, and its one transfer per pass hides behind 2 - 1/4 steps
+    for ring, backward_bytes, overlap in ((2, 4, 1.75), (4, 2 + 4, 1.0)):
         step = ring_step(model, Layout(1, 8 // ring, ring, 1), hw, work)
         forward, backward = 2 * 400e12, backward_bytes * 250e12 / 2.5
-        assert step.link == "intra"
-        assert step.threshold_tokens == pytest.approx(8 / 32 * max(forward, backward) / 300e9, rel=1e-12)
+        assert (step.link, step.overlap) == ("intra", overlap)
+        assert step.threshold_tokens == pytest.approx(8 / 32 * max(forward, backward) / 300e9 / overlap, rel=1e-12)
         pairs = (65536 // ring) ** 2 / 2
         assert step.compute_fwd_s == pytest.approx(4 * 128 * 32 * pairs / 400e12, rel=1e-12)
         assert step.compute_bwd_s == pytest.approx(2.5 * 4 * 128 * 32 * pairs / 250e12, rel=1e-12)
