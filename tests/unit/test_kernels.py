@@ -82,24 +82,28 @@ def fresh_cpu_dtypes():  # noqa: ANN201
 
 
 @pytest.mark.parametrize(
-    "avx512_bf16,amx,expected,reason",
+    "capability,avx512_bf16,amx,expected,reason",
     [
-        (True, False, (torch.float32, torch.bfloat16), "this CPU has AVX-512 BF16"),
-        (False, True, (torch.float32, torch.bfloat16), "this CPU has AMX"),
-        (False, False, (torch.float32, torch.float32), "this CPU has neither AVX-512 BF16 nor AMX"),
+        ("AVX512", True, False, (torch.float32, torch.bfloat16), "this CPU has AVX-512 BF16"),
+        ("AVX512", False, True, (torch.float32, torch.bfloat16), "this CPU has AMX"),
+        ("AVX512", False, False, (torch.float32, torch.float32), "this CPU has neither AVX-512 BF16 nor AMX"),
+        ("AVX2", True, False, (torch.float32, torch.float32), "PyTorch's CPU kernels run at AVX2 here"),
     ],
 )
 def test_cpu_bf16_compute_dtypes_follow_the_capability(
-    monkeypatch,
-    fresh_cpu_dtypes,
-    avx512_bf16,
-    amx,
-    expected,
-    reason,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_cpu_dtypes: None,
+    capability: str,
+    avx512_bf16: bool,
+    amx: bool,
+    expected: tuple[torch.dtype, torch.dtype],
+    reason: str,
 ) -> None:
-    """On x86 the flags decide, nothing is measured; the kernel computes each pass in the chosen dtype, stays exact
-    to bf16 precision, and the job's kernel line says what was chosen and why."""
+    """On x86 the flags, and the level PyTorch's kernels run at, decide; nothing is measured. The kernel computes
+    each pass in the chosen dtype, stays exact to bf16 precision, and the job's kernel line says what was chosen
+    and why."""
     monkeypatch.setattr(torch_cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch_cpu, "_pass_seconds", lambda dtype: pytest.fail("measured although flags decide"))

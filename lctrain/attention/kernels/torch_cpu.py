@@ -35,12 +35,15 @@ class PassDtypes:
 @functools.cache
 def cpu_bf16_dtypes() -> PassDtypes:
     """The compute dtypes of bf16 blocks on this CPU, chosen once per process. On x86 from its flags: with bf16
-    instructions (AVX-512 BF16 or AMX) the backward in bf16 (measured 0.75-0.79x the fp32 time on an AMD EPYC)
-    and the forward in fp32 (bf16 there 1.05-1.17x); without, both in fp32 (bf16 3-4x slower in the backward on
-    an Intel Xeon). On other architectures, whose flags torch does not report, measured: each pass in the faster
-    of the two on a small block (``_measured_dtypes``)."""
+    instructions (AVX-512 BF16 or AMX) that PyTorch's kernels use (they run at AVX-512) the backward in bf16
+    (measured 0.75-0.79x the fp32 time on an AMD EPYC) and the forward in fp32 (bf16 there 1.05-1.17x); without,
+    both in fp32 (bf16 3-4x slower in the backward on an Intel Xeon). On other architectures, whose flags torch
+    does not report, measured: each pass in the faster of the two on a small block (``_measured_dtypes``)."""
     if platform.machine().lower() not in X86:
         return _measured_dtypes()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":  # PyTorch's kernels run below AVX-512 here (the CPU, or ATEN_CPU_CAPABILITY)
+        return PassDtypes(torch.float32, torch.float32, f"PyTorch's CPU kernels run at {capability} here")
     flags = (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()), ("AMX", torch.cpu._is_amx_tile_supported()))
     present = [name for name, supported in flags if supported]
     if present:
