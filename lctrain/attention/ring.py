@@ -8,15 +8,17 @@ fetches only the W - 1 tokens before each of its chunks, from its ring neighbour
 
 Forward: each rank keeps its queries; it posts the transfers of the next step before computing the current one
 (two steps' K/V buffers at most), so the transfer overlaps the block computation; the own piece (step 0) comes
-first, so the first transfer overlaps it. Partial results are merged with the online-softmax rule in fp32. K and
-V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one more K/V piece per
-layer).
+first, so the first transfer overlaps it. The last step's K/V travel in ``PIECES`` pieces of rows, and its full
+rectangles are computed piece by piece as the rows arrive. Partial results are merged with the online-softmax
+rule in fp32. K and V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one
+more K/V piece per layer).
 
 Backward: the steps run in reverse, the last one first, on the K/V kept from the forward, so the first step
-fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse``, so it is exact on
-its own. While a step's blocks run, the K/V of the step after it travel, and so do the dK/dV this rank computed
-(fp32) for the keys of the step before, on their way back to their owner; the own piece comes last, so the last
-return overlaps it. Each rank adds what comes back to the gradients of its own piece.
+fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse``, so it is exact on its own.
+While a step's blocks run, the K/V of the step after it travel; the dK/dV this rank computes (fp32) for the
+step's keys leave for their owner in pieces as their rows are complete, once the previous step's have come back;
+the own piece comes last, so the last return overlaps it. Each rank adds what comes back to the gradients of its
+own piece.
 
 The timeline of every pass (``timeline.py``, ``LCTRAIN_RING_TIMELINE``) records when each transfer is posted,
 waited for and done, against each block's computation.
