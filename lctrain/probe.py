@@ -6,7 +6,8 @@ Launched like a training job (torchrun on every node, e.g. ``NNODES=2 scripts/la
 part in every measurement at once, as in a ring step:
 
 - ``intra_gbps``: each rank sends ``--bytes`` to the next rank on its node and receives as much from the previous
-  one (a ring over every node's ranks, all nodes at once), per direction, the slowest rank;
+  one (a ring over every node's ranks, all nodes at once; with two, each direction alone), per direction, the
+  slowest rank;
 - ``inter_gbps``: the same between the ranks of equal local rank on consecutive nodes (the ring across nodes);
 - ``alltoall_gbps``: the all-to-all of the Ulysses groups (``--ulysses`` consecutive ranks of a node; default all
   of them): bytes leaving a rank per second;
@@ -25,6 +26,7 @@ from a preset. Rank 0 writes the file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -123,16 +125,23 @@ def timed(run: Callable[[], object], iters: int, device: torch.device) -> float:
 
 
 def ring_exchange_seconds(peer_next: int, peer_prev: int, size: int, iters: int, device: torch.device) -> float:
-    """Seconds of sending ``size`` bytes to ``peer_next`` while receiving as many from ``peer_prev``."""
+    """Seconds of sending ``size`` bytes to ``peer_next`` while receiving as many from ``peer_prev``, as a ring step
+    does. Between two ranks (the next and the previous one are the same) each direction alone, the slower: a ring
+    of two sends different amounts each way, and an equal two-way exchange on one connection can get, on links
+    shaped by a queue, half the rate each way or all of it, depending on how the two flows start."""
     send = torch.ones(size, dtype=torch.uint8, device=device)
     receive = torch.empty_like(send)
 
-    def exchange() -> None:
-        ops = [dist.P2POp(dist.isend, send, peer_next), dist.P2POp(dist.irecv, receive, peer_prev)]
+    def exchange(sending: bool = True, receiving: bool = True) -> None:
+        ops = [dist.P2POp(dist.isend, send, peer_next)] if sending else []
+        ops += [dist.P2POp(dist.irecv, receive, peer_prev)] if receiving else []
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    return timed(exchange, iters, device)
+    if peer_next != peer_prev:
+        return timed(exchange, iters, device)
+    first = dist.get_rank() < peer_next  # sends first, while the other receives; then the other way
+    return max(timed(functools.partial(exchange, lead, not lead), iters, device) for lead in (first, not first))
 
 
 def measure_links(nodes: Nodes, options: ProbeOptions, device: torch.device) -> dict[str, Any]:

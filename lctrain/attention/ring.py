@@ -279,11 +279,14 @@ def _ring_forward(
 
 
 def _accumulate(acc: Tensor | None, index: slice, grad: Tensor, like: Tensor, acc_dtype: torch.dtype) -> Tensor:
-    """``acc[:, index] += grad``; the first gradient that covers the whole sequence becomes the accumulator."""
+    """``acc[:, index] += grad`` in ``acc_dtype``; a first gradient that covers the whole sequence becomes the
+    accumulator as it is, converted to ``acc_dtype`` when a second one comes (a lone one is the result)."""
     if acc is None:
         if index == slice(0, like.shape[1]):
-            return grad.to(acc_dtype)
+            return grad
         acc = torch.zeros(like.shape, dtype=acc_dtype, device=like.device)
+    elif acc.dtype != acc_dtype:
+        acc = acc.to(acc_dtype)
     acc[:, index] += grad
     return acc
 

@@ -1,6 +1,7 @@
 """PyTorch's CPU flash op. It takes [B, H, S, D]; blocks are copied into that layout, contiguous, in the compute
-dtype: one copy, the cast the op needs anyway, and faster than transposed views (docs/benchmarks.md, "CPU ring").
-Banded blocks run in masked row tiles (``bands``).
+dtype: one copy, the cast the op needs anyway, and faster than transposed views (docs/benchmarks.md, "CPU ring");
+bf16 blocks computed in bf16 go to it as transposed views, which are no slower. Banded blocks run in masked row
+tiles (``bands``).
 
 The compute dtype of bf16 blocks is chosen per pass for the CPU the process runs on (``cpu_bf16_dtypes``): where
 PyTorch emulates bf16 its bf16 backward is 3-4 times slower than fp32, where the CPU has bf16 instructions it is
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lctrain.attention.kernels.abilities import FLOAT_DTYPES, Abilities
+from lctrain.attention.kernels.abilities import FLOAT_DTYPES, HALF_DTYPES, Abilities
 from lctrain.attention.kernels.bands import with_row_tiles
 from lctrain.attention.kernels.base import AttentionKernel, bhsd
 
@@ -96,11 +97,15 @@ def describe_cpu_dtypes(dtype: torch.dtype) -> str | None:
 
 
 def _cpu_operands(*tensors: Tensor, pass_name: str) -> tuple[Tensor, ...]:
-    """``[B, S, H, D]`` blocks as contiguous ``[B, H, S, D]`` in the pass's compute dtype (one copy each)."""
-    return tuple(
-        t.transpose(1, 2).to(cpu_compute_dtype(t.dtype, pass_name), memory_format=torch.contiguous_format)
-        for t in tensors
-    )
+    """``[B, S, H, D]`` blocks as ``[B, H, S, D]`` in the pass's compute dtype: copied once, contiguous, where they
+    are converted or are fp32/fp64 (faster than transposed views); half blocks computed in their own dtype (the
+    bf16 backward on a CPU with bf16 instructions) as transposed views, no copy (as fast or faster)."""
+    operands = []
+    for t in tensors:
+        dtype, view = cpu_compute_dtype(t.dtype, pass_name), t.transpose(1, 2)
+        keep = dtype == t.dtype and dtype in HALF_DTYPES
+        operands.append(view if keep else view.to(dtype, memory_format=torch.contiguous_format))
+    return tuple(operands)
 
 
 def _additive_mask(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
