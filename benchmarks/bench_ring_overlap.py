@@ -21,7 +21,9 @@ Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, 
   machine's other load blurs it less than the difference of two wall times;
 - *waits*: where it waits, from the ring's timeline (``lctrain.attention.timeline``) of one more run on the
   limited link: seconds spent waiting for the forward's K/V, the backward's K/V and the dK/dV returns (busiest
-  rank), and in brackets all it waited in one more run on the link without a limit;
+  rank), and in brackets all it waited in one more run on the link without a limit; *blocks limited / no limit*:
+  the seconds the blocks took to compute in those two runs (above 1: the transfers' own CPU work, gloo's threads
+  and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
 - *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
 
 Per link rate and shape, the planner's prediction: ``lctrain.probe.measure`` runs in the same ranks on the limited
@@ -35,8 +37,8 @@ two passes' knees is the ring's. The waits show where the ring itself stops wait
 
 Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
 point runs once, in turn (the limit set for each), so that a change in the machine's load hits them alike. The
-report is markdown; ``--png`` draws the exposed seconds (ring − compute only) against T, a panel per P and shape,
-the predicted threshold of each rate as a dashed line.
+report is markdown; ``--png`` draws the exposed seconds against T (waited, and ring − compute only), a panel per P
+and shape, the predicted threshold of each rate as a dashed line.
 """
 
 from __future__ import annotations
@@ -345,6 +347,11 @@ def waited(point: dict) -> float:
     return max(0.0, sum(point["waits"][k] for k in WAITS) - sum(point["waits_free"][k] for k in WAITS))
 
 
+def blocks(waits: dict[str, float]) -> float:
+    """Seconds the blocks computed in one forward + backward (the timeline's compute events)."""
+    return waits["forward_compute"] + waits["backward_compute"]
+
+
 def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     """Print the tables; returns one summary per (P, shape, rate) for the figure."""
     rows, summaries, baseline = [], [], []
@@ -369,6 +376,7 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
                     f"{ring / max(compute, comm):.2f}",
                     " / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS)
                     + f" ({1e3 * sum(point['waits_free'][kind] for kind in WAITS):.0f})",
+                    f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}",
                     f"{threshold:,.0f} ({link})",
                     f"{point['torch']['total']:.3f}",
                 ]
@@ -401,7 +409,7 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
             )
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
     header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
-    header += ["planner S/R min", "PyTorch s"]
+    header += ["blocks limited / no limit", "planner S/R min", "PyTorch s"]
     print("\n## Overlap on the limited link\n")
     print(table(header, rows))
     print("\n## Predicted threshold and measured knee (tokens per rank)\n")
@@ -433,28 +441,31 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
 
 
 def draw(summaries: list[dict], path: Path) -> None:
-    """Exposed seconds against tokens per rank, a panel per (P, shape); the predicted thresholds as dashed lines."""
+    """Exposed seconds against tokens per rank, a panel per (P, shape): what the ring waited for its transfers
+    (``waited``) and ring − compute only, per rate, with the planner's threshold of each rate as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(s["ranks"], s["shape"]) for s in summaries})
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False)
     colors = {}
     for axis, (ranks, shape) in zip(axes[0], panels):
         for s in (s for s in summaries if (s["ranks"], s["shape"]) == (ranks, shape)):
             color = colors.setdefault(s["rate"], f"C{len(colors)}")
+            rate = s["rate"] or "no limit"
             ts = [p["tokens"] for p in s["points"]]
-            exposed = [p["ring"]["total"] - p["compute"]["total"] for p in s["points"]]
-            axis.plot(ts, exposed, "o-", color=color, label=f"{s['rate'] or 'no limit'}: ring − compute only")
-            axis.axvline(s["threshold"], color=color, linestyle="--", label=f"{s['rate']}: planner threshold")
+            axis.plot(ts, [waited(p) for p in s["points"]], "o-", color=color, label=f"{rate}: waited")
+            wall = [p["ring"]["total"] - p["compute"]["total"] for p in s["points"]]
+            axis.plot(ts, wall, "x:", color=color, label=f"{rate}: ring − compute only")
+            axis.axvline(s["threshold"], color=color, linestyle="--", label=f"{rate}: planner threshold")
         axis.axhline(0, color="grey", linewidth=0.5)
         axis.set_xscale("log", base=2)
         axis.set_title(f"P = {ranks}, {shape} (Hq/Hkv = {SHAPES[shape][0]}/{SHAPES[shape][1]}, D = {HEAD_DIM})")
         axis.set_xlabel("tokens per rank")
         axis.set_ylabel("exposed communication (s)")
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
