@@ -11,8 +11,9 @@ pass a barrier before it, its time is the slowest rank's, and the reported figur
 iterations after ``--warmup`` untimed ones. Sections 1 and 2 run every implementation (T1 on rank 0 alone) in the
 same P processes, one iteration of each in turn, so a change in machine load hits them all alike. Peak memory is
 the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel (T1, PyTorch's
-ring op, DeepSpeed's local SDPA) computes in the dtype that lctrain's CPU kernel computes its blocks in, so the
-comparisons measure the distribution, not PyTorch's bf16 emulation. The output is markdown.
+ring op, DeepSpeed's local SDPA) computes each pass in the dtype that lctrain's CPU kernel computes that pass in
+on this CPU (``kernels.cpu_compute_dtype``), so the comparisons measure the distribution, not the dtype. The
+output is markdown.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks import rings
 from benchmarks.memory import MALLOC_MMAP_THRESHOLD, StepPeak
 from benchmarks.report import command, machine_line, table
 from lctrain.attention import kernels, ring_attention, shard_sequence, ulysses_attention, usp_attention
@@ -158,24 +159,41 @@ def outputs_and_grads(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def cpu_compute(t: Tensor, pass_dtype: torch.dtype = kernels.CPU_FORWARD_DTYPE) -> Tensor:
-    """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.CPU_FORWARD_DTYPE`` or
-    ``CPU_BACKWARD_DTYPE`` for half inputs; other dtypes as they are)."""
-    return t.to(pass_dtype) if t.dtype in (torch.float16, torch.bfloat16) else t
+def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
+    """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.cpu_compute_dtype``)."""
+    return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
+
+
+class CausalCpuFlash(torch.autograd.Function):
+    """PyTorch's fused causal CPU flash op on ``[B, H, S, D]``, each pass computing in the dtype lctrain's CPU kernel
+    computes that pass in; it keeps its inputs in their own dtype, as lctrain does, and returns theirs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205 (autograd signature)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*map(cpu_compute, (q, k, v)), 0.0, True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        operands = (cpu_compute(t, "backward") for t in (dout, q, k, v, out))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*operands, lse, 0.0, True)
+        return tuple(g.to(q.dtype) for g in grads)
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Fused causal ``F.scaled_dot_product_attention`` on ``[B, H, S, D]``, computing in the dtype that lctrain's
-    CPU kernel computes its blocks in, output in the input dtype."""
-    return F.scaled_dot_product_attention(*map(cpu_compute, (q, k, v)), is_causal=True).to(q.dtype)
+    """Fused causal attention on ``[B, H, S, D]``, each pass in the dtype lctrain's CPU kernel computes it in."""
+    return CausalCpuFlash.apply(q, k, v)
 
 
-def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_dtype: torch.dtype) -> Callable[..., tuple[Tensor, ...]]:
+def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
     """``op`` with its tensor arguments cast like lctrain's CPU kernel casts a pass's blocks (``cpu_compute``)."""
 
     def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
-        args = tuple(cpu_compute(a, pass_dtype) if isinstance(a, Tensor) else a for a in args)
-        kwargs = {name: cpu_compute(a, pass_dtype) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
+        args = tuple(cpu_compute(a, pass_name) if isinstance(a, Tensor) else a for a in args)
+        kwargs = {name: cpu_compute(a, pass_name) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
         return op(*args, **kwargs)
 
     return run
@@ -198,29 +216,17 @@ def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
 
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
-    """PyTorch context parallel's ring (head-tail load balancing = our zigzag shards), CPU flash kernels."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-    q, k, v, dout = (t.detach().transpose(1, 2).contiguous() for t in shard(full, "zigzag"))  # [B, H, S/P, D]
+    """PyTorch context parallel's ring (``rings.torch_ring``), its CPU ops cast like lctrain's blocks."""
     group = dist.group.WORLD
-    forward_op = cpu_compute_op(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, kernels.CPU_FORWARD_DTYPE
-    )
-    backward_op = cpu_compute_op(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, kernels.CPU_BACKWARD_DTYPE
-    )
+    forward_op = cpu_compute_op(rings.CPU_FORWARD, "forward")
+    backward_op = cpu_compute_op(rings.CPU_BACKWARD, "backward")
+    passes = rings.torch_ring(*shard(full, "zigzag"), group, forward_op=forward_op, backward_op=backward_op)
 
     def forward_backward() -> tuple[Tensor, ...]:
-        out, lse = cp._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True, dropout_p=0.0)
-        out = out.to(q.dtype)  # the merged output comes back in the op's (compute) dtype
-        grads = cp._templated_ring_attention_backward(
-            group, 2, backward_op, dout, "grad_out", q, k, v, out, lse, True, dropout_p=0.0
-        )
-        return (out, *grads)
+        return (passes.forward(), *passes.backward())
 
     ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *shard(full, "zigzag"))
-    theirs = tuple(t.transpose(1, 2) for t in forward_backward())
-    return Case(forward_backward, compare(ours, theirs))
+    return Case(forward_backward, compare(ours, forward_backward()))
 
 
 def ulysses_case(full: tuple[Tensor, ...]) -> Case:
@@ -336,8 +342,8 @@ def deepspeed_version() -> str | None:
 def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
     """CPU time (this thread, min of ``reps``) of PyTorch's CPU flash op on the blocks of a zigzag ring of two
     (the causal diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), forward and backward, for each compute dtype
-    and input layout: what ``kernels.CPU_FORWARD_DTYPE`` / ``CPU_BACKWARD_DTYPE`` and the contiguous copy are
-    chosen from. Each timing includes the copy of the bf16 inputs into the op's dtype and layout."""
+    and input layout: what ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from. Each timing
+    includes the copy of the bf16 inputs into the op's dtype and layout."""
     forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     piece = cfg.seq // 2
@@ -382,11 +388,12 @@ def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
 def report_kernel(cfg: Config, reps: int) -> None:
     torch.set_num_threads(1)
     rows = kernel_pass_times(cfg, reps)
+    dtypes = kernels.cpu_bf16_dtypes()
     print(f"\n## 4. The CPU op per pass (blocks of a zigzag ring of 2 at S={cfg.seq}, one thread)\n")
     print(table(["block", "compute dtype", "input layout", "forward ms (vs fp32 contiguous)", "backward ms"], rows))
     print(
         f"\nThread CPU time, min of {reps}, bf16 inputs copied into the op's dtype and layout inside the timing. "
-        f"lctrain uses {kernels.CPU_FORWARD_DTYPE} forward, {kernels.CPU_BACKWARD_DTYPE} backward, contiguous."
+        f"lctrain uses {dtypes.forward} forward, {dtypes.backward} backward ({dtypes.reason}), contiguous."
     )
 
 
@@ -471,13 +478,15 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
 
 def planned_bytes(ranks: int, seq_per_rank: int, row_bytes: int, gradient_row_bytes: int) -> list[tuple[int, int]]:
     """(forward, backward) bytes each rank sends by its ring plan (zigzag, causal): the K/V rows other ranks fetch
-    from it, in each pass, plus in the backward the dK/dV of the rows it fetched, returned to their owners."""
+    from it, in the forward, and again in the backward but for the last step's (which the forward kept), plus in
+    the backward the dK/dV of the rows it fetched, returned to their owners."""
     sent = []
     for rank in range(ranks):
         plan = plan_ring(rank, ranks, seq_per_rank, causal=True, layout="zigzag")
         forward = sum(step.send.stop - step.send.start for step in plan) * row_bytes
+        again = forward - (plan[-1].send.stop - plan[-1].send.start) * row_bytes
         returned = sum(step.keys.stop - step.keys.start for step in plan if step.source) * gradient_row_bytes
-        sent.append((forward, forward + returned))
+        sent.append((forward, again + returned))
     return sent
 
 
@@ -519,10 +528,10 @@ def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[s
     print(
         f"\nd_model = Hkv·D = {d_model}. Forward: at ring step s each rank sends ring rank + s the K/V rows it needs "
         f"({cfg.dtype}): the whole piece when that rank comes earlier in the sequence, the first half otherwise "
-        f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again, "
-        f"plus the dK/dV ({accumulation_dtype(DTYPES[cfg.dtype])}) of the rows each rank fetched, returned to their "
-        f"owner. No timings here: P>2 oversubscribes {os.cpu_count()} cores. The peak should stay flat from P=2 on "
-        f"(O(S/P)); P=1 has no receive buffers."
+        f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again "
+        f"but the last step's (kept from the forward), plus the dK/dV ({accumulation_dtype(DTYPES[cfg.dtype])}) of "
+        f"the rows each rank fetched, returned to their owner. No timings here: P>2 oversubscribes "
+        f"{os.cpu_count()} cores. The peak should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers."
     )
 
 
@@ -591,16 +600,13 @@ def main() -> None:
             args.seq_per_rank,
             {p: run_distributed(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks},
         )
-    forward, backward = (
-        cpu_compute(torch.empty(0, dtype=DTYPES[cfg.dtype]), d).dtype
-        for d in (kernels.CPU_FORWARD_DTYPE, kernels.CPU_BACKWARD_DTYPE)
-    )
+    forward, backward = (kernels.cpu_compute_dtype(DTYPES[cfg.dtype], name) for name in ("forward", "backward"))
     if (forward, backward) != (DTYPES[cfg.dtype],) * 2:
         print(
             f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {forward} forward and {backward} "
-            f"backward (`kernels.CPU_FORWARD_DTYPE`, `CPU_BACKWARD_DTYPE`, chosen per pass by section 4); T1, "
-            f"PyTorch's ring op and DeepSpeed's local SDPA get the same cast per pass (inputs, outputs and everything "
-            f"communicated stay {cfg.dtype})."
+            f"backward (`kernels.cpu_bf16_dtypes`: {kernels.cpu_bf16_dtypes().reason}; section 4 measures both); T1, "
+            f"PyTorch's ring op and DeepSpeed's local attention get the same cast per pass (inputs, outputs and "
+            f"everything communicated stay {cfg.dtype})."
         )
     print(
         "\nPeak memory = VmHWM − VmRSS around a forward+backward (VmHWM reset by writing 5 to /proc/self/clear_refs "

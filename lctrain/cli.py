@@ -1,5 +1,6 @@
 """``python -m lctrain <command> [arguments]``; commands: ``train`` and ``eval`` (Hydra overrides, under torchrun
-for several ranks), ``plan`` (a layout planner; ``--help`` lists its options)."""
+for several ranks), ``plan`` (a layout planner; ``--help`` lists its options), ``probe`` (measures the cluster's
+links and attention kernel for the planner, under torchrun)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from collections.abc import MutableMapping
 
 # command -> the module whose main(argv) runs it (imported only when used: torch and transformers load slowly)
 COMMANDS = {"train": "lctrain.train.trainer", "eval": "lctrain.eval.run", "plan": "lctrain.planner.cli"}
+COMMANDS["probe"] = "lctrain.probe"
 USAGE = (
     "usage: python -m lctrain train|eval [recipe=NAME] [section.field=value ...]   (under torchrun for several ranks)\n"
-    "       python -m lctrain plan --help"
+    "       python -m lctrain plan --help\n"
+    "       python -m lctrain probe --help   (under torchrun, like train)"
 )
 
 

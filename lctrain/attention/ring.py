@@ -7,13 +7,21 @@ which no rank computes anything are not steps: with a sliding window of W keys s
 fetches only the W - 1 tokens before each of its chunks, from its ring neighbours, and far ranks send nothing.
 
 Forward: each rank keeps its queries; it posts the transfers of the next step before computing the current one
-(two steps' K/V buffers at most), so the transfer overlaps the block computation. Partial results are merged
-with the online-softmax rule in fp32. K and V are never repeated for GQA.
+(two steps' K/V buffers at most), so the transfer overlaps the block computation; the own piece (step 0) comes
+first, so the first transfer overlaps it. The last step's K/V travel in ``PIECES`` pieces of rows, and its full
+rectangles are computed piece by piece as the rows arrive. Partial results are merged with the online-softmax
+rule in fp32. K and V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one
+more K/V piece per layer).
 
-Backward: the K/V rows are fetched again, step by step; each block's gradient is computed with the final ``out``
-and ``lse``, so it is exact on its own. The dK/dV this rank computes for the fetched rows (fp32) go straight back
-to their owner, posted after the step's blocks and waited for after the next step's; each rank adds what comes
-back to the gradients of its own piece.
+Backward: the steps run in reverse, the last one first, on the K/V kept from the forward, so the first step
+fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse``, so it is exact on its own.
+While a step's blocks run, the K/V of the step after it travel; the dK/dV this rank computes (fp32) for the
+step's keys leave for their owner in pieces as their rows are complete, once the previous step's have come back;
+the own piece comes last, so the last return overlaps it. Each rank adds what comes back to the gradients of its
+own piece.
+
+The timeline of every pass (``timeline.py``, ``LCTRAIN_RING_TIMELINE``) records when each transfer is posted,
+waited for and done, against each block's computation.
 
 What each step computes comes from the plan: blocks that the causal mask, the document boundaries
 (``cu_seqlens``) or the window hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one
@@ -26,7 +34,7 @@ name: the ``kernels`` package).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +50,7 @@ from lctrain.attention.kernels import (
 )
 from lctrain.attention.merge import merge_block
 from lctrain.attention.ring_blocks import Block, Step, group_documents, plan_ring
+from lctrain.attention.timeline import NoTimeline, PassTimeline, pass_timeline
 from lctrain.rules import check_layout, check_ulysses_heads
 
 
@@ -53,27 +62,74 @@ def _rows(index: slice) -> int:
     return index.stop - index.start
 
 
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# The forward's last K/V fetch and every dK/dV return travel in this many pieces of rows, each its own exchange:
+# the blocks of the rows that have arrived compute while the rest travels, and a return starts as soon as its
+# rows' gradients are complete (docs/parallelism.md, "What travels"). lctrain.planner.timing.RING_PIECES says the same.
+PIECES = 4
+
+
+def _cuts(rows: int, pieces: int) -> list[slice]:
+    """``rows`` rows cut into ``pieces`` consecutive runs as even as can be (empty ones when there are fewer rows):
+    every rank cuts the same rows the same way, so each piece's send meets its receive."""
+    bounds = [rows * i // pieces for i in range(pieces + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _rows_first(like: Tensor, rows: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """An empty buffer of ``rows`` rows stored rows first, ``[rows, B, ...]`` (a run of rows is contiguous: it can be
+    received into), and its ``[B, rows, ...]`` view, which the blocks index."""
+    store = torch.empty((rows, like.shape[0], *like.shape[2:]), dtype=dtype, device=like.device)
+    return store, store.transpose(0, 1)
+
+
 @dataclass
 class _Transfer:
     """Posted sends and receives; the tensors stay referenced until ``wait`` returns."""
 
     works: list[dist.Work]
     tensors: list[Tensor]
+    timeline: PassTimeline | NoTimeline = field(default_factory=NoTimeline)
+    event: dict | None = None  # its timeline event
 
     def wait(self) -> None:
+        self.timeline.waiting(self.event)
         for work in self.works:
             work.wait()
+        self.timeline.done(self.event)
+
+
+class _Arriving:
+    """A step's transfers, one per piece of its rows, waited for in order as far as each block needs."""
+
+    def __init__(self, transfers: list[_Transfer]) -> None:
+        self.transfers = transfers
+        self.done = 0
+
+    def wait(self, piece: int | None = None) -> None:
+        """Wait for pieces up to ``piece`` (None: all)."""
+        last = len(self.transfers) - 1 if piece is None else min(piece, len(self.transfers) - 1)
+        while self.done <= last:
+            self.transfers[self.done].wait()
+            self.done += 1
 
 
 class _Peers:
-    """Point-to-point transfers with the ring ranks at a given offset from this one."""
+    """Point-to-point transfers with the ring ranks at a given offset from this one, recorded in ``timeline``."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeline: PassTimeline | NoTimeline) -> None:
         self.group = group
+        self.timeline = timeline
         self.rank, self.size = _group_coordinates(group)
 
-    def start(self, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int) -> _Transfer:
-        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``.
+    def start(
+        self, what: str, source: int, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int
+    ) -> _Transfer:
+        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``
+        (``what`` of step ``source``, for the timeline).
 
         Every rank calls this at every step other than step 0, with tensors of zero rows when it has nothing to
         send or receive: each call then involves every rank of the group, as ``batch_isend_irecv`` requires when
@@ -82,21 +138,69 @@ class _Peers:
         send = [t.contiguous() for t in send]
         ops = [dist.P2POp(dist.isend, t, self._global(send_offset), self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self._global(receive_offset), self.group) for t in receive]
-        return _Transfer(dist.batch_isend_irecv(ops), send + receive)
+        works = dist.batch_isend_irecv(ops)
+        event = self.timeline.posted(what, source, _bytes(send), _bytes(receive))
+        return _Transfer(works, send + receive, self.timeline, event)
+
+    def exchange(
+        self,
+        what: str,
+        source: int,
+        send: list[Tensor],
+        send_offset: int,
+        receive: list[Tensor],
+        receive_offset: int,
+        pieces: list[tuple[slice, slice]],
+    ) -> list[_Transfer]:
+        """``start`` once per piece: rows ``a`` of the ``[B, rows, ...]`` tensors ``send`` (sent rows first) and
+        rows ``b`` of the rows-first buffers ``receive``, for each ``(a, b)`` of ``pieces``."""
+        return [
+            self.start(
+                what,
+                source,
+                [t[:, a].transpose(0, 1) for t in send],
+                send_offset,
+                [t[b] for t in receive],
+                receive_offset,
+            )
+            for a, b in pieces
+        ]
 
     def _global(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
 
 
-def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor) -> tuple[_Transfer, Tensor, Tensor]:
-    """Post a step's K/V transfers: rows ``step.send`` of ``k``, ``v`` out, rows ``step.keys`` of the source's
-    in; returns the transfer and the K/V the step's blocks index (local views at step 0)."""
+def _fetch(peers: _Peers, step: Step, k: Tensor, v: Tensor, pieces: int = 1) -> tuple[_Arriving, Tensor, Tensor]:
+    """Post a step's K/V transfers, in ``pieces`` pieces of rows: rows ``step.send`` of ``k``, ``v`` out, rows
+    ``step.keys`` of the source's in; returns them and the K/V the step's blocks index (local views at step 0)."""
     if step.source == 0:
-        return _Transfer([], []), k[:, step.keys], v[:, step.keys]
-    k_in = k.new_empty((k.shape[0], _rows(step.keys), *k.shape[2:]))
-    v_in = torch.empty_like(k_in)
-    transfer = peers.start([k[:, step.send], v[:, step.send]], step.source, [k_in, v_in], -step.source)
-    return transfer, k_in, v_in
+        return _Arriving([]), k[:, step.keys], v[:, step.keys]
+    (k_store, k_in), (v_store, v_in) = (_rows_first(k, _rows(step.keys), k.dtype) for _ in range(2))
+    cuts = list(zip(_cuts(_rows(step.send), pieces), _cuts(_rows(step.keys), pieces)))
+    send = [k[:, step.send], v[:, step.send]]
+    transfers = peers.exchange("kv", step.source, send, step.source, [k_store, v_store], -step.source, cuts)
+    return _Arriving(transfers), k_in, v_in
+
+
+def _plain(block: Block) -> bool:
+    """A full rectangle: it can be cut at any key column."""
+    return not block.causal and block.window_left is None and block.segments is None
+
+
+def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, Block]]:
+    """The kernel calls of a step whose key rows arrive (or whose dK/dV leave) in pieces ``cuts``, in order, each
+    with the last piece it needs: the full rectangles cut at the pieces' boundaries, piece by piece, then every
+    other block (causal, banded, document groups), which needs them all."""
+    last = len(cuts) - 1
+    if last <= 0:
+        return [(0, block) for block in blocks]
+    parts = []
+    for index, cut in enumerate(cuts):
+        for block in filter(_plain, blocks):
+            cols = slice(max(block.cols.start, cut.start), min(block.cols.stop, cut.stop))
+            if cols.start < cols.stop:
+                parts.append((index, Block(block.rows, cols, causal=False)))
+    return parts + [(last, block) for block in blocks if not _plain(block)]
 
 
 def _calls(step: Step, kernel: AttentionKernel) -> tuple[Block, ...]:
@@ -137,24 +241,30 @@ def _ring_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    group: dist.ProcessGroup | None,
+    peers: _Peers,
     plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
-) -> tuple[Tensor, Tensor]:
-    peers = _Peers(group)
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """(out, lse, the last step's K/V when it is not the own piece: kept for the backward)."""
+    timeline = peers.timeline
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
     out = lse = None
     fetched = _fetch(peers, plan[0], k, v)
     for index, step in enumerate(plan):
-        transfer, k_step, v_step = fetched
-        transfer.wait()
-        if index + 1 < len(plan):  # the next step's keys travel while this step computes
-            fetched = _fetch(peers, plan[index + 1], k, v)
-        for block in _calls(step, kernel):
+        arriving, k_step, v_step = fetched
+        last = index + 1 == len(plan)
+        if not last:  # the next step's keys travel while this step computes; the last step's in pieces
+            arriving.wait()
+            fetched = _fetch(peers, plan[index + 1], k, v, PIECES if index + 2 == len(plan) else 1)
+        cuts = _cuts(_rows(step.keys), len(arriving.transfers)) if step.source else [step.keys]
+        for piece, block in _by_piece(_calls(step, kernel), cuts):
+            arriving.wait(piece)
+            started = timeline.now()
             out_block, lse_block = _block_forward(kernel, q, k_step, v_step, block, scale)
+            timeline.computed(step.source, started)
             if out is None and block.rows == slice(0, seq_len):  # a first block over every row starts the accumulators
                 out, lse = out_block.to(acc_dtype), lse_block.to(acc_dtype)
                 continue
@@ -162,17 +272,50 @@ def _ring_forward(
                 out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
                 lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc_dtype, device=q.device)
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
-    return out.to(q.dtype), lse
+        arriving.wait()  # pieces no block needed
+    timeline.finish()
+    kept = (k_step, v_step) if plan[-1].source != 0 else None
+    return out.to(q.dtype), lse, kept
 
 
 def _accumulate(acc: Tensor | None, index: slice, grad: Tensor, like: Tensor, acc_dtype: torch.dtype) -> Tensor:
-    """``acc[:, index] += grad``; the first gradient that covers the whole sequence becomes the accumulator."""
+    """``acc[:, index] += grad`` in ``acc_dtype``; a first gradient that covers the whole sequence becomes the
+    accumulator as it is, converted to ``acc_dtype`` when a second one comes (a lone one is the result)."""
     if acc is None:
         if index == slice(0, like.shape[1]):
-            return grad.to(acc_dtype)
+            return grad
         acc = torch.zeros(like.shape, dtype=acc_dtype, device=like.device)
+    elif acc.dtype != acc_dtype:
+        acc = acc.to(acc_dtype)
     acc[:, index] += grad
     return acc
+
+
+class _Returning:
+    """The dK/dV this rank computed at ``step`` (``dk``, ``dv``: fp32, the rows it fetched), on their way back to
+    the keys' owner piece by piece, and what comes back in exchange: the gradients of rows ``step.send`` of this
+    rank's piece, from the rank that fetched them."""
+
+    def __init__(self, peers: _Peers, step: Step, dk: Tensor, dv: Tensor) -> None:
+        self.peers, self.step, self.dk, self.dv = peers, step, dk, dv
+        (self.dk_store, self.dk_in), (self.dv_store, self.dv_in) = (
+            _rows_first(dk, _rows(step.send), dk.dtype) for _ in range(2)
+        )
+        self.cuts = list(zip(_cuts(_rows(step.keys), PIECES), _cuts(_rows(step.send), PIECES)))
+        self.posted = 0
+        self.transfers: list[_Transfer] = []
+
+    def post(self, pieces: int) -> None:
+        """Send the pieces before ``pieces`` not sent yet: their rows' gradients are complete."""
+        cuts, self.posted = self.cuts[self.posted : pieces], max(self.posted, pieces)
+        stores, source = [self.dk_store, self.dv_store], self.step.source
+        self.transfers += self.peers.exchange("dkv", source, [self.dk, self.dv], -source, stores, source, cuts)
+
+    def add_to(self, dk: Tensor | None, dv: Tensor | None, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Wait for every piece and add what came back to the gradients of this rank's piece."""
+        _Arriving(self.transfers).wait()
+        rows, acc_dtype = self.step.send, self.dk.dtype
+        return _accumulate(dk, rows, self.dk_in, k, acc_dtype), _accumulate(dv, rows, self.dv_in, k, acc_dtype)
 
 
 def _ring_backward(
@@ -182,53 +325,72 @@ def _ring_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    group: dist.ProcessGroup | None,
+    kept: tuple[Tensor, Tensor] | None,
+    peers: _Peers,
     plan: tuple[Step, ...],
     *,
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    peers = _Peers(group)
+    """The plan's steps in reverse: the last on the K/V ``kept`` by the forward, the own piece (step 0) last. A
+    step's dK/dV leave in pieces as their rows are done (when all its blocks are full rectangles, computed piece by
+    piece), after the previous step's have come back."""
+    timeline = peers.timeline
     acc_dtype = lse.dtype
     dq = dk = dv = None  # gradients of this rank's queries and of its own K/V piece
-    returning: tuple[_Transfer, slice, Tensor, Tensor] | None = None  # the previous step's dK/dV, in flight
-    fetched = _fetch(peers, plan[0], k, v)
-    for index, step in enumerate(plan):
-        transfer, k_step, v_step = fetched
-        transfer.wait()
-        if index + 1 < len(plan):
-            fetched = _fetch(peers, plan[index + 1], k, v)
-        dk_step = dv_step = None  # this rank's part of the gradients of the keys fetched at this step
-        for block in _calls(step, kernel):
-            dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
-            dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
-            dk_step = _accumulate(dk_step, block.cols, dk_block, k_step, acc_dtype)
-            dv_step = _accumulate(dv_step, block.cols, dv_block, v_step, acc_dtype)
+    returning: _Returning | None = None  # the previous step's dK/dV, in flight
+    steps = plan[::-1]
+    fetched = (_Arriving([]), *kept) if kept is not None else _fetch(peers, steps[0], k, v)
+    for index, step in enumerate(steps):
+        arriving, k_step, v_step = fetched
+        arriving.wait()
+        if index + 1 < len(steps):
+            fetched = _fetch(peers, steps[index + 1], k, v)
         if step.source == 0:  # our own keys
-            dk = _accumulate(dk, step.keys, dk_step, k, acc_dtype)
-            dv = _accumulate(dv, step.keys, dv_step, v, acc_dtype)
+            for block in _calls(step, kernel):
+                started = timeline.now()
+                dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
+                timeline.computed(step.source, started)
+                dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
+                dk = _accumulate(dk, block.cols, dk_block, k, acc_dtype)
+                dv = _accumulate(dv, block.cols, dv_block, v, acc_dtype)
             continue
+        # this rank's part of the gradients of the keys fetched at this step, returned to their owner piece by piece
+        dk_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
+        dv_step = torch.zeros(v_step.shape, dtype=acc_dtype, device=k.device)
+        current = _Returning(peers, step, dk_step, dv_step)
+        calls = _calls(step, kernel)
+        parts = _by_piece(calls, _cuts(_rows(step.keys), PIECES))
+        piecewise = all(map(_plain, calls))  # else some block needs every row: its gradients are complete at the end
+        for position, (piece, block) in enumerate(parts):
+            started = timeline.now()
+            dq_block, dk_block, dv_block = _block_backward(kernel, dout, q, k_step, v_step, out, lse, block, scale)
+            timeline.computed(step.source, started)
+            dq = _accumulate(dq, block.rows, dq_block, q, acc_dtype)
+            dk_step[:, block.cols] += dk_block
+            dv_step[:, block.cols] += dv_block
+            following = parts[position + 1][0] if position + 1 < len(parts) else PIECES
+            if piecewise and following > piece:  # pieces before the next part's are complete
+                if returning is not None:  # one step's dK/dV in flight at a time
+                    dk, dv = returning.add_to(dk, dv, k)
+                    returning = None
+                current.post(following)
         if returning is not None:
-            dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
-        if dk_step is None:  # no block, no keys fetched: nothing to give back
-            dk_step = dv_step = torch.zeros(k_step.shape, dtype=acc_dtype, device=k.device)
-        # Send our part back to the keys' owner; receive the part of ring rank + source for the rows it fetched.
-        dk_in = torch.empty((k.shape[0], _rows(step.send), *k.shape[2:]), dtype=acc_dtype, device=k.device)
-        dv_in = torch.empty_like(dk_in)
-        transfer = peers.start([dk_step, dv_step], -step.source, [dk_in, dv_in], step.source)
-        returning = (transfer, step.send, dk_in, dv_in)
+            dk, dv = returning.add_to(dk, dv, k)
+        current.post(PIECES)  # the rest: pieces no block touched, or every piece when not piecewise
+        returning = current
     if returning is not None:
-        dk, dv = _add_returned(returning, dk, dv, k, acc_dtype)
+        dk, dv = returning.add_to(dk, dv, k)
+    timeline.finish()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _add_returned(
-    returning: tuple[_Transfer, slice, Tensor, Tensor], dk: Tensor, dv: Tensor, k: Tensor, acc_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """Wait for a dK/dV exchange and add what came back to the gradients of rows ``rows`` of our piece."""
-    transfer, rows, dk_in, dv_in = returning
-    transfer.wait()
-    return _accumulate(dk, rows, dk_in, k, acc_dtype), _accumulate(dv, rows, dv_in, k, acc_dtype)
+def _peers(group: dist.ProcessGroup | None, pass_name: str, plan: tuple[Step, ...]) -> _Peers:
+    """The pass's transfers, recorded in its timeline when the ring has more than one step (``timeline.py``)."""
+    if len(plan) == 1:
+        return _Peers(group, NoTimeline())
+    ring_rank, ring_size = _group_coordinates(group)
+    return _Peers(group, pass_timeline(pass_name, dist.get_rank(), ring_rank, ring_size))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -238,18 +400,19 @@ class _RingAttention(torch.autograd.Function):
             q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
         )
         input_dtype = q.dtype
-        if len(plan) == 1:  # nothing travels: keep q, k, v (and out, for the backward) in the kernel's dtype
-            q, k, v = (t.to(kernel.compute_dtype(input_dtype)) for t in (q, k, v))
+        if len(plan) == 1:  # nothing travels: keep q, k, v (and out) in the dtype the kernel's backward takes
+            q, k, v = (t.to(kernel.backward_dtype(input_dtype)) for t in (q, k, v))
         else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
             k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, plan, scale=scale, kernel=kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        peers = _peers(group, "forward", plan)
+        out, lse, kept = _ring_forward(q, k, v, peers, plan, scale=scale, kernel=kernel)
+        ctx.save_for_backward(q, k, v, out, lse, *(kept or (None, None)))
         ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
         return out.to(input_dtype)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, k_kept, v_kept = ctx.saved_tensors
         options = ctx.options
         dq, dk, dv = _ring_backward(
             dout.contiguous(),
@@ -258,7 +421,8 @@ class _RingAttention(torch.autograd.Function):
             v,
             out,
             lse,
-            options["group"],
+            None if k_kept is None else (k_kept, v_kept),
+            _peers(options["group"], "backward", options["plan"]),
             options["plan"],
             scale=options["scale"],
             kernel=options["kernel"],

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lctrain.planner.presets import GIB, HARDWARE, NAMED_MODELS, Workload, load_model
+from lctrain.planner.presets import GIB, HARDWARE, NAMED_MODELS, Workload, load_hardware, load_model
 from lctrain.planner.report import describe, recipe_text, table
 from lctrain.planner.search import plan_layouts, ranked, recommend, usable_bytes
 
@@ -36,15 +36,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per row (data.seq_len)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu", choices=sorted(HARDWARE), default="h100", help="hardware preset (default h100)")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), help="hardware preset (default h100)")
+    p.add_argument(
+        "--hardware",
+        metavar="FILE",
+        help="a hardware file written by `python -m lctrain probe` on the cluster, in place of the preset (which "
+        "supplies only what the file lacks: --gpu, default h100 on cuda, cpu on cpu)",
+    )
     p.add_argument("--tflops", type=float, help="override: dense peak TFLOP/s per GPU")
     p.add_argument("--mem-gib", type=float, help="override: memory per GPU, GiB")
     p.add_argument("--intra-gbps", type=float, help="override: NVLink GB/s per GPU per direction")
     p.add_argument("--inter-gbps", type=float, help="override: network GB/s per GPU per direction")
     p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)")
-    p.add_argument("--link-efficiency", type=float, default=0.8, help="achieved fraction of link bandwidth (0.8)")
+    p.add_argument(
+        "--link-efficiency", type=float, default=0.8, help="achieved fraction of nominal link bandwidth (0.8)"
+    )
     p.add_argument("--headroom", type=float, default=0.15, help="fraction of memory kept free (default 0.15)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default: bf16 on GPUs, fp32 on cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        help="compute dtype (default: a hardware file's, else bf16 on GPUs, fp32 on cpu)",
+    )
     p.add_argument(
         "--activation-checkpointing",
         choices=AC_CHOICES,
@@ -88,11 +100,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load_model(args.model)
     except ValueError as error:
         raise SystemExit(f"lctrain plan: {error}") from None
-    base = HARDWARE[args.gpu]
+    try:
+        base = HARDWARE[args.gpu or "h100"] if args.hardware is None else load_hardware(args.hardware, args.gpu)
+    except ValueError as error:
+        raise SystemExit(f"lctrain plan: {error}") from None
     overrides = {"tflops": args.tflops, "mem_gib": args.mem_gib, "intra_gbps": args.intra_gbps}
     overrides["inter_gbps"] = args.inter_gbps
-    hw = replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    dtype = args.dtype or ("bf16" if hw.device == "cuda" else "fp32")
+    overrides = {k: v for k, v in overrides.items() if v is not None}  # nominal figures: no longer measured ones
+    hw = replace(base, measured=tuple(f for f in base.measured if f not in overrides), **overrides)
+    dtype = args.dtype or hw.dtype or ("bf16" if hw.device == "cuda" else "fp32")
     for name in ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"lctrain plan: --{name.replace('_', '-')} must be >= 1")

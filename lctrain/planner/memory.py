@@ -49,7 +49,7 @@ def kv_width(model: ModelSpec, ulysses: int) -> int:
 
 
 def layer_activation_bytes(
-    model: ModelSpec, e: int, ulysses: int, *, mlp_chunked: bool = False, lora: Lora | None = None
+    model: ModelSpec, e: int, ulysses: int, *, mlp_chunked: bool = False, ring: int = 1, lora: Lora | None = None
 ) -> int:
     """Bytes per local token that one decoder layer keeps for its backward when it is not checkpointed.
 
@@ -57,7 +57,8 @@ def layer_activation_bytes(
     - each RMSNorm: its input in fp32 (a copy for bf16), the normalized value and its output (kept by the next
       matmuls) in the compute dtype, and the fp32 rsqrt;
     - attention: q, k, v and the output (plus the output after the all-to-all back when U > 1, a separate tensor
-      that o_proj keeps), and the fp32 log-sum-exp per head;
+      that o_proj keeps), and the fp32 log-sum-exp per head; with a ring, the K/V of its last step (up to a
+      whole piece), which the backward starts with;
     - MLP: gate, SiLU(gate), up and their product, each [tokens, intermediate] (none with a chunked MLP, which
       keeps only its input, the norm's output);
     - Qwen3's q/k RMSNorms (on this rank's tokens, every head, before any all-to-all): each its input in fp32 (a
@@ -72,7 +73,8 @@ def layer_activation_bytes(
     norms = 2 * (h * (FP32 + e + normalized) + FP32)
     if model.qk_norm:
         norms += (q + model.kv_dim) * (FP32 + normalized) + (model.heads + model.kv_heads) * FP32
-    attention = q * e * (3 if ulysses > 1 else 2) + 2 * kv_width(model, ulysses) * e + model.heads * FP32
+    kv_pieces = 2 if ring > 1 else 1
+    attention = q * e * (3 if ulysses > 1 else 2) + kv_pieces * 2 * kv_width(model, ulysses) * e + model.heads * FP32
     mlp = 0 if mlp_chunked else 4 * inter * e
     adapters = 0 if lora is None else len(LORA_PROJECTIONS) * lora.rank * e
     return norms + attention + mlp + adapters
@@ -137,7 +139,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     tokens = work.seq_len // layout.cp  # local tokens of one row on one GPU
     chunked = work.mlp_chunk_tokens > 0
     lora = Lora(work.lora_rank, work.lora_trainable) if work.lora_rank else None
-    full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, lora=lora)
+    full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, ring=layout.ring, lora=lora)
     kept_input = 0 if (work.offload and work.device == "cuda") else model.hidden * e  # a checkpointed layer's input
     h, vocab, layer = model.hidden, model.vocab, model.layer_params
     cast = FP32 if e != FP32 else 0  # an unsharded gradient cast to fp32 for the reduce-scatter

@@ -5,7 +5,7 @@ activation checkpointing)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lctrain.parallel.dims import ParallelDims
@@ -150,14 +150,25 @@ def load_model(spec: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator and its links. Bandwidths are per GPU and per direction, in GB/s (1e9 bytes)."""
+    """One accelerator and its links. Bandwidths are per GPU and per direction, in GB/s (1e9 bytes).
+
+    A preset holds vendor figures (peak FLOP/s, nominal bandwidths: the workload's ``mfu`` and ``link_efficiency``
+    scale them). A hardware file written by ``python -m lctrain probe`` (``load_hardware``) holds what it measured
+    (``measured``): achieved bandwidths, to which no link efficiency applies, the attention kernel's achieved rates
+    (used as they are for the ring step) and a large GEMM's rate in place of the peak (``mfu`` still scales it).
+    """
 
     name: str
-    tflops: float  # dense peak for the compute dtype (bf16 on GPUs)
+    tflops: float  # dense peak for the compute dtype (bf16 on GPUs); from a probe: a large GEMM's achieved rate
     mem_gib: float  # device memory
     intra_gbps: float  # inside a node (NVLink)
     inter_gbps: float  # between nodes (InfiniBand/RoCE, the NIC share of one GPU)
     device: str = "cuda"
+    alltoall_gbps: float | None = None  # the Ulysses all-to-all (bytes leaving a GPU per s); None: intra_gbps
+    attention_tflops: float | None = None  # the attention kernel's achieved forward rate; None: tflops x mfu
+    attention_backward_tflops: float | None = None  # its backward (counted as 2.5x the forward's FLOPs); None: same
+    measured: tuple[str, ...] = ()  # the fields a probe measured
+    dtype: str | None = None  # the compute dtype a probe measured in (bf16 or fp32); None: a preset
 
 
 # Vendor figures: H100/H200 SXM 989 TFLOP/s dense bf16, NVLink 4 900 GB/s both directions (450 each), one 400 Gb/s
@@ -173,6 +184,48 @@ HARDWARE = {
         Hardware("cpu", 0.1, 24.0, 2.0, 1.0, device="cpu"),
     )
 }
+
+
+# the fields a hardware file may hold (null: not measured)
+MEASURABLE = (
+    "tflops",
+    "mem_gib",
+    "intra_gbps",
+    "inter_gbps",
+    "alltoall_gbps",
+    "attention_tflops",
+    "attention_backward_tflops",
+)
+
+
+def load_hardware(path: str | Path, fallback: str | None = None) -> Hardware:
+    """The hardware file ``path`` (JSON, written by ``python -m lctrain probe``): its figures, and those of the
+    preset ``fallback`` (default: h100 for a CUDA file, cpu for a CPU one) it lacks or holds as null, e.g. the
+    links between nodes when the probe ran on one node."""
+    where = f"--hardware {path}"
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where}: cannot read it as JSON ({error}); write it with python -m lctrain probe") from None
+    if not isinstance(record, dict) or record.get("device") not in ("cuda", "cpu"):
+        raise ValueError(
+            f'{where}: not a hardware file (no "device": "cuda" or "cpu"); write it with python -m lctrain probe'
+        )
+    values, measured = {}, []
+    for name in MEASURABLE:
+        value = record.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{where}: {name}={value!r} must be a positive number or null (not measured)")
+        values[name] = float(value)
+        measured.append(name)
+    dtype = record.get("dtype")
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"{where}: dtype={dtype!r} must be bf16 or fp32, the dtype the probe measured in")
+    preset = HARDWARE[fallback or ("h100" if record["device"] == "cuda" else "cpu")]
+    name = str(record.get("name", Path(path).stem))
+    return replace(preset, name=name, device=record["device"], measured=tuple(measured), dtype=dtype, **values)
 
 
 @dataclass(frozen=True)

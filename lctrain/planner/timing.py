@@ -12,10 +12,18 @@ from lctrain.rules import groups_inside_nodes, stage_layers
 BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
 
 
+# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.ring.PIECES; a test
+# keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
+RING_PIECES = 4
+
+
 @dataclass
 class RingStep:
     """One ring step of one layer on one GPU: compute (attention of half an (S/R)² block for its heads) against
-    the transfer of the next K/V piece (forward) and of K/V plus the fp32 dK/dV accumulators (backward)."""
+    the transfer of the next K/V piece (forward) and, in the backward, of the fp32 dK/dV returned to their owner
+    plus, with a ring of more than two, the next K/V piece fetched again (a ring of two keeps its one remote piece
+    from the forward). A transfer hides behind ``overlap`` steps' compute: one, or on a ring of two, whose one
+    transfer per pass travels in pieces while both steps compute, 2 - 1/RING_PIECES."""
 
     link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
     tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
@@ -24,14 +32,43 @@ class RingStep:
     comm_fwd_s: float
     compute_bwd_s: float
     comm_bwd_s: float
+    overlap: float = 1.0
 
     @property
     def hidden(self) -> bool:
-        return self.compute_fwd_s >= self.comm_fwd_s and self.compute_bwd_s >= self.comm_bwd_s
+        return (
+            self.overlap * self.compute_fwd_s >= self.comm_fwd_s
+            and self.overlap * self.compute_bwd_s >= self.comm_bwd_s
+        )
+
+    @property
+    def exposed_fwd_s(self) -> float:
+        return max(0.0, self.comm_fwd_s - self.overlap * self.compute_fwd_s)
+
+    @property
+    def exposed_bwd_s(self) -> float:
+        return max(0.0, self.comm_bwd_s - self.overlap * self.compute_bwd_s)
 
 
 def flops_rate(hw: Hardware, work: Workload) -> float:
     return hw.tflops * 1e12 * work.mfu
+
+
+def attention_rates(hw: Hardware, work: Workload) -> tuple[float, float]:
+    """FLOP/s of the attention kernel, forward and backward: measured ones (``lctrain probe``) as they are, else
+    the peak x mfu for both."""
+    forward = hw.attention_tflops * 1e12 if hw.attention_tflops else flops_rate(hw, work)
+    backward = hw.attention_backward_tflops * 1e12 if hw.attention_backward_tflops else forward
+    return forward, backward
+
+
+def link_bandwidth(hw: Hardware, work: Workload, field: str) -> float:
+    """Bytes/s of link ``field`` (``intra_gbps``, ``inter_gbps``, ``alltoall_gbps``): measured as it is, nominal x
+    link efficiency; the all-to-all's is the link inside a node's when not measured."""
+    if field == "alltoall_gbps" and hw.alltoall_gbps is None:
+        field = "intra_gbps"
+    efficiency = 1.0 if field in hw.measured else work.link_efficiency
+    return getattr(hw, field) * 1e9 * efficiency
 
 
 def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) -> RingStep:
@@ -42,23 +79,30 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
         return RingStep("none", piece, 0.0, 0.0, 0.0, 0.0, 0.0)
     inside = groups_inside_nodes(layout.cp, work.gpus_per_node)
     link = "intra" if inside else "inter"
-    bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
-    rate = flops_rate(hw, work)
+    bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")
+    rate_fwd, rate_bwd = attention_rates(hw, work)
     kv_elements = piece * kv_width(model, ulysses) / ulysses  # S/R tokens × max(Hkv/U, 1) heads × D
     pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
     flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
-    # hides when S/R ≥ max(Hkv, U)/Hq · max(e, (e + 4)/2.5) · C/W (forward: K, V in e; backward adds fp32 dK, dV)
+    backward_bytes = FP32 + (e if ring > 2 else 0)  # per K/V element: fp32 dK/dV, and K/V again when R > 2
+    overlap = 2 - 1 / RING_PIECES if ring == 2 else 1.0
+    # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd) / (W · overlap) (b: the backward's bytes per
+    # K/V element)
     threshold = (
-        max(model.kv_heads, ulysses) / model.heads * max(e, (e + FP32) / BACKWARD_FLOPS_RATIO) * rate / bandwidth
+        max(model.kv_heads, ulysses)
+        / model.heads
+        * max(e * rate_fwd, backward_bytes * rate_bwd / BACKWARD_FLOPS_RATIO)
+        / (bandwidth * overlap)
     )
     return RingStep(
         link=link,
         tokens_per_rank=piece,
         threshold_tokens=threshold,
-        compute_fwd_s=flops_fwd / rate,
+        compute_fwd_s=flops_fwd / rate_fwd,
         comm_fwd_s=2 * kv_elements * e / bandwidth,
-        compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate,
-        comm_bwd_s=2 * kv_elements * (e + FP32) / bandwidth,
+        compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate_bwd,
+        comm_bwd_s=2 * kv_elements * backward_bytes / bandwidth,
+        overlap=overlap,
     )
 
 
@@ -98,22 +142,21 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
     ring_exposed = 0.0
     if layout.ring > 1:
-        fwd = max(0.0, ring.comm_fwd_s - ring.compute_fwd_s) * (1 + recomputed)
-        bwd = max(0.0, ring.comm_bwd_s - ring.compute_bwd_s)
-        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + bwd)
+        fwd = ring.exposed_fwd_s * (1 + recomputed)
+        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + ring.exposed_bwd_s)
     ulysses = 0.0
     if layout.ulysses > 1:
         tokens = work.seq_len // layout.cp
         moved = (layout.ulysses - 1) / layout.ulysses
         per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
-        ulysses = rows * layers * per_layer * (2 + recomputed) / (hw.intra_gbps * 1e9 * work.link_efficiency)
+        ulysses = rows * layers * per_layer * (2 + recomputed) / link_bandwidth(hw, work, "alltoall_gbps")
     fsdp_exposed = 0.0
     if layout.dp_cp > 1:
         stage_params = model.num_params / layout.pp
         gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
         volume = stage_params * (gathers * e + FP32) * (layout.dp_cp - 1) / layout.dp_cp
         inside = groups_inside_nodes(layout.dp_cp, work.gpus_per_node)
-        bandwidth = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9 * work.link_efficiency
+        bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")
         fsdp_exposed = max(0.0, volume / bandwidth - compute)
     busy = compute + ring_exposed + ulysses
     bubble = busy * (layout.pp - 1) / rows

@@ -9,10 +9,11 @@ written (``SLURM_CONF`` and ``AuthInfo=socket=...`` point at that directory). Th
 mount namespace of its own where a copy of ``/etc/hosts`` with one more line is bind-mounted over it, and the
 jobs it starts inherit that namespace.
 
-``TwoHosts``: two network namespaces joined by a veth pair, each end with its own address in a private /24; each
-"host" also has its own hostname (a UTS namespace) and an ``/etc/hosts`` naming both (a mount namespace), so that
-the rendezvous and gloo find each host's veth address by name as they would on two machines. Nothing else is
-attached to those namespaces, so their traffic cannot leave them.
+``TwoHosts``: two network namespaces joined by a veth pair (``benchmarks/hosts.py``, which the ring overlap
+benchmark uses too), each end with its own address in a private /24; each "host" also has its own hostname (a UTS
+namespace) and an ``/etc/hosts`` naming both (a mount namespace), so that the rendezvous and gloo find each host's
+veth address by name as they would on two machines. Nothing else is attached to those namespaces, so their traffic
+cannot leave them.
 
 Both are context managers that stop everything they started, even when the body fails: daemons, every job
 process (found by a marker in its environment), namespaces and links, and their directory.
@@ -30,11 +31,12 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
-MARKER = "LCTRAIN_LOCAL_CLUSTER"  # in the environment of every process a cluster or a host starts
+from benchmarks.hosts import MARKER, NetworkHosts, Started, in_mount_namespace, kill_marked, run, which
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "iproute2"]
 COMMANDS = ["munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo"]
 COMMANDS += ["ip", "unshare", "mount"]
@@ -50,59 +52,10 @@ def unavailable() -> str | None:
     return None
 
 
-def which(name: str) -> str:
-    path = shutil.which(name, path=os.environ["PATH"] + ":/usr/sbin:/sbin")
-    assert path, name
-    return path
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def marked(marker: str) -> list[psutil.Process]:
-    """The processes whose environment holds ``MARKER=marker``."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.pid != os.getpid() and process.environ().get(MARKER) == marker:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def kill_marked(marker: str, timeout: float = 30) -> list[str]:
-    """SIGKILL every process marked with ``marker`` and wait until they are gone; returns what was killed."""
-    killed = []
-    for process in marked(marker):
-        try:
-            killed.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in marked(marker) if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"processes survived SIGKILL: {left}"
-    return killed
-
-
-def alive(process: psutil.Process) -> bool:
-    """Running (not gone, not a zombie waiting for its parent)."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def run(command: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60) -> str:
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr or result.stdout}")
-    return result.stdout
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -115,32 +68,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not after {timeout} s")
         time.sleep(interval)
-
-
-def in_mount_namespace(hosts: Path, command: Sequence[str], hostname: str | None = None) -> list[str]:
-    """``command`` run in a new mount namespace (and UTS namespace, with ``hostname``) where ``hosts`` is
-    ``/etc/hosts``; the real one is not touched."""
-    script = f'mount --bind "$0" /etc/hosts && {f"hostname {hostname} && " if hostname else ""}exec "$@"'
-    return [which("unshare"), "--mount", *(["--uts"] if hostname else []), "sh", "-c", script, str(hosts), *command]
-
-
-StartedT = TypeVar("StartedT", bound="Started")
-
-
-class Started:
-    """A context manager for a subclass's ``start()`` and ``stop()``: ``start()`` on entry (and ``stop()`` if the start
-    fails part way), ``stop()`` on exit."""
-
-    def __enter__(self: StartedT) -> StartedT:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class SlurmCluster(Started):
@@ -331,48 +258,12 @@ class SlurmCluster(Started):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-class TwoHosts(Started):
-    """Network namespaces ``<name>a`` and ``<name>b`` joined by a veth pair: "hosts" ``<name>-a`` at
-    ``10.X.Y.1`` and ``<name>-b`` at ``10.X.Y.2``, each with its own hostname and ``/etc/hosts``."""
+class TwoHosts(NetworkHosts):
+    """Network namespaces ``<prefix>a`` and ``<prefix>b`` joined by a veth pair: "hosts" ``<prefix>-a`` at
+    ``10.X.Y.1`` and ``<prefix>-b`` at ``10.X.Y.2``, each with its own hostname and ``/etc/hosts``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.name = f"lct{secrets.token_hex(3)}"  # namespaces and links: at most 15 characters
-        subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}"
-        self.namespaces = {"a": f"{self.name}a", "b": f"{self.name}b"}
-        self.links = {"a": f"{self.name}va", "b": f"{self.name}vb"}
-        self.hostnames = {"a": f"{self.name}-a", "b": f"{self.name}-b"}
-        self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
-        self.marker = f"{self.root}:{self.name}"
-
-    def start(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        lines = ["127.0.0.1 localhost", *(f"{self.addresses[h]} {self.hostnames[h]}" for h in "ab")]
-        (self.root / "hosts").write_text("\n".join(lines) + "\n")
-        ip = which("ip")
-        for host in "ab":
-            run([ip, "netns", "add", self.namespaces[host]])
-        run([ip, "link", "add", self.links["a"], "type", "veth", "peer", "name", self.links["b"]])
-        for host in "ab":
-            namespace, link = self.namespaces[host], self.links[host]
-            run([ip, "link", "set", link, "netns", namespace])
-            run([ip, "-n", namespace, "addr", "add", f"{self.addresses[host]}/24", "dev", link])
-            run([ip, "-n", namespace, "link", "set", "lo", "up"])
-            run([ip, "-n", namespace, "link", "set", link, "up"])
-
-    def popen(self, host: str, command: Sequence[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
-        """Run ``command`` on ``host`` ("a" or "b") in a session of its own, output to ``log``."""
-        wrapped = [which("ip"), "netns", "exec", self.namespaces[host]]
-        wrapped += in_mount_namespace(self.root / "hosts", command, hostname=self.hostnames[host])
-        with log.open("w") as out:
-            return subprocess.Popen(
-                wrapped,
-                cwd=cwd,
-                env={**env, MARKER: self.marker},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        super().__init__(root, ("a", "b"))
 
     def set_link(self, up: bool) -> None:
         """Bring host a's end of the link down (no packet passes either way; the connections stay open) or up."""
@@ -383,11 +274,3 @@ class TwoHosts(Started):
         stats = Path(f"/sys/class/net/{self.links['a']}/statistics/rx_bytes")  # only visible inside the namespace
         out = run([which("ip"), "netns", "exec", self.namespaces["a"], "cat", str(stats)])
         return int(out)
-
-    def stop(self) -> None:
-        kill_marked(self.marker)
-        ip = which("ip")
-        for host in "ab":
-            subprocess.run([ip, "netns", "delete", self.namespaces[host]], capture_output=True)  # deletes its link
-        subprocess.run([ip, "link", "delete", self.links["a"]], capture_output=True)  # if it never moved
-        shutil.rmtree(self.root, ignore_errors=True)

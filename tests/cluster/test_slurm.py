@@ -32,7 +32,8 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.cluster.harness import SlurmCluster, alive, free_port, marked, wait_until
+from benchmarks.hosts import alive, marked
+from tests.cluster.harness import SlurmCluster, free_port, wait_until
 from tests.cluster.training import (
     EVERY,
     JOB_TIMEOUT_S,

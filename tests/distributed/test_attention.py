@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import random
+import tempfile
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -23,9 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
+from lctrain.attention import shard_sequence, timeline, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
-from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
+from lctrain.attention.ring import PIECES
+from lctrain.attention.ring_blocks import Block, Step, group_documents, piece_chunks, plan_ring, visible_pairs
 from lctrain.testing import run_distributed
 from tests.helpers import fake_attention_ops
 from tests.helpers.reference import reference_grads
@@ -247,6 +251,20 @@ def count_kernel_calls(
     return counts
 
 
+def record_timeline(world: int) -> tuple[list[dict], list[Call]]:
+    """One fwd+bwd of pure ring attention (zigzag, causal) with the ring timeline on: the records this rank wrote
+    (``LCTRAIN_RING_TIMELINE``) and its kernel calls (``CountingKernel``)."""
+    case = Case(1, world, True, "zigzag", 4, 4, 16, torch.float32, batch=1, tokens_per_rank=16)
+    counter = CountingKernel()
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        mock.patch.dict(os.environ, {timeline.ENVIRONMENT: directory}),
+        mock.patch("lctrain.attention.ring.resolve_kernel", counter.resolve),
+    ):
+        run_usp(case, *_groups(world, 1))
+        return timeline.read_timelines(Path(directory), dist.get_rank()), counter.calls
+
+
 def bad_input_errors(world: int) -> dict[str, str]:
     """Message of each bad-input error, raised on every rank before any communication (no rank hangs)."""
     ring_group, ulysses_group, _, _ = _groups(1, world)
@@ -357,6 +375,7 @@ def world_job(world: int) -> dict:
             results["counts"][key] = count_kernel_calls(world, layout, causal, 16 * world, documents)
         for layout in ("zigzag", "contiguous"):  # 16 tokens per rank, chunks of 8 (zigzag) or 16, window 4
             results["counts"][(layout, "window")] = count_kernel_calls(world, layout, True, 16 * world, window=4)
+        results["timeline"] = record_timeline(world)
     if world == 8:
         results["bf16_growth"] = {
             (u, r, round_blocks): run_bf16_growth(u, r, round_blocks)
@@ -432,13 +451,56 @@ def _counts(world: int, key: tuple) -> list[Counts]:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_zigzag_balances_causal_work(world: int) -> None:
     per_rank = [counts.calls for counts in _counts(world, ("zigzag", True))]
-    assert all(len(calls) == 2 * world for calls in per_rank)  # one fwd and one bwd call per ring step
-    # K/V are fetched R - 1 times in each pass, dK/dV returned R - 1 times in the backward
-    assert all(counts.exchanges == 3 * world - 3 for counts in _counts(world, ("zigzag", True)))
+    # one fwd call per ring step, the last one's split into PIECES (its keys arrive in pieces); one bwd call for the
+    # own piece and PIECES for each other step (its dK/dV leave in pieces)
+    assert all(len(calls) == (world - 1 + PIECES) + (1 + (world - 1) * PIECES) for calls in per_rank)
+    # K/V are fetched R - 2 times whole and once in PIECES pieces in the forward, R - 2 times in the backward
+    # (which starts with the last step, on the K/V the forward kept); dK/dV returned R - 1 times in PIECES pieces
+    exchanges = 2 * (world - 2) + PIECES + (world - 1) * PIECES
+    assert all(counts.exchanges == exchanges for counts in _counts(world, ("zigzag", True)))
     assert len({_work(calls) for calls in per_rank}) == 1
     # Full attention would be R blocks of (S/R)^2 per pass; zigzag causal computes about half of that.
     full_work = 2 * world * (16 * world // world) ** 2
     assert _work(per_rank[0]) < 0.6 * full_work
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_timeline_locates_every_transfer_against_the_blocks(world: int) -> None:
+    """The timeline has a record per pass with every kernel call and every transfer (posted, waited for, done, in
+    that order), and shows the schedule: the forward's step s + 1 K/V posted before step s computes, the last
+    step's in pieces, each waited for once the blocks of the pieces before it have computed; the backward from the
+    last step down to the own piece, the next step's K/V travelling while a step computes, its dK/dV leaving in
+    pieces while it still computes, and the last return while the own piece computes."""
+    steps = list(range(world))
+    for rank_result in results_for(world):
+        (forward, backward), calls = rank_result["timeline"]
+        assert (forward["pass"], backward["pass"]) == ("forward", "backward")
+        for record, kind, order in ((forward, "fwd", steps), (backward, "bwd", steps[::-1])):
+            computed = [e for e in record["events"] if e["what"] == "compute"]
+            assert [source for source, _ in itertools.groupby(e["source"] for e in computed)] == order
+            assert len(computed) == sum(call[0] == kind for call in calls)
+            for event in record["events"]:
+                if event["what"] != "compute":
+                    assert event["posted"] <= event["wait"] <= event["done"] <= record["duration"]
+        starts, ends = {}, {}
+        for record in (forward, backward):
+            for event in (e for e in record["events"] if e["what"] == "compute"):
+                starts.setdefault((record["pass"], event["source"]), event["start"])  # the step's first call
+                ends[(record["pass"], event["source"])] = event["end"]  # its last
+        kv = [e for e in forward["events"] if e["what"] == "kv"]
+        assert [e["source"] for e in kv] == steps[1:-1] + [world - 1] * PIECES
+        assert all(e["posted"] <= starts[("forward", e["source"] - 1)] for e in kv)
+        first_end = next(e["end"] for e in forward["events"] if e["what"] == "compute" and e["source"] == world - 1)
+        assert all(e["wait"] >= first_end for e in kv[-PIECES + 1 :])  # later pieces awaited as blocks need them
+        kv = [e for e in backward["events"] if e["what"] == "kv"]
+        assert [e["source"] for e in kv] == steps[-2:0:-1]  # not the last step's: kept from the forward
+        assert all(e["posted"] <= starts[("backward", e["source"] + 1)] for e in kv)
+        returned = [e for e in backward["events"] if e["what"] == "dkv"]
+        assert [e["source"] for e in returned] == [s for s in steps[:0:-1] for _ in range(PIECES)]
+        assert all(e["posted"] <= starts[("backward", e["source"] - 1)] <= e["done"] for e in returned)
+        for source in steps[1:]:  # the first piece leaves while the step's later blocks still compute
+            first = next(e for e in returned if e["source"] == source)
+            assert first["posted"] < ends[("backward", source)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -455,10 +517,12 @@ def test_documents_skip_blocks_no_query_can_see(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_contiguous_causal_skips_masked_blocks(world: int) -> None:
     per_rank = [counts.calls for counts in _counts(world, ("contiguous", True))]
-    # Rank r sees keys of ranks 0..r only: r + 1 forward and r + 1 backward calls; later blocks are skipped.
-    assert [len(calls) for calls in per_rank] == [2 * (rank + 1) for rank in range(world)]
+    # Rank r sees keys of ranks 0..r only: r + 1 forward blocks (the last ring step's, rank R - 1's only, split into
+    # PIECES) and r + 1 backward blocks (each but the own piece's split into PIECES); later blocks are skipped.
+    split = [PIECES - 1 if rank == world - 1 else 0 for rank in range(world)]
+    assert [len(calls) for calls in per_rank] == [rank + 1 + split[rank] + 1 + rank * PIECES for rank in range(world)]
     non_causal = [counts.calls for counts in _counts(world, ("contiguous", False))]
-    assert [len(calls) for calls in non_causal] == [2 * world] * world
+    assert [len(calls) for calls in non_causal] == [world - 1 + PIECES + 1 + (world - 1) * PIECES] * world
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -492,14 +556,34 @@ def test_small_window_computes_the_band_and_sends_only_its_edge(world: int, layo
         assert _work([c for c in counts.calls if c[0] == "fwd"]) == band <= tokens * window
         assert _work([c for c in counts.calls if c[0] == "bwd"]) == band
         # A chunk's last window - 1 tokens go to the rank holding the next chunk, if another; K/V travel in the
-        # forward and again in the backward, which returns dK/dV of what this rank fetched to their owners.
+        # forward and again in the backward, except those of the last step, which the forward kept; the backward
+        # returns dK/dV of what this rank fetched to their owners.
         starts = {c.start: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
         stops = {c.stop: owner for owner in range(world) for c in piece_chunks(owner, world, tokens, layout)}
         sending = sum(starts.get(chunk.stop, rank) != rank for chunk in chunks)
         fetching = sum(stops.get(chunk.start, rank) != rank for chunk in chunks)
-        assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim
+        last = plan_ring(rank, world, tokens, causal=True, layout=layout, window=window)[-1].send
+        kept = (last.stop - last.start) * 2 * heads * dim  # K and V this rank sent at the last step
+        assert counts.sent == (2 * sending + fetching) * 2 * (window - 1) * heads * dim - kept
         steps = 2 if layout == "contiguous" or world == 2 else 3  # sources 0, 1 (and R - 1 for zigzag)
-        assert counts.exchanges == 3 * (steps - 1)  # fetch, fetch again, return dK/dV at each other step
+        # forward: a fetch per other step, the last in PIECES pieces; backward: a fetch per other step but the last,
+        # and the dK/dV of each other step returned in PIECES pieces
+        assert counts.exchanges == (steps - 2) + PIECES + (steps - 2) + (steps - 1) * PIECES
+
+
+def _piece_calls(step: Step) -> int:
+    """The forward calls the last step makes beyond its grouped ones: its keys arrive in PIECES runs of rows
+    (rows · i // PIECES), and each full rectangle (no mask, band or group) is computed once per run it spans."""
+    if step.source == 0:
+        return 0
+    rows = step.keys.stop - step.keys.start
+    bounds = [rows * i // PIECES for i in range(PIECES + 1)]
+    extra = 0
+    for block in group_documents(step.blocks):
+        if not block.causal and block.window_left is None and block.segments is None:
+            spans = sum(max(block.cols.start, a) < min(block.cols.stop, b) for a, b in zip(bounds, bounds[1:]))
+            extra += spans - 1
+    return extra
 
 
 @pytest.mark.parametrize("case", FAKE_H200_CASES, ids=str)
@@ -523,6 +607,6 @@ def test_h200_kernels_group_documents_into_one_call_per_run(case: Case) -> None:
         )
         grouped = sum(len(group_documents(step.blocks)) for step in plan)
         forward = calls.get("_flash_attention_forward", 0) + calls.get("_scaled_dot_product_cudnn_attention", 0)
-        assert forward == grouped, (rank, calls, grouped)
+        assert forward == grouped + _piece_calls(plan[-1]), (rank, calls, grouped)
         if case.documents == "short":  # 4-token documents: a rank's diagonal documents are one call
             assert grouped < sum(len(step.blocks) for step in plan)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lctrain.attention import kernels
-from lctrain.attention.kernels import bands, reference_attention, resolve_kernel
+from lctrain.attention.kernels import bands, reference_attention, resolve_kernel, torch_cpu
 from lctrain.attention.kernels.base import visible_keys
 from lctrain.attention.kernels.cudnn import CUDNN
 from lctrain.attention.kernels.flash import varlen_window
@@ -71,6 +71,90 @@ def test_fused_cpu_kernel_matches_reference_kernel_in_bf16() -> None:
     plain = REFERENCE.forward(q, k, v, causal=True, scale=SCALE)
     torch.testing.assert_close(fused[0], plain[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fused[1], plain[1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.fixture
+def fresh_cpu_dtypes():  # noqa: ANN201
+    """The CPU's bf16 compute dtypes chosen anew (they are chosen once per process) before and after a test."""
+    torch_cpu.cpu_bf16_dtypes.cache_clear()
+    yield
+    torch_cpu.cpu_bf16_dtypes.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "capability,avx512_bf16,amx,expected,reason",
+    [
+        ("AVX512", True, False, (torch.float32, torch.bfloat16), "this CPU has AVX-512 BF16"),
+        ("AVX512", False, True, (torch.float32, torch.bfloat16), "this CPU has AMX"),
+        ("AVX512", False, False, (torch.float32, torch.float32), "this CPU has neither AVX-512 BF16 nor AMX"),
+        ("AVX2", True, False, (torch.float32, torch.float32), "PyTorch's CPU kernels run at AVX2 here"),
+    ],
+)
+def test_cpu_bf16_compute_dtypes_follow_the_capability(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_cpu_dtypes: None,
+    capability: str,
+    avx512_bf16: bool,
+    amx: bool,
+    expected: tuple[torch.dtype, torch.dtype],
+    reason: str,
+) -> None:
+    """On x86 the flags, and the level PyTorch's kernels run at, decide; nothing is measured. The kernel computes
+    each pass in the chosen dtype, stays exact to bf16 precision, and the job's kernel line says what was chosen
+    and why."""
+    monkeypatch.setattr(torch_cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch_cpu, "_pass_seconds", lambda dtype: pytest.fail("measured although flags decide"))
+    assert kernels.cpu_bf16_dtypes() == kernels.PassDtypes(*expected, reason)
+    assert TORCH_CPU_FLASH.backward_dtype(torch.bfloat16) == expected[1]
+    assert TORCH_CPU_FLASH.backward_dtype(torch.float16) == torch.float32  # fp16: always fp32
+    computed = []
+    operands = torch_cpu._cpu_operands
+
+    def recording(*tensors: torch.Tensor, pass_name: str) -> tuple[torch.Tensor, ...]:
+        result = operands(*tensors, pass_name=pass_name)
+        computed.append((pass_name, result[0].dtype))
+        return result
+
+    monkeypatch.setattr(torch_cpu, "_cpu_operands", recording)
+    q, k, v, dout = make(32, 32, 8, 2, 80, torch.bfloat16)
+    out, lse = TORCH_CPU_FLASH.forward(q, k, v, causal=True, scale=SCALE)
+    grads = TORCH_CPU_FLASH.backward(dout, q, k, v, out.bfloat16(), lse, causal=True, scale=SCALE)
+    assert computed == [("forward", expected[0]), ("backward", expected[1])]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected_out = reference_attention(q64, k64, v64, causal=True, scale=SCALE)
+    expected_out.backward(dout.double())
+    torch.testing.assert_close(out.double(), expected_out.detach(), atol=2e-2, rtol=2e-2)
+    for grad, reference in zip(grads, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(grad.double(), reference, atol=5e-2, rtol=5e-2)
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    line = kernels.resolve(torch.device("cpu"), kernels.KernelCase(torch.bfloat16, 64, 8, 8)).describe()
+    assert f"; bf16 blocks computed in {names[expected[0]]} forward, {names[expected[1]]} backward ({reason})" in line
+
+
+@pytest.mark.parametrize(
+    "seconds,expected",
+    [
+        ({torch.float32: (1.0, 2.0), torch.bfloat16: (1.2, 1.5)}, (torch.float32, torch.bfloat16)),
+        ({torch.float32: (1.0, 2.0), torch.bfloat16: (0.8, 3.0)}, (torch.bfloat16, torch.float32)),
+    ],
+)
+def test_cpu_bf16_compute_dtypes_are_measured_where_flags_say_nothing(
+    monkeypatch,
+    fresh_cpu_dtypes,
+    seconds,
+    expected,  # noqa: ANN001
+) -> None:
+    """On another architecture each pass takes the dtype that ran it faster, measured once per process."""
+    measured = []
+    monkeypatch.setattr(torch_cpu.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(torch_cpu, "_pass_seconds", lambda dtype: measured.append(dtype) or seconds[dtype])
+    chosen = kernels.cpu_bf16_dtypes()
+    assert (chosen.forward, chosen.backward) == expected and "measured" in chosen.reason
+    kernels.cpu_bf16_dtypes()
+    assert sorted(measured, key=str) == [torch.bfloat16, torch.float32]  # once each, not again
 
 
 def test_merging_key_blocks_equals_attention_over_all_keys() -> None:

@@ -21,20 +21,21 @@ from lctrain.attention.kernels.resolver import (
     resolve,
     resolve_kernel,
 )
-from lctrain.attention.kernels.torch_cpu import CPU_BACKWARD_DTYPE, CPU_FORWARD_DTYPE
+from lctrain.attention.kernels.torch_cpu import PassDtypes, cpu_bf16_dtypes, cpu_compute_dtype
 
 __all__ = [
     "AttentionKernel",
-    "CPU_BACKWARD_DTYPE",
-    "CPU_FORWARD_DTYPE",
     "KERNELS",
     "KERNEL_CHOICES",
     "KernelCase",
+    "PassDtypes",
     "Platform",
     "Resolution",
     "accumulation_dtype",
     "check_kernel_choice",
     "check_window",
+    "cpu_bf16_dtypes",
+    "cpu_compute_dtype",
     "default_scale",
     "reference_attention",
     "resolve",

@@ -22,6 +22,10 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _no_note(dtype: torch.dtype) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """A blockwise attention kernel that returns the log-sum-exp: a name, its functions, and what it can do.
@@ -42,17 +46,20 @@ class AttentionKernel:
     rectangles laid end to end (block-diagonal), each computed as its own block with the same ``causal`` and
     ``window_left``, all in one call (``ring_blocks.group_documents`` builds such groups).
 
-    ``compute_dtype(input dtype)`` is the dtype ``forward`` computes in (callers that keep tensors for the backward
-    may keep them in it to save the kernel a conversion); ``abilities`` says which cases it can do.
+    ``backward_dtype(input dtype)`` is the dtype ``backward`` computes in (callers that keep tensors for the
+    backward may keep them in it to save the kernel a conversion); ``abilities`` says which cases it can do;
+    ``dtype_note(input dtype)`` says, for the job's kernel line, how blocks of that dtype are computed when not in
+    their own dtype (None: nothing to say).
     """
 
     name: str
     forward: KernelForward
     backward: KernelBackward
-    compute_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
+    backward_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
     varlen_forward: Callable[..., tuple[Tensor, Tensor]] | None = None
     varlen_backward: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
     abilities: Abilities = Abilities()
+    dtype_note: Callable[[torch.dtype], str | None] = _no_note
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

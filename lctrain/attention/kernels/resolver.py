@@ -85,6 +85,7 @@ class Resolution:
     documents: AttentionKernel | None
     notes: tuple[tuple[str, str], ...]  # (kind of block, why the first kernel of the order was passed over)
     order: tuple[str, ...] = ()
+    dtype_note: str | None = None  # how the plain kernel computes blocks of the case's dtype, if not in it
 
     def kernel(self) -> AttentionKernel:
         """One kernel that sends each block to its kernel (the plain kernel itself when it does everything)."""
@@ -106,7 +107,7 @@ class Resolution:
             self.describe_short(),
             forward,
             backward,
-            plain.compute_dtype,
+            plain.backward_dtype,
             documents.varlen_forward if documents is not None else None,
             documents.varlen_backward if documents is not None else None,
         )
@@ -128,8 +129,9 @@ class Resolution:
             return f"{need} {name}" + (f" ({why[need]})" if need in why else "")
 
         order = " > ".join(self.order)
+        dtypes = "" if self.dtype_note is None else f"; {self.dtype_note}"
         return (
-            f"{slot(PLAIN, self.plain)}, {slot(BANDED, self.banded)}, {slot(DOCUMENTS, self.documents)} "
+            f"{slot(PLAIN, self.plain)}, {slot(BANDED, self.banded)}, {slot(DOCUMENTS, self.documents)}{dtypes} "
             f"[parallel.attention_kernel={self.choice}: the first of {order} that can do each]"
         )
 
@@ -176,7 +178,7 @@ def resolve(
     banded = pick(BANDED)
     documents = pick(DOCUMENTS)
     assert plain is not None and banded is not None  # the reference does everything
-    return Resolution(choice, plain, banded, documents, tuple(notes), order)
+    return Resolution(choice, plain, banded, documents, tuple(notes), order, plain.dtype_note(case.dtype))
 
 
 @functools.cache

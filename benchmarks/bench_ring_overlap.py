@@ -1,0 +1,532 @@
+"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts.
+
+Run from the repository root (as root for the hosts and their limits)::
+
+    python -m benchmarks.bench_ring_overlap                  # P = 2 and 4, MHA and GQA, 300mbit and 100mbit
+    python -m benchmarks.bench_ring_overlap --ranks 2 --shapes mha --rates 300mbit --tokens 2048,4096,8192
+
+Every rank runs on a network "host" of its own (``hosts.py``: network namespaces, two joined by a veth pair, more
+by a bridge), one rank per host, one thread per rank, gloo over those links; each host limits what it sends with
+``tc``'s ``tbf`` (``--rates``). Without root the benchmark says so and runs its ranks on loopback, without a limit.
+
+Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, causal, bf16, forward + backward):
+
+- *compute only*: lctrain's ring on the links without a limit;
+- *comm only*: the same ring with a kernel that computes nothing (``NO_COMPUTE``): every transfer it makes, as it
+  makes them, with nothing to hide behind, on the limited link;
+- *ring*: lctrain's ring on the limited link; *exposed* = (ring − compute only) / comm only: 0 when every transfer
+  hides, 1 when none does; and ring / max(compute only, comm only);
+- *waited / comm*: the same exposure from the timeline (below): the seconds the ring waited for its transfers on
+  the limited link, less those it waited on the link without a limit (ranks out of step), over comm only; the
+  machine's other load blurs it less than the difference of two wall times;
+- *waits*: where it waits, from the ring's timeline (``lctrain.attention.timeline``) of one more run on the
+  limited link: seconds spent waiting for the forward's K/V, the backward's K/V and the dK/dV returns (busiest
+  rank), and in brackets all it waited in one more run on the link without a limit; *blocks limited / no limit*:
+  the seconds the blocks took to compute in those two runs (above 1: the transfers' own CPU work, gloo's threads
+  and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
+- *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
+
+Per link rate and shape, the planner's prediction: ``lctrain.probe.measure`` runs in the same ranks on the limited
+link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
+does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
+equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
+transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
+b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
+(``ring.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
+two passes' knees is the ring's. The waits show where the ring itself stops waiting.
+
+Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
+point runs once, in turn (the limit set for each), so that a change in the machine's load hits them alike. The
+report is markdown; ``--png`` draws the exposed seconds against T (waited, and ring − compute only), a panel per P
+and shape, the predicted threshold of each rate as a dashed line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from benchmarks.report import command, machine_line, table
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {"mha": (2, 2), "gqa": (4, 1)}  # (query heads, key/value heads), head_dim 64
+HEAD_DIM = 64
+LINK = "LCTRAIN_BENCH_LINK"  # the worker's own link, which it limits (namespace hosts only)
+WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (ring_waits)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
+    """A kernel that computes nothing (zeros of the right shapes): the ring with it makes only its transfers."""
+    import torch
+
+    from lctrain.attention.kernels import AttentionKernel
+
+    def forward(q, k, v, *, causal, scale, window_left=None):  # noqa: ANN001, ANN202
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return torch.zeros(q.shape), lse
+
+    def backward(dout, q, k, v, out, lse, *, causal, scale, window_left=None):  # noqa: ANN001, ANN202
+        return torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+
+    return AttentionKernel("no_compute", forward, backward)
+
+
+class NoCompute:
+    """lctrain's ring ``passes`` with ``no_compute_kernel``: only its transfers, as it makes them."""
+
+    def __init__(self, passes: Any) -> None:
+        self.passes = passes
+
+    def forward(self) -> Any:
+        with mock.patch("lctrain.attention.ring.resolve_kernel", no_compute_kernel):
+            return self.passes.forward()
+
+    def backward(self) -> Any:
+        return self.passes.backward()  # the kernel chosen in the forward
+
+
+def timed_pass(passes: Any) -> list[float]:
+    """One forward + backward, every rank starting together: the slowest rank's forward, backward, total seconds."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    passes.forward()
+    middle = time.perf_counter()
+    passes.backward()
+    end = time.perf_counter()
+    slowest = torch.tensor([middle - start, end - middle, end - start], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
+    """Each side (its link rate, its passes) timed once per round, in turn, so that a change in the machine's load
+    hits them alike; per side the median over ``iters`` rounds after ``warmup`` of ``timed_pass``."""
+    rows: dict[str, list[list[float]]] = {name: [] for name in sides}
+    for index in range(warmup + iters):
+        for name, (rate, passes) in sides.items():
+            set_limit(rate)
+            times = timed_pass(passes)
+            if index >= warmup:
+                rows[name].append(times)
+    names = ("forward", "backward", "total")
+    return {side: {n: statistics.median(c) for n, c in zip(names, zip(*r))} for side, r in rows.items()}
+
+
+def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
+    """One forward + backward with the ring's timeline on: the seconds waited for each kind of transfer, per pass
+    (the busiest rank's), and the pass's compute seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.attention import timeline
+
+    with mock.patch.dict(os.environ, {timeline.ENVIRONMENT: str(directory)}):
+        dist.barrier()
+        passes.forward()
+        passes.backward()
+    forward, backward = (timeline.exposed(r) for r in timeline.read_timelines(directory, dist.get_rank())[-2:])
+    values = [forward["kv"], backward["kv"], backward["dkv"], forward["compute"], backward["compute"]]
+    slowest = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    names = ("forward_kv", "backward_kv", "backward_dkv", "forward_compute", "backward_compute")
+    return dict(zip(names, slowest.tolist()))
+
+
+def shards(tokens: int, heads: int, kv_heads: int) -> tuple[Any, ...]:
+    """This rank's zigzag shards of q, k, v, dout ``[1, T, H, D]`` (bf16, the same global tensors on every rank);
+    q, k, v require grad."""
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.attention import shard_sequence
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(tokens)
+    seq = tokens * size
+    full = [
+        torch.randn(1, seq, h, HEAD_DIM, generator=generator).bfloat16() for h in (heads, kv_heads, kv_heads, heads)
+    ]
+    pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout="zigzag").clone() for t in full]
+    for piece in pieces[:3]:
+        piece.requires_grad_(True)
+    return tuple(pieces)
+
+
+def set_limit(rate: str | None) -> None:
+    """Every rank limits what its host sends (namespace hosts only), then all wait for each other."""
+    import torch.distributed as dist
+
+    from benchmarks.hosts import limit_link
+
+    if os.environ.get(LINK):
+        limit_link(os.environ[LINK], rate)
+    dist.barrier()
+
+
+def worker(spec: dict[str, Any]) -> None:
+    """One rank: every point of ``spec``; rank 0 writes the results (and the probe's hardware files)."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks import rings
+    from lctrain.probe import ProbeOptions, measure, write_hardware
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group, out = dist.group.WORLD, Path(spec["out"])
+    warmup, iters = spec["warmup"], spec["iters"]
+    results: list[dict[str, Any]] = []
+    for shape in spec["shapes"]:
+        heads, kv_heads = SHAPES[shape]
+        inputs = {tokens: shards(tokens, heads, kv_heads) for tokens in spec["tokens"]}
+        for rate in spec["rates"]:
+            set_limit(rate)
+            record = measure(ProbeOptions(heads, kv_heads, HEAD_DIM, iters=iters), torch.device("cpu"))
+            hardware = out / f"hardware-{shape}-{rate}.json"
+            if dist.get_rank() == 0:
+                write_hardware(record, hardware)
+            for tokens, tensors in inputs.items():
+                ours, theirs = rings.lctrain_ring(*tensors, group), rings.torch_ring(*tensors, group)
+                sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, NoCompute(ours))}
+                sides |= {"ring": (rate, ours), "torch": (rate, theirs)}
+                point = {"shape": shape, "rate": rate, "tokens": tokens, "hardware": str(hardware)}
+                point |= time_sides(sides, warmup, iters)
+                set_limit(None)
+                point["waits_free"] = ring_waits(ours, out / f"timeline-{shape}-none-{tokens}")
+                set_limit(rate)
+                point["waits"] = ring_waits(ours, out / f"timeline-{shape}-{rate}-{tokens}")
+                results.append(point)
+        set_limit(None)
+    if dist.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: hosts, launch, report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def ranks_on_hosts(ranks: int, work: Path, spec_path: Path, *, namespaces: bool) -> Iterator[list[subprocess.Popen]]:
+    """``ranks`` worker processes, one per namespace host (or all on loopback), rendezvous on rank 0's address."""
+    from benchmarks.hosts import NetworkHosts
+
+    program = [sys.executable, "-m", "benchmarks.bench_ring_overlap", "--worker", str(spec_path)]
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "MASTER_PORT": "29571"}
+    if not namespaces:
+        with socket.socket() as sock:  # loopback is shared with everything else on the machine: a free port
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo"}
+        with contextlib.ExitStack() as stack:
+            logs = [stack.enter_context((work / f"rank{r}.log").open("w")) for r in range(ranks)]
+            procs = [
+                subprocess.Popen(program, cwd=REPO, env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT)
+                for r, log in enumerate(logs)
+            ]
+            try:
+                yield procs
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+        return
+    names = [str(r) for r in range(ranks)]
+    with NetworkHosts(work / "hosts", names) as hosts:
+        env = {**base, "MASTER_ADDR": hosts.addresses["0"]}
+        yield [
+            hosts.popen(
+                name,
+                program,
+                work / f"rank{name}.log",
+                {**env, "RANK": name, "GLOO_SOCKET_IFNAME": hosts.links[name], LINK: hosts.links[name]},
+                REPO,
+            )
+            for name in names
+        ]
+
+
+def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool, timeout_s: float) -> list[dict]:
+    """Run the workers of ``ranks`` ranks on ``spec``; their results (rank 0's file)."""
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    with ranks_on_hosts(ranks, work, spec_path, namespaces=namespaces) as procs:
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                logs = "\n".join((work / f"rank{r}.log").read_text()[-3000:] for r in range(ranks))
+                raise RuntimeError(f"a rank of P={ranks} ended with {code}:\n{logs}")
+    return json.loads((Path(spec["out"]) / "results.json").read_text())
+
+
+def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, int]]:
+    """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host):
+    K/V in bf16 in the forward; in the backward, while each step computes, the next step's K/V and the previous
+    step's dK/dV (fp32), as ``ring.py`` schedules them."""
+    from lctrain.attention.ring_blocks import plan_ring
+
+    row = kv_heads * HEAD_DIM * 2  # K and V elements per row
+    plans = [plan_ring(rank, ranks, tokens, causal=True, layout="zigzag") for rank in range(ranks)]
+
+    def rows(index: slice) -> int:
+        return index.stop - index.start
+
+    forward = [max(rows(plan[s].send) * row * 2 for plan in plans) for s in range(1, len(plans[0]))]
+    backward = []
+    for index in range(len(plans[0])):  # the backward's order: the last step first, the own piece last
+        loads = []
+        for plan in plans:
+            steps = plan[::-1]
+            fetch = rows(steps[index + 1].send) * row * 2 if index + 1 < len(steps) and steps[index + 1].source else 0
+            back = rows(steps[index - 1].keys) * row * 4 if index and steps[index - 1].source else 0
+            loads.append(fetch + back)
+        backward.append(max(loads))
+    return {"forward": (max(forward), sum(forward)), "backward": (max(backward), sum(backward))}
+
+
+def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
+    """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
+    a·T²): b / (overlap · a) (module doc)."""
+    from lctrain.attention.ring import PIECES
+
+    overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
+    result = {}
+    for name in ("forward", "backward"):
+        ts = [p["tokens"] for p in points]
+        compute = [p["compute"][name] / ranks for p in points]
+        share = [step_bytes(ranks, p["tokens"], kv_heads)[name] for p in points]
+        transfer = [p["comm"][name] * busiest / total for p, (busiest, total) in zip(points, share)]
+        a = sum(c * t**2 for c, t in zip(compute, ts)) / sum(t**4 for t in ts)  # least squares through 0
+        b = sum(m * t for m, t in zip(transfer, ts)) / sum(t**2 for t in ts)
+        result[name] = b / (overlap * a)
+    return result
+
+
+def predicted_threshold(hardware: str, ranks: int, heads: int, kv_heads: int, tokens: int) -> tuple[float, str]:
+    """The planner's threshold_tokens for a ring of ``ranks`` from the probe's hardware file, and the link."""
+    from lctrain.planner import Layout, ModelSpec, Workload, ring_step
+    from lctrain.planner.presets import load_hardware
+
+    hw = load_hardware(hardware)
+    record = json.loads(Path(hardware).read_text())["probe"]
+    model = ModelSpec("bench", heads * HEAD_DIM, 1, 1, heads, kv_heads, 1, HEAD_DIM)
+    work = Workload(ranks * tokens, gpus_per_node=record["ranks_per_node"], nodes=record["nodes"], dtype_bytes=2)
+    step = ring_step(model, Layout(1, 1, ranks, 1), hw, work)
+    return step.threshold_tokens, step.link
+
+
+def waited(point: dict) -> float:
+    """Seconds the ring waited for its transfers on the limited link beyond what it waited on the link without a
+    limit (ranks out of step: on 2 cores 4 ranks and the machine's other work take turns)."""
+    return max(0.0, sum(point["waits"][k] for k in WAITS) - sum(point["waits_free"][k] for k in WAITS))
+
+
+def blocks(waits: dict[str, float]) -> float:
+    """Seconds the blocks computed in one forward + backward (the timeline's compute events)."""
+    return waits["forward_compute"] + waits["backward_compute"]
+
+
+def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
+    """Print the tables; returns one summary per (P, shape, rate) for the figure."""
+    rows, summaries, baseline = [], [], []
+    for ranks, points in results.items():
+        for point in points:
+            heads, kv_heads = SHAPES[point["shape"]]
+            compute, comm, ring = point["compute"]["total"], point["comm"]["total"], point["ring"]["total"]
+            threshold, link = predicted_threshold(point["hardware"], ranks, heads, kv_heads, point["tokens"])
+            waits = point["waits"]
+            rows.append(
+                [
+                    str(ranks),
+                    point["shape"],
+                    point["rate"] or "none",
+                    f"{point['tokens']:,}",
+                    f"{compute:.3f}",
+                    f"{comm:.3f}",
+                    f"{compute / comm:.2f}",
+                    f"{ring:.3f}",
+                    f"**{(ring - compute) / comm:.2f}**",
+                    f"{waited(point) / comm:.2f}",
+                    f"{ring / max(compute, comm):.2f}",
+                    " / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS)
+                    + f" ({1e3 * sum(point['waits_free'][kind] for kind in WAITS):.0f})",
+                    f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}",
+                    f"{threshold:,.0f} ({link})",
+                    f"{point['torch']['total']:.3f}",
+                ]
+            )
+        by_group: dict[tuple[str, str], list[dict]] = {}
+        for point in points:
+            by_group.setdefault((point["shape"], point["rate"]), []).append(point)
+        for (shape, rate), group in by_group.items():
+            heads, kv_heads = SHAPES[shape]
+            threshold, _ = predicted_threshold(group[0]["hardware"], ranks, heads, kv_heads, group[0]["tokens"])
+            knee = knees(group, ranks, kv_heads)
+            summaries.append(
+                {"ranks": ranks, "shape": shape, "rate": rate, "threshold": threshold, "knee": knee, "points": group}
+            )
+        seen = set()
+        for point in points:
+            if (point["shape"], point["tokens"]) in seen:
+                continue
+            seen.add((point["shape"], point["tokens"]))
+            ours, theirs = point["compute"], point["torch_free"]
+            baseline.append(
+                [
+                    str(ranks),
+                    point["shape"],
+                    f"{point['tokens'] * ranks:,}",
+                    f"{ours['forward']:.3f} / {ours['backward']:.3f} / {ours['total']:.3f}",
+                    f"{theirs['forward']:.3f} / {theirs['backward']:.3f} / {theirs['total']:.3f}",
+                    f"**{ours['total'] / theirs['total']:.2f}**",
+                ]
+            )
+    header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
+    header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
+    header += ["blocks limited / no limit", "planner S/R min", "PyTorch s"]
+    print("\n## Overlap on the limited link\n")
+    print(table(header, rows))
+    print("\n## Predicted threshold and measured knee (tokens per rank)\n")
+    knee_rows = []
+    for s in summaries:
+        measured = max(s["knee"].values())
+        knee_rows.append(
+            [
+                str(s["ranks"]),
+                s["shape"],
+                s["rate"] or "none",
+                f"{s['threshold']:,.0f}",
+                f"{s['knee']['forward']:,.0f} / {s['knee']['backward']:,.0f}",
+                f"{measured:,.0f}",
+                f"**{s['threshold'] / measured:.2f}**",
+            ]
+        )
+    print(
+        table(
+            ["P", "shape", "link", "planner threshold", "knee fwd / bwd", "measured knee", "threshold / knee"],
+            knee_rows,
+        )
+    )
+    print("\n## lctrain's ring and PyTorch's on the links without a limit (forward / backward / total s)\n")
+    print(table(["P", "shape", "S", "lctrain", "PyTorch", "lctrain / PyTorch"], baseline))
+    if not namespaces:
+        print("\nNo namespace hosts (not root): every rank on loopback, no limit; the exposure figures mean little.")
+    return summaries
+
+
+def draw(summaries: list[dict], path: Path) -> None:
+    """Exposed seconds against tokens per rank, a panel per (P, shape): what the ring waited for its transfers
+    (``waited``) and ring − compute only, per rate, with the planner's threshold of each rate as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(s["ranks"], s["shape"]) for s in summaries})
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False)
+    colors = {}
+    for axis, (ranks, shape) in zip(axes[0], panels):
+        for s in (s for s in summaries if (s["ranks"], s["shape"]) == (ranks, shape)):
+            color = colors.setdefault(s["rate"], f"C{len(colors)}")
+            rate = s["rate"] or "no limit"
+            ts = [p["tokens"] for p in s["points"]]
+            axis.plot(ts, [waited(p) for p in s["points"]], "o-", color=color, label=f"{rate}: waited")
+            wall = [p["ring"]["total"] - p["compute"]["total"] for p in s["points"]]
+            axis.plot(ts, wall, "x:", color=color, label=f"{rate}: ring − compute only")
+            axis.axvline(s["threshold"], color=color, linestyle="--", label=f"{rate}: planner threshold")
+        axis.axhline(0, color="grey", linewidth=0.5)
+        axis.set_xscale("log", base=2)
+        axis.set_title(f"P = {ranks}, {shape} (Hq/Hkv = {SHAPES[shape][0]}/{SHAPES[shape][1]}, D = {HEAD_DIM})")
+        axis.set_xlabel("tokens per rank")
+        axis.set_ylabel("exposed communication (s)")
+        axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank: the spec file the parent wrote
+    parser.add_argument("--ranks", default="2,4", help="values of P, one rank per host (default 2,4)")
+    parser.add_argument("--shapes", default="mha,gqa", help=f"head shapes, of {', '.join(SHAPES)}")
+    parser.add_argument("--rates", default="300mbit,100mbit", help="link rates, tc's units (default 300mbit,100mbit)")
+    parser.add_argument("--tokens", default="512,1024,2048,4096,8192", help="tokens per rank (default 512 to 8192)")
+    parser.add_argument("--max-tokens-p4", type=int, default=4096, help="largest tokens per rank at P >= 4")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=2, help="timed rounds per point (default 2)")
+    parser.add_argument("--png", default="docs/ring_overlap.png", help="the figure (default docs/ring_overlap.png)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the ranks of one P")
+    args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(json.loads(Path(args.worker).read_text()))
+        return
+    from benchmarks.hosts import unavailable
+
+    started = time.perf_counter()
+    reason = unavailable()
+    namespaces = reason is None
+    rates = args.rates.split(",") if namespaces else [None]
+    print("# Ring overlap benchmark\n")
+    print(f"- command: `{command()}`")
+    print(f"- machine: {machine_line()}")
+    if not namespaces:
+        print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
+    print(
+        f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
+        f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank"
+    )
+    sys.stdout.flush()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_ring_overlap_") as scratch:
+        for ranks in (int(p) for p in args.ranks.split(",")):
+            tokens = [int(t) for t in args.tokens.split(",") if ranks < 4 or int(t) <= args.max_tokens_p4]
+            work = Path(scratch) / f"p{ranks}"
+            work.mkdir()
+            spec = {"shapes": args.shapes.split(","), "rates": rates, "tokens": tokens, "out": str(work)}
+            spec |= {"warmup": args.warmup, "iters": args.iters}
+            results[ranks] = run_ranks(ranks, spec, work, namespaces=namespaces, timeout_s=args.timeout)
+            print(f"- P={ranks}: {time.perf_counter() - started:.0f} s so far", flush=True)
+        summaries = report(results, namespaces)
+    if args.png:
+        draw(summaries, Path(args.png))
+        print(f"\nFigure: `{args.png}`.")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nTotal wall time {time.perf_counter() - started:.0f} s; load average at the end {load}.")
+
+
+if __name__ == "__main__":
+    main()
