@@ -10,8 +10,12 @@ import sys
 from collections.abc import MutableMapping
 
 # command -> the module whose main(argv) runs it (imported only when used: torch and transformers load slowly)
-COMMANDS = {"train": "lctrain.train.trainer", "eval": "lctrain.eval.run", "plan": "lctrain.planner.cli"}
-COMMANDS["probe"] = "lctrain.probe"
+COMMANDS = {
+    "train": "lctrain.train.trainer",
+    "eval": "lctrain.eval.run",
+    "plan": "lctrain.planner.cli",
+    "probe": "lctrain.probe",
+}
 USAGE = (
     "usage: python -m lctrain train|eval [recipe=NAME] [section.field=value ...]   (under torchrun for several ranks)\n"
     "       python -m lctrain plan --help\n"
