@@ -32,7 +32,7 @@ does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T 
 equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
 transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
 b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
-(``ring.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
+(``transport.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
 two passes' knees is the ring's. The waits show where the ring itself stops waiting.
 
 Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
@@ -313,7 +313,7 @@ def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, i
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
     """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
     a·T²): b / (overlap · a) (module doc)."""
-    from lctrain.attention.ring import PIECES
+    from lctrain.attention.transport import PIECES
 
     overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
     result = {}
