@@ -26,8 +26,8 @@ Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, 
   and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
 - *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
 
-Per link rate and shape, the planner's prediction: ``lctrain.probe.measure`` runs in the same ranks on the limited
-link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
+Per link rate and shape, the planner's prediction: ``lctrain.planner.probe.measure`` runs in the same ranks on the
+limited link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
 does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
 equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
 transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
@@ -189,7 +189,7 @@ def worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from benchmarks import rings
-    from lctrain.probe import ProbeOptions, measure, write_hardware
+    from lctrain.planner.probe import ProbeOptions, measure, write_hardware
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
