@@ -43,7 +43,7 @@ def usp_attention(
     same as no window. ``kernel``: ``"auto"`` or a kernel name (``KERNEL_CHOICES``), the first choice of
     ``resolve_kernel`` for each kind of block.
     """
-    options = dict(causal=causal, layout=layout, window=window)
+    options = dict(causal=causal, layout=layout, window=window)  # read by the checks and by the ring
     bounds = check_attention_inputs(
         q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, cu_seqlens=cu_seqlens, kernel=kernel, **options
     )
