@@ -51,6 +51,34 @@ def check_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int) -> list[int] | Non
     return bounds
 
 
+def check_doc_prefix(doc_prefix: Tensor | None, bounds: list[int] | None) -> tuple[int, ...] | None:
+    """Validate the shared prefixes of the documents of ``bounds`` (``check_cu_seqlens``): an int tensor
+    ``[num_docs]`` giving for each document an earlier one whose tokens it also sees, or -1; a prefix sees none
+    itself. Return it as a tuple (None when no document has a prefix)."""
+    if doc_prefix is None:
+        return None
+    if bounds is None:
+        raise ValueError("doc_prefix needs cu_seqlens: pass the document boundaries the prefixes refer to")
+    num_docs = len(bounds) - 1
+    if doc_prefix.dim() != 1 or doc_prefix.dtype.is_floating_point or doc_prefix.numel() != num_docs:
+        raise ValueError(
+            f"doc_prefix must be a 1-D integer tensor [num_docs] ({num_docs} documents in cu_seqlens); got shape "
+            f"{tuple(doc_prefix.shape)}, dtype {doc_prefix.dtype}"
+        )
+    prefixes = tuple(doc_prefix.tolist())
+    for doc, prefix in enumerate(prefixes):
+        if not -1 <= prefix < doc:
+            raise ValueError(
+                f"doc_prefix[{doc}]={prefix}: a document's prefix must be an earlier document (0 to {doc - 1}) or -1"
+            )
+        if prefix >= 0 and prefixes[prefix] >= 0:
+            raise ValueError(
+                f"doc_prefix[{doc}]={prefix} but document {prefix} has a prefix itself (doc_prefix[{prefix}]="
+                f"{prefixes[prefix]}): a prefix sees no other document; point document {doc} at -1 or a plain one"
+            )
+    return prefixes if any(prefix >= 0 for prefix in prefixes) else None
+
+
 def check_zigzag_piece(piece_len: int, ring_size: int, layout: str) -> None:
     """A zigzag piece is two equal chunks: a ring rank must hold an even number of tokens."""
     if layout == "zigzag" and ring_size > 1 and piece_len % 2:
@@ -84,12 +112,14 @@ def check_attention_inputs(
     layout: str,
     window: int | None,
     cu_seqlens: Tensor | None,
+    doc_prefix: Tensor | None,
     kernel: str,
-) -> list[int] | None:
+) -> tuple[list[int] | None, tuple[int, ...] | None]:
     """Every input check of an attention call: q, k, v (``check_qkv``), the layout, the window, the heads over the
     Ulysses ranks, a zigzag piece of two equal chunks, the document bounds of the global row of
-    ``S_local · ulysses_size · ring_size`` tokens, the kernel's name and the two groups' orthogonality. Returns the
-    bounds as a list (None without ``cu_seqlens``)."""
+    ``S_local · ulysses_size · ring_size`` tokens and their prefixes, the kernel's name and the two groups'
+    orthogonality. Returns the bounds as a list (None without ``cu_seqlens``) and the prefixes as a tuple (None
+    when no document has one)."""
     ulysses_size, ring_size = group_coordinates(ulysses_group)[1], group_coordinates(ring_group)[1]
     check_qkv(q, k, v)
     check_layout(layout)
@@ -99,6 +129,7 @@ def check_attention_inputs(
     piece_len = q.shape[1] * ulysses_size  # a ring rank's piece, as the ring sees it after the all-to-all
     check_zigzag_piece(piece_len, ring_size, layout)
     bounds = check_cu_seqlens(cu_seqlens, piece_len * ring_size)
+    prefixes = check_doc_prefix(doc_prefix, bounds)
     check_kernel_choice(kernel)
     check_orthogonal(ulysses_group, ring_group)
-    return bounds
+    return bounds, prefixes

@@ -26,9 +26,10 @@ The timeline of every pass (``timeline.py``, ``LCTRAIN_RING_TIMELINE``) records 
 waited for and done, against each block's computation.
 
 What each step computes comes from the plan: blocks that the causal mask, the document boundaries
-(``cu_seqlens``) or the window hide entirely are skipped. With ``layout="zigzag"`` (see ``layout.py``) and one
-document every rank does the same work at every step: the diagonal block, then either all queries against the
-first half of the source's keys (only that half travels) or the second half of the queries against all of them.
+(``cu_seqlens``, with the prefixes documents share: ``doc_prefix``) or the window hide entirely are skipped. With
+``layout="zigzag"`` (see ``layout.py``) and one document every rank does the same work at every step: the
+diagonal block, then either all queries against the first half of the source's keys (only that half travels) or
+the second half of the queries against all of them.
 With a kernel that has a varlen mode, the document rectangles of a step that lie end to end go to it in one call
 (``group_documents``). The kernel of each kind of block comes from ``resolve_kernel`` (``kernel="auto"`` or a
 name: the ``kernels`` package).
@@ -280,13 +281,15 @@ def attend_ring(
     layout: str,
     scale: float | None,
     bounds: list[int] | None,
+    prefixes: tuple[int, ...] | None,
     window: int | None,
     kernel: str,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` (None: a ring of one) with ``shard_sequence(layout=
-    layout)``, on inputs already checked (``checks.check_attention_inputs``; ``bounds`` is what it returned): q
-    ``[B, S_local, Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]`` in q's dtype, differentiable in
-    q, k, v. The ring inside ``usp_attention``, and with it ``ring_attention`` and ``ulysses_attention``."""
+    layout)``, on inputs already checked (``checks.check_attention_inputs``; ``bounds`` and ``prefixes`` are what
+    it returned): q ``[B, S_local, Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]`` in q's dtype,
+    differentiable in q, k, v. The ring inside ``usp_attention``, and with it ``ring_attention`` and
+    ``ulysses_attention``."""
     rank, size = group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"
@@ -299,6 +302,7 @@ def attend_ring(
         causal=causal,
         layout=layout,
         cu_seqlens=None if bounds is None else tuple(bounds),
+        doc_prefix=prefixes,
         window=None if window is None or window >= seq_len else window,
     )
     return _RingAttention.apply(q, k, v, group, plan, scale, kernel)

@@ -28,6 +28,7 @@ def usp_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
 ) -> Tensor:
@@ -38,16 +39,23 @@ def usp_attention(
     ring attention then runs over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding.
     A group of None has size 1. ``cu_seqlens`` (int, ``[num_docs + 1]``, 0 to S) are the document boundaries of
     the global sequence, the same on every rank and for every batch row; tokens then attend only inside their
-    document. ``window`` (needs ``causal``): query ``i`` sees only keys ``j`` with ``i - window < j <= i``
-    (``window`` keys, itself included: Hugging Face's ``sliding_window``), in its document; ``window >= S`` is the
-    same as no window. ``kernel``: ``"auto"`` or a kernel name (``KERNEL_CHOICES``), the first choice of
-    ``resolve_kernel`` for each kind of block.
+    document. ``doc_prefix`` (int, ``[num_docs]``, needs ``cu_seqlens``): for each document, an earlier document
+    whose every token it also sees, as a prefix its positions continue, or -1; a prefix has none itself. A
+    preference pair ``[prompt | chosen | rejected]`` is three documents, the answers' prefix the prompt: each answer
+    sees the prompt and itself, never the other. ``window`` (needs ``causal``): query ``i`` sees only keys ``j``
+    with ``i - window < j <= i`` (``window`` keys, itself included: Hugging Face's ``sliding_window``), in its
+    document, counted in positions for a prefix's keys (for the rejected answer: as if the chosen one were not
+    between them); ``window >= S`` is the same as no window. ``kernel``: ``"auto"`` or a kernel name
+    (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block.
     """
     options = dict(causal=causal, layout=layout, window=window)  # read by the checks and by the ring
-    bounds = check_attention_inputs(
-        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, cu_seqlens=cu_seqlens, kernel=kernel, **options
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    bounds, prefixes = check_attention_inputs(
+        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, kernel=kernel, **documents, **options
     )
-    attend = functools.partial(attend_ring, group=ring_group, scale=scale, bounds=bounds, kernel=kernel, **options)
+    attend = functools.partial(
+        attend_ring, group=ring_group, scale=scale, bounds=bounds, prefixes=prefixes, kernel=kernel, **options
+    )
     return attend_head_sharded(q, k, v, ulysses_group, attend)
 
 
@@ -61,13 +69,15 @@ def ring_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
 ) -> Tensor:
     """``usp_attention`` with ``ring_group=group`` and no Ulysses group: q ``[B, S_local, Hq, D]``, k/v
     ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]``, sharded with ``shard_sequence(layout=layout)``."""
-    options = dict(causal=causal, layout=layout, scale=scale, cu_seqlens=cu_seqlens, window=window, kernel=kernel)
-    return usp_attention(q, k, v, ring_group=group, **options)
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    options = dict(causal=causal, layout=layout, scale=scale, window=window, kernel=kernel)
+    return usp_attention(q, k, v, ring_group=group, **documents, **options)
 
 
 def ulysses_attention(
@@ -79,11 +89,13 @@ def ulysses_attention(
     causal: bool = True,
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
 ) -> Tensor:
     """``usp_attention`` with ``ulysses_group=group`` and no ring group: a sequence split contiguously over
     ``group``. q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``; needs ``Hq % U == 0`` and
     ``Hkv % U == 0`` or ``U % Hkv == 0``."""
-    options = dict(causal=causal, layout="contiguous", scale=scale, cu_seqlens=cu_seqlens, window=window, kernel=kernel)
-    return usp_attention(q, k, v, ulysses_group=group, **options)
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    options = dict(causal=causal, layout="contiguous", scale=scale, window=window, kernel=kernel)
+    return usp_attention(q, k, v, ulysses_group=group, **documents, **options)
