@@ -1,6 +1,10 @@
-"""The ground truth for attention tests: float64 math attention on the full sequence, per document if packed."""
+"""The ground truth for attention tests: float64 math attention on the full sequence, per document if packed; for
+rows with shared prefixes (preference pairs), the mask written out (``visible_mask``) and the prompt repeated for
+each answer (``unshared_row``)."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -115,3 +119,21 @@ def unshared_reference_grads(
     )[:, first]
     out.backward(dout.double())
     return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def random_pairs(seq_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A packed row of preference pairs ``[prompt | chosen | rejected]`` (the answers' prefix: the prompt) and plain
+    documents, of random lengths (some 1): (cu_seqlens, doc_prefix)."""
+    bounds, doc_prefix = [0], []
+    while bounds[-1] < seq_len:
+        left = seq_len - bounds[-1]
+        answer = min(5, max(1, seq_len // 4))
+        lengths = [rng.randint(1, max(1, seq_len // 3)), rng.randint(1, answer), rng.randint(1, answer)]
+        if (len(bounds) == 1 or rng.random() < 0.75) and sum(lengths) <= left:  # the row starts with a pair
+            doc_prefix += [-1, len(doc_prefix), len(doc_prefix)]
+        else:
+            lengths = [min(left, rng.randint(1, 6))]
+            doc_prefix.append(-1)
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+    return bounds, doc_prefix

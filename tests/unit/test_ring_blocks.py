@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
-from tests.helpers.reference import visible_mask
+from tests.helpers.reference import random_pairs, visible_mask
 
 
 def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str) -> torch.Tensor:
@@ -182,24 +182,6 @@ def test_small_window_fetches_only_the_window_from_neighbours(layout: str) -> No
         # work: every query sees min(window, position + 1) keys
         positions = global_positions(rank, ring_size, piece_len, layout)
         assert work(plan) == int(torch.clamp(positions + 1, max=window).sum())
-
-
-def random_pairs(seq_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
-    """A packed row of preference pairs ``[prompt | chosen | rejected]`` (the answers' prefix: the prompt) and plain
-    documents, of random lengths (some 1): (cu_seqlens, doc_prefix)."""
-    bounds, doc_prefix = [0], []
-    while bounds[-1] < seq_len:
-        left = seq_len - bounds[-1]
-        answer = min(5, max(1, seq_len // 4))
-        lengths = [rng.randint(1, max(1, seq_len // 3)), rng.randint(1, answer), rng.randint(1, answer)]
-        if (len(bounds) == 1 or rng.random() < 0.75) and sum(lengths) <= left:  # the row starts with a pair
-            doc_prefix += [-1, len(doc_prefix), len(doc_prefix)]
-        else:
-            lengths = [min(left, rng.randint(1, 6))]
-            doc_prefix.append(-1)
-        for length in lengths:
-            bounds.append(bounds[-1] + length)
-    return bounds, doc_prefix
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
