@@ -1,5 +1,5 @@
-"""ParallelDims checks, the patched attention's refusals and its sliding window (the parity itself:
-tests/distributed)."""
+"""ParallelDims checks, the patched attention's refusals, its sliding window and its shared prefixes (the parity
+itself: tests/distributed)."""
 
 import copy
 
@@ -87,3 +87,29 @@ def test_patch_selects_the_registered_implementation() -> None:
     model = tiny(LlamaForCausalLM, LlamaConfig)
     name = patch_attention(model, ulysses_group=None, ring_group=None, layout="contiguous")
     assert model.config._attn_implementation == name == "lctrain_usp:contiguous:none:none"
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_patched_model_passes_shared_prefixes(window: int | None) -> None:
+    """``doc_prefix`` given to the model reaches USP attention: a packed pair [prompt | chosen | rejected] (the
+    answers' positions continuing the prompt's) gives each answer the logits the plain model gives it after its
+    own copy of the prompt."""
+    torch.manual_seed(0)
+    plain = tiny(MistralForCausalLM, MistralConfig, sliding_window=window, attn_implementation="sdpa")
+    patched = copy.deepcopy(plain)
+    patch_attention(patched, ulysses_group=None, ring_group=None)
+    prompt, chosen, rejected = (
+        torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 5)
+    )
+    positions = torch.cat([torch.arange(13), torch.arange(9, 14)])[None]
+    with torch.no_grad():
+        shared = patched(
+            input_ids=torch.cat([prompt, chosen, rejected], dim=1),
+            position_ids=positions,
+            cu_seq_lens_q=torch.tensor([0, 9, 13, 18], dtype=torch.int32),
+            doc_prefix=torch.tensor([-1, 0, 0]),
+        ).logits
+        for answer, rows in ((chosen, slice(9, 13)), (rejected, slice(13, 18))):
+            expected = plain(input_ids=torch.cat([prompt, answer], dim=1)).logits
+            torch.testing.assert_close(shared[:, rows], expected[:, 9:], atol=1e-5, rtol=0)
+            torch.testing.assert_close(shared[:, :9], expected[:, :9], atol=1e-5, rtol=0)
