@@ -124,7 +124,7 @@ def _rectangle(
     queries: Chunk,
     keys: Chunk,
     rows: tuple[int, int],
-    seen: tuple[int, int],
+    seen: Sequence[int],
     gap: int,
     *,
     causal: bool,
@@ -176,13 +176,12 @@ def _chunk_blocks(
     last = bisect.bisect_right(bounds, queries.stop - 1) - 1
     for doc in range(first, last + 1):
         rows = (max(bounds[doc], queries.start), min(bounds[doc + 1], queries.stop))
-        own = _rectangle(queries, keys, rows, (bounds[doc], bounds[doc + 1]), 0, causal=causal and same, window=window)
-        blocks += [own] if own else []
+        found = [_rectangle(queries, keys, rows, bounds[doc : doc + 2], 0, causal=causal and same, window=window)]
         prefix = -1 if prefixes is None else prefixes[doc]
-        if prefix >= 0:
-            seen, gap = (bounds[prefix], bounds[prefix + 1]), bounds[doc] - bounds[prefix + 1]
-            shared = _rectangle(queries, keys, rows, seen, gap, causal=False, window=window)
-            blocks += [shared] if shared else []
+        if prefix >= 0:  # the prefix's keys, all before the document's: a rectangle
+            gap = bounds[doc] - bounds[prefix + 1]
+            found.append(_rectangle(queries, keys, rows, bounds[prefix : prefix + 2], gap, causal=False, window=window))
+        blocks += [block for block in found if block is not None]
     return blocks
 
 
@@ -249,6 +248,8 @@ def _group_documents(keys: tuple[BlockKey, ...]) -> tuple[Block, ...]:
     unbanded documents: the run's band is that of its banded members (all the same) and cuts nothing in the
     others, which are at most ``window_left + 1`` long. Non-causal rectangles are grouped without a band only.
     Every segment then needs the same flash-attn window (``kernels.flash.varlen_window``). Runs of one stay as they are.
+    A shared prefix's rectangle has the rows of its document's own block, so it never joins that one; whatever it
+    joins lies end to end with it, so each segment is still exactly one block of the plan.
     """
     blocks = [Block(slice(k[0], k[1]), slice(k[2], k[3]), k[4], k[5], k[6]) for k in keys]
     groups: list[list[Block]] = []
