@@ -1,0 +1,188 @@
+"""Expert parallelism: each of ``ep`` ranks holds ``E / ep`` of a mixture-of-experts layer's experts, and the tokens
+routed to an expert travel to its rank by all-to-all and come back the same way.
+
+The experts are transformers' own modules (``Qwen3MoeExperts``, ``MixtralExperts``: ``gate_up_proj`` [E, 2I, H],
+``down_proj`` [E, H, I], called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``).
+They run through transformers' public experts registry (``ExpertsInterface``): ``apply_expert_parallel`` keeps each
+rank's slice of the expert weights (dim 0) and selects the implementation registered here, which
+
+    sorts the T·k (token, expert) pairs by expert -> all-to-all: each rank receives the pairs of its own experts
+    -> the local experts' feed-forward (one grouped GEMM, or a loop over experts) -> all-to-all back
+    -> each token's k outputs weighted by the router and summed
+
+The all-to-all's backward is the reverse all-to-all, so an expert's gradient on its rank sums the pairs of every
+rank of the EP group: outputs and gradients equal the model without EP. With ``ep = 1`` the same implementation runs
+without communication (``expert_kernel`` picks the local kernel for the device).
+
+EP ranks are drawn from the ranks FSDP shards over (``dp x ring x ulysses``), innermost first: the ``ep`` adjacent
+ranks of that flattened mesh (Ulysses neighbours, then ring, then data-parallel), so an EP group stays inside a node
+when it can. The expert weights are then FSDP-sharded over the remaining ``dp_cp / ep`` ranks that hold the same
+experts.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+IMPLEMENTATION = "lctrain_experts"  # the name under which transformers' ExpertsInterface finds experts_forward
+KERNELS = ("auto", "grouped_mm", "loop")
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers experts module with 3D weights (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+    return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and hasattr(module, "down_proj")
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if is_experts(module)]
+
+
+def num_experts(config: object) -> int:
+    """The routed experts per layer of a transformers config (``num_experts`` for Qwen3-MoE, ``num_local_experts``
+    for Mixtral); 0 for a dense model."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; the backward sends the gradients back by the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = x.new_empty(sum(receive), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows ``x`` [sum(send), ...] -> [sum(receive), ...]: ``send[j]`` consecutive rows go to rank j of ``group``,
+    ``receive[j]`` come from it. Differentiable."""
+    return _AllToAll.apply(x, send, receive, group)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], kernel: str) -> torch.Tensor:
+    """``x`` [N, in] sorted by expert (``counts[e]`` rows for expert e) times each expert's ``weight[e]`` [out, in]
+    transposed -> [N, out]."""
+    if kernel == "grouped_mm":
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return grouped_mm(x.to(weight.dtype), weight.transpose(-2, -1), offs=offsets)
+    parts = [rows @ weight[e].T for e, rows in enumerate(x.split(counts)) if counts[e]]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def expert_ffn(experts: nn.Module, x: torch.Tensor, counts: list[int], kernel: str) -> torch.Tensor:
+    """The gated feed-forward of each local expert on its rows: ``x`` [N, H] sorted by expert -> [N, H]."""
+    gate, up = grouped_linear(x, experts.gate_up_proj, counts, kernel).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
+    return grouped_linear(experts.act_fn(gate) * up, experts.down_proj, counts, kernel)
+
+
+def segments(starts: torch.Tensor, lengths: torch.Tensor, ep: int, local: int) -> torch.Tensor:
+    """Row indices of the segments ``(source j, expert e)`` (``starts`` in source-major order) visited expert-major:
+    ``lengths`` [local · ep] are the segments' lengths in that expert-major order."""
+    firsts = starts.view(ep, local).T.flatten()  # [local · ep], expert-major
+    offsets = torch.arange(int(lengths.sum()), device=starts.device) - (lengths.cumsum(0) - lengths).repeat_interleave(
+        lengths
+    )
+    return firsts.repeat_interleave(lengths) + offsets
+
+
+def experts_forward(
+    experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts call with the experts of ``experts.expert_group`` (None: all experts here): ``hidden``
+    [T, H], ``top_k_index`` and ``top_k_weights`` [T, k] -> [T, H] (module docstring)."""
+    group: dist.ProcessGroup | None = experts.expert_group
+    local = experts.gate_up_proj.shape[0]  # experts held here: E / ep
+    ep = 1 if group is None else dist.get_world_size(group)
+    tokens, k = top_k_index.shape
+    expert_ids = top_k_index.reshape(-1)  # [T·k]: pair p is token p // k's choice p % k
+    order = torch.argsort(expert_ids, stable=True)
+    pairs = hidden[order // k]  # [T·k, H] sorted by expert
+    counts = torch.bincount(expert_ids, minlength=local * ep)  # [E]: pairs per expert
+    if group is None:
+        out = expert_ffn(experts, pairs, counts.tolist(), experts.expert_kernel)
+    else:
+        # counts of the pairs each rank sends to my experts: [ep (source rank), local]
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        send = counts.view(ep, local).sum(1).tolist()
+        by_source = received.view(ep, local)
+        arrived = all_to_all(pairs, send, by_source.sum(1).tolist(), group)  # sorted by (source rank, local expert)
+        # regroup the arrived rows by (local expert, source rank) for the kernel, and back after it
+        by_expert = segments(by_source.flatten().cumsum(0) - by_source.flatten(), by_source.T.flatten(), ep, local)
+        computed = expert_ffn(experts, arrived[by_expert], by_source.sum(0).tolist(), experts.expert_kernel)
+        back = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        out = all_to_all(back, by_source.sum(1).tolist(), send, group)
+    unsorted = torch.empty_like(out).index_copy(0, order, out)  # back to pair order
+    weighted = unsorted.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(unsorted.dtype)
+    return weighted.sum(1).to(hidden.dtype)
+
+
+def expert_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The local experts' GEMM on ``device`` for parameters of ``dtype``: ``grouped_mm`` (one grouped GEMM over all
+    experts, ``torch._grouped_mm``) on CUDA devices of capability >= 9.0 in bfloat16, else the faster of the two
+    measured once on this machine (``loop``: one GEMM per expert over its sorted rows)."""
+    if device.type == "cuda":
+        usable = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
+        return "grouped_mm" if usable and dtype == torch.bfloat16 else "loop"
+    return fastest_cpu_kernel(dtype)
+
+
+@cache
+def fastest_cpu_kernel(dtype: torch.dtype) -> str:
+    """``grouped_mm`` or ``loop``, whichever runs a small experts forward and backward faster on this CPU in
+    ``dtype`` (the best of 3 runs each; a CPU without a grouped kernel for ``dtype`` gets ``loop``)."""
+    generator = torch.Generator().manual_seed(0)
+    counts = [96, 32, 64, 0, 128, 64, 80, 48]  # uneven, one expert idle, as routing makes them
+    x = torch.randn(sum(counts), 256, generator=generator).to(dtype)
+    weight = torch.randn(len(counts), 512, 256, generator=generator).to(dtype).requires_grad_()
+    best = {}
+    for kernel in ("grouped_mm", "loop"):
+        try:
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                grouped_linear(x, weight, counts, kernel).sum().backward()
+                times.append(time.perf_counter() - start)
+            best[kernel] = min(times)
+        except (RuntimeError, NotImplementedError):  # no grouped kernel for this dtype here
+            continue
+    return min(best, key=best.get) if best else "loop"
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None, kernel: str) -> None:
+    """Give every experts module of ``model`` (built with all E experts) the experts of this rank of ``group`` (the
+    EP group of ``ep`` ranks: experts ``rank · E/ep`` to ``(rank + 1) · E/ep - 1``, their weights sliced on dim 0)
+    and run it through ``experts_forward``; ``group=None``: all experts stay, no communication. ``kernel`` is the
+    local GEMM (``expert_kernel``). Run it on the model before FSDP: the sliced weights are what FSDP shards."""
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError("the model has no experts module (gate_up_proj and down_proj): expert parallelism needs one")
+    ep = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    for experts in modules:
+        total = experts.gate_up_proj.shape[0]
+        if total % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the {total} experts: choose an ep that divides {total}")
+        local = total // ep
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            sliced = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), full.requires_grad)
+            setattr(experts, name, sliced)
+        experts.expert_group = group
+        experts.expert_kernel = kernel
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
