@@ -12,6 +12,10 @@ The trainer calls an objective through one narrow interface, in this order every
    the gradients over dp_cp); the trainer sums the report sums the same way.
 3. ``report(counts, sums)``: the step's counts and summed report sums, read back to the host, as metrics.
 
+Whatever an objective needs beyond the LM head's inputs stays inside it: its own fields of a row, its own reductions
+inside ``loss`` (per-sequence sums over the context-parallel group, say), its own terms added to the share (taken
+from the model by hooks) and reported through the sums. The trainer does not branch on the objective.
+
 The step's totals travel as a ``StepTotals`` value from the forward-backward to the optimizer step and the report.
 With a pipeline the last stage computes ``loss_sum`` inside its forward and the schedule's ``loss_fn`` is ``share``,
 each micro-batch's target being the step's token count; the last stage reports the total only.

@@ -207,9 +207,10 @@ class Trainer:
     def forward_backward(self, micro_batches: Sequence[Batch]) -> StepTotals:
         """Accumulate the gradients of the step's loss over ``micro_batches``; returns the step's totals.
 
-        The objective's counts (the step's trained tokens over dp_cp) come first: each rank's loss is its token sum
-        / that count, so the gradients summed over dp_cp (apply_fsdp) and accumulated over micro-batches are the
-        global mean's. A rank without any adds 0; a step without any changes nothing (optimizer_step)."""
+        The objective's counts come first (one all-reduce over its group, e.g. the step's trained tokens over dp_cp);
+        each row's share of the step's loss is back-propagated, so the gradients accumulated over the rows and summed
+        over dp_cp (apply_fsdp) are the step's loss's. A step without anything to train changes nothing
+        (optimizer_step)."""
         counts = self.objective.step_counts(micro_batches)
         if self.schedule is not None:
             return self._pipeline_forward_backward(micro_batches, counts)
