@@ -39,8 +39,8 @@ test-cluster: install
 	LCTRAIN_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster
 
 lint: install
-	$(VENV)/bin/ruff check lctrain tests benchmarks examples
-	$(VENV)/bin/ruff format --check lctrain tests benchmarks examples
+	$(VENV)/bin/ruff check lctrain tests testbed benchmarks examples
+	$(VENV)/bin/ruff format --check lctrain tests testbed benchmarks examples
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[deepspeed]"

@@ -17,7 +17,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 

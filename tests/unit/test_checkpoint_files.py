@@ -371,7 +371,7 @@ def test_crafted_extras_run_no_code(process_group: None, tmp_path: Path) -> None
 
 def test_trainer_resume_into_another_model_names_key_and_fix(process_group: None, tmp_path: Path) -> None:
     from lctrain.train.trainer import Trainer
-    from tests.helpers.corpus import corpus_overrides, write_corpus
+    from testbed.corpus import corpus_overrides, write_corpus
 
     def config(name: str, hidden: int, *extra: str) -> Any:
         return load_config(
