@@ -28,6 +28,8 @@ from functools import cache
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 IMPLEMENTATION = "lctrain_experts"  # the name under which transformers' ExpertsInterface finds experts_forward
@@ -83,10 +85,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], ker
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
+def local_weight(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of an expert weight: its local shard when EP made it a DTensor (FSDP has gathered the
+    other dims by the time the forward runs)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def expert_ffn(experts: nn.Module, x: torch.Tensor, counts: list[int], kernel: str) -> torch.Tensor:
     """The gated feed-forward of each local expert on its rows: ``x`` [N, H] sorted by expert -> [N, H]."""
-    gate, up = grouped_linear(x, experts.gate_up_proj, counts, kernel).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
-    return grouped_linear(experts.act_fn(gate) * up, experts.down_proj, counts, kernel)
+    gate_up, down = local_weight(experts.gate_up_proj), local_weight(experts.down_proj)
+    gate, up = grouped_linear(x, gate_up, counts, kernel).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
+    return grouped_linear(experts.act_fn(gate) * up, down, counts, kernel)
 
 
 def segments(starts: torch.Tensor, lengths: torch.Tensor, ep: int, local: int) -> torch.Tensor:
@@ -105,7 +114,7 @@ def experts_forward(
     """transformers' experts call with the experts of ``experts.expert_group`` (None: all experts here): ``hidden``
     [T, H], ``top_k_index`` and ``top_k_weights`` [T, k] -> [T, H] (module docstring)."""
     group: dist.ProcessGroup | None = experts.expert_group
-    local = experts.gate_up_proj.shape[0]  # experts held here: E / ep
+    local = local_weight(experts.gate_up_proj).shape[0]  # experts held here: E / ep
     ep = 1 if group is None else dist.get_world_size(group)
     tokens, k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)  # [T·k]: pair p is token p // k's choice p % k
@@ -163,26 +172,29 @@ def fastest_cpu_kernel(dtype: torch.dtype) -> str:
     return min(best, key=best.get) if best else "loop"
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None, kernel: str) -> None:
-    """Give every experts module of ``model`` (built with all E experts) the experts of this rank of ``group`` (the
-    EP group of ``ep`` ranks: experts ``rank · E/ep`` to ``(rank + 1) · E/ep - 1``, their weights sliced on dim 0)
-    and run it through ``experts_forward``; ``group=None``: all experts stay, no communication. ``kernel`` is the
-    local GEMM (``expert_kernel``). Run it on the model before FSDP: the sliced weights are what FSDP shards."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, kernel: str) -> None:
+    """Run every experts module of ``model`` (built with all E experts) through ``experts_forward`` with the local
+    GEMM ``kernel`` (``expert_kernel``). With ``ep_mesh`` (the 1-D EP mesh of ``ep`` ranks), each rank keeps experts
+    ``rank · E/ep`` to ``(rank + 1) · E/ep - 1``: the expert weights become DTensors sharded on dim 0 over
+    ``ep_mesh`` (global shape unchanged, so loading, checkpoints and the export see all E experts), each rank keeping
+    its shard of the tensor it holds (no communication; on the meta device before materialization). None: all
+    experts stay, no communication. Apply it before FSDP, which then shards the experts over the other ranks."""
     modules = experts_modules(model)
     if not modules:
         raise ValueError("the model has no experts module (gate_up_proj and down_proj): expert parallelism needs one")
-    ep = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
     for experts in modules:
-        total = experts.gate_up_proj.shape[0]
-        if total % ep:
-            raise ValueError(f"parallel.ep={ep} does not divide the {total} experts: choose an ep that divides {total}")
-        local = total // ep
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name)
-            sliced = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), full.requires_grad)
-            setattr(experts, name, sliced)
-        experts.expert_group = group
+        if ep_mesh is not None:
+            total = experts.gate_up_proj.shape[0]
+            if total % ep_mesh.size():
+                raise ValueError(
+                    f"parallel.ep={ep_mesh.size()} does not divide the {total} experts: choose an ep that divides "
+                    f"{total}"
+                )
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
+                setattr(experts, name, nn.Parameter(shard, full.requires_grad))
+        experts.expert_group = None if ep_mesh is None else ep_mesh.get_group()
         experts.expert_kernel = kernel
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
