@@ -176,3 +176,26 @@ def stage_layers(num_layers: int, num_stages: int, split_points: Sequence[str] =
                 )
             starts.append(int(index))
     return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
+
+
+def check_expert_parallel(ep: int, dp_cp: int, num_experts: int | None = None, *, setting: str = "parallel.ep") -> None:
+    """Expert parallelism spreads each MoE layer's ``num_experts`` experts over ``ep`` ranks drawn from the ``dp_cp``
+    ranks FSDP shards over (dp × ring × ulysses): ``ep`` divides both; ``num_experts`` 0 is a dense model (no EP);
+    None: the model is not known yet."""
+    if ep < 1:
+        raise ValueError(f"{setting}={ep} must be >= 1 (1 = every rank holds every expert)")
+    if dp_cp % ep:
+        raise ValueError(
+            f"{setting}={ep} does not divide dp x ring x ulysses = {dp_cp}, the ranks EP draws from: choose an ep "
+            f"that divides {dp_cp}"
+        )
+    if num_experts is None or ep == 1:
+        return
+    if num_experts == 0:
+        raise ValueError(
+            f"{setting}={ep} needs a mixture-of-experts model, and this one has no experts: set {setting}=1"
+        )
+    if num_experts % ep:
+        raise ValueError(
+            f"{setting}={ep} does not divide the model's {num_experts} experts: choose an ep that divides {num_experts}"
+        )

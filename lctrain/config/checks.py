@@ -15,7 +15,8 @@ from lctrain.data import check_data_config
 from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
 from lctrain.models.lora import check_lora
 from lctrain.parallel.dims import ParallelDims
-from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
+from lctrain.parallel.expert import num_experts
+from lctrain.rules import check_activation_offload, check_expert_parallel, check_pipeline, check_ulysses_heads
 
 logger = logging.getLogger("lctrain")
 
@@ -32,11 +33,13 @@ def check_job(
     local_world_size: int | None = None,
     max_position_embeddings: int | None = None,
     rope_type: str | None = None,
+    num_experts: int | None = None,
 ) -> None:
     """Raise one clear error for a config that cannot run on ``world_size`` processes with this model.
 
     ``max_position_embeddings`` and ``rope_type`` are the model config's (after ``model.*`` overrides: a
-    checkpoint's own RoPE type when ``model.rope_scaling.type`` is unset). ``local_world_size`` is the
+    checkpoint's own RoPE type when ``model.rope_scaling.type`` is unset); ``num_experts`` its experts per MoE layer
+    (0: dense; None: not known, ``parallel.ep`` is then checked against the ranks only). ``local_world_size`` is the
     processes per node (torchrun's ``LOCAL_WORLD_SIZE``; None = one node). Call it before any process group work:
     every rank raises the same error, nothing has been written.
     """
@@ -45,6 +48,7 @@ def check_job(
     check_kernel_choice(par.attention_kernel, setting="parallel.attention_kernel")
     dims.check_world_size(world_size)
     check_ulysses_heads(num_heads, num_kv_heads, dims.ulysses)
+    check_expert_parallel(par.ep, dims.dp_cp, num_experts)
     dims.check_sequence_length(data.seq_len)
     if par.ulysses_across_nodes not in ("error", "warn"):
         raise ValueError(f"parallel.ulysses_across_nodes={par.ulysses_across_nodes!r} must be error or warn")
@@ -137,6 +141,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         max_position_embeddings=config.max_position_embeddings,
         rope_type=config.rope_parameters.get("rope_type"),
+        num_experts=num_experts(config),
     )
     check_lora(cfg.model.lora, config, cfg.parallel, source)
 

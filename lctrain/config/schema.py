@@ -28,6 +28,9 @@ class ParallelConfig:
     ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
     ulysses_across_nodes: str = "error"  # a Ulysses group spanning two nodes: error (refuse the mesh) or warn
     layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
+    # expert parallelism (mixtures of experts): each MoE layer's experts spread over ep ranks drawn from
+    # dp x ring x ulysses (innermost first), tokens dispatched to them by all-to-all; 1 = every rank holds all experts
+    ep: int = 1
     # attention kernel: auto (per device and case) or cudnn, flash_attn3, flash_attn, torch_cuda_flash,
     # torch_cpu_flash, reference (first choice; cases it cannot do fall back)
     attention_kernel: str = "auto"

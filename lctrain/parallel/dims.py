@@ -8,6 +8,10 @@ made of adjacent ranks (one node, fast all-to-all); the ring spans nodes. Flatte
 - ``dp_cp`` = dp × ring × ulysses: the ranks FSDP shards parameters over, and the ranks the loss's token count and
   the gradients are reduced over (context-parallel ranks hold the same parameters, so they take part in sharding).
 
+Expert parallelism (``ep``, mixtures of experts) draws its ranks from ``dp_cp``, innermost first:
+``build_expert_mesh`` unflattens ``dp_cp`` into ``(efsdp, ep)``; each ``ep`` group holds all the experts between
+its ranks, and FSDP shards the experts over ``efsdp`` (the ranks holding the same ones) instead of ``dp_cp``.
+
 The rules (sequence divisibility, Ulysses inside a node) and their wording are ``lctrain.rules``'. Importing this
 module loads neither torch nor transformers (the planner's layouts are ``ParallelDims``); ``build_mesh`` imports
 torch when it runs.
@@ -18,7 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lctrain.rules import check_layout, check_sequence_length, check_ulysses_inside_nodes, sequence_divisor
+from lctrain.rules import (
+    check_expert_parallel,
+    check_layout,
+    check_sequence_length,
+    check_ulysses_inside_nodes,
+    sequence_divisor,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -27,6 +37,7 @@ if TYPE_CHECKING:
 
 AXES = ("pp", "dp", "ring", "ulysses")
 FLATTENED = {"cp": ("ring", "ulysses"), "dp_cp": ("dp", "ring", "ulysses")}
+EXPERT_AXES = ("efsdp", "ep")  # dp_cp unflattened for the experts (build_expert_mesh)
 
 
 @dataclass(frozen=True)
@@ -39,17 +50,20 @@ class ParallelDims:
     ulysses: int = 1
     # how a sequence is cut over (ring, ulysses): zigzag or contiguous (lctrain.attention.shard_sequence)
     layout: str = field(default="zigzag", kw_only=True)
+    # expert parallelism: the experts spread over ep ranks drawn from dp_cp, innermost first (lctrain.parallel.expert)
+    ep: int = field(default=1, kw_only=True)
 
     def __post_init__(self) -> None:
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
         check_layout(self.layout, setting="parallel.layout")
+        check_expert_parallel(self.ep, self.dp_cp)
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> ParallelDims:
         """The degrees and layout of ``parallel.*``."""
-        return cls(parallel.pp, parallel.dp, parallel.ring, parallel.ulysses, layout=parallel.layout)
+        return cls(parallel.pp, parallel.dp, parallel.ring, parallel.ulysses, layout=parallel.layout, ep=parallel.ep)
 
     @property
     def world_size(self) -> int:
@@ -64,6 +78,11 @@ class ParallelDims:
     def dp_cp(self) -> int:
         """The ranks FSDP shards parameters over: dp × ring × ulysses."""
         return self.dp * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP shards the experts over: those of ``dp_cp`` holding the same experts, dp_cp / ep."""
+        return self.dp_cp // self.ep
 
     @property
     def sequence_divisor(self) -> int:
@@ -112,6 +131,16 @@ class ParallelDims:
         for name in FLATTENED:
             mesh[FLATTENED[name]]._flatten(name, backend_override=options)
         return mesh
+
+    def build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ``dp_cp`` ranks of ``mesh`` (made by ``build_mesh``) as the 2-D mesh ``(efsdp, ep)``: ``ep`` innermost
+        (adjacent ranks: Ulysses neighbours first, then ring, then dp), each of its groups holding all experts
+        between them; ``efsdp`` = dp_cp / ep, the ranks holding the same experts, that FSDP shards them over. Every
+        rank must call this, once per model."""
+        options = default_group_options(mesh.device_type)
+        return flat_mesh(mesh, "dp_cp")._unflatten(
+            0, (self.efsdp, self.ep), EXPERT_AXES, backend_override=dict.fromkeys(EXPERT_AXES, options)
+        )
 
 
 def default_group_options(device_type: str) -> object:
