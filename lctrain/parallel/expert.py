@@ -98,6 +98,14 @@ def expert_ffn(experts: nn.Module, x: torch.Tensor, counts: list[int], kernel: s
     return grouped_linear(experts.act_fn(gate) * up, down, counts, kernel)
 
 
+def inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``permutation``: ``x[permutation][inverse(permutation)]`` is ``x`` (a gather,
+    which keeps only indices for its backward, where ``index_copy`` would keep its source)."""
+    undo = torch.empty_like(permutation)
+    undo[permutation] = torch.arange(len(permutation), device=permutation.device)
+    return undo
+
+
 def segments(starts: torch.Tensor, lengths: torch.Tensor, ep: int, local: int) -> torch.Tensor:
     """Row indices of the segments ``(source j, expert e)`` (``starts`` in source-major order) visited expert-major:
     ``lengths`` [local · ep] are the segments' lengths in that expert-major order."""
@@ -133,9 +141,9 @@ def experts_forward(
         # regroup the arrived rows by (local expert, source rank) for the kernel, and back after it
         by_expert = segments(by_source.flatten().cumsum(0) - by_source.flatten(), by_source.T.flatten(), ep, local)
         computed = expert_ffn(experts, arrived[by_expert], by_source.sum(0).tolist(), experts.expert_kernel)
-        back = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        back = computed[inverse(by_expert)]
         out = all_to_all(back, by_source.sum(1).tolist(), send, group)
-    unsorted = torch.empty_like(out).index_copy(0, order, out)  # back to pair order
+    unsorted = out[inverse(order)]  # back to pair order
     weighted = unsorted.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(unsorted.dtype)
     return weighted.sum(1).to(hidden.dtype)
 

@@ -43,7 +43,7 @@ def check_positive(values: object, names: Sequence[str]) -> None:
 def parser() -> argparse.ArgumentParser:
     p = model_parser(
         "plan",
-        "Feasible (pp, dp, ring, ulysses) layouts with their estimated memory per GPU, ring-step compute and "
+        "Feasible (pp, dp, ring, ulysses[, ep]) layouts with their estimated memory per GPU, ring-step compute and "
         "communication, whether the communication hides (S/R >= the S/R min column), step time; recommends one and "
         "can write it as a recipe. The model behind every figure: docs/planner.md.",
     )
@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pp", type=int, help="largest pipeline degree to consider")
     p.add_argument("--max-dp", type=int, help="largest dp degree (it sets the global batch: dp x batch x seq-len)")
     p.add_argument("--mesh", type=_mesh_arg, help="evaluate only this mesh: PP,DP,RING,ULYSSES")
+    p.add_argument(
+        "--ep", type=int, help="a mixture of experts: only this expert-parallel degree (default: every one allowed)"
+    )
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
     p.add_argument("--mlp-chunk-tokens", type=int, default=0, help="parallel.mlp_chunk_tokens (0 = off)")
     p.add_argument("--offload", action="store_true", help="parallel.activation_offload (needs checkpointing)")
@@ -114,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load_model(args.model)
         base = HARDWARE[args.gpu or "h100"] if args.hardware is None else load_hardware(args.hardware, args.gpu)
         check_positive(args, ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"))
+        check_positive(args, ("ep",) if args.ep is not None else ())
     except ValueError as error:
         raise SystemExit(f"lctrain plan: {error}") from None
     overrides = {"tflops": args.tflops, "mem_gib": args.mem_gib, "intra_gbps": args.intra_gbps}
@@ -160,13 +164,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_pp=args.max_pp,
         max_dp=args.max_dp,
         mesh=args.mesh,
+        ep=args.ep,
     )
     chosen = recommend(plans)
     order = ranked(plans, chosen)
     command = "python -m lctrain plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     if args.json:
         report = {
-            "model": {**asdict(model), "num_params": model.num_params},
+            "model": {**asdict(model), "num_params": model.num_params, "active_params": model.active_params},
             "hardware": asdict(hw),
             "workload": asdict(work),
             "usable_gib": usable_bytes(hw, work) / GIB,
@@ -182,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if chosen is None:
             print("no layout fits: --all shows why (try more GPUs, activation checkpointing or a shorter seq_len)")
         else:
-            print(f"recommended: {chosen.layout}, activation_checkpointing={chosen.layout.ac_label()}")
+            experts = f" ep={chosen.layout.ep}" if model.moe else ""
+            print(f"recommended: {chosen.layout}{experts}, activation_checkpointing={chosen.layout.ac_label()}")
             if not chosen.ring.hidden:
                 print("warning: its ring communication is not hidden behind attention (no feasible layout hides it)")
     if args.write_recipe:

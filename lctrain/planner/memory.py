@@ -23,9 +23,10 @@ class Lora:
         return module in self.trainable
 
     def layer_adapter_params(self, model: ModelSpec) -> int:
-        """One decoder layer's adapter parameters: rank · (in + out) for each projection."""
+        """One decoder layer's adapter parameters: rank · (in + out) for each projection (a mixture of experts':
+        the attention's only)."""
         h, q, kv, inter = model.hidden, model.q_dim, model.kv_dim, model.intermediate
-        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (h + inter) * 3)
+        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (0 if model.moe else (h + inter) * 3))
 
     def layer_trained_params(self, model: ModelSpec) -> int:
         """One decoder layer's trained parameters: its adapters and, with ``norm``, copies of its RMSNorms."""
@@ -60,7 +61,11 @@ def layer_activation_bytes(
       that o_proj keeps), and the fp32 log-sum-exp per head; with a ring, the K/V of its last step (up to a
       whole piece), which the backward starts with;
     - MLP: gate, SiLU(gate), up and their product, each [tokens, intermediate] (none with a chunked MLP, which
-      keeps only its input, the norm's output);
+      keeps only its input, the norm's output); a mixture of experts (``lctrain.parallel.expert``) keeps the same
+      four for each of a token's k experts ([tokens · k, expert width]), the token's k copies sorted by expert (the
+      experts' input), their k outputs (weighted by the router), the router's logits and fp32 probabilities
+      ([tokens, experts]) and its top-k weights (fp32) and indices (int64), and the weights' sum that renormalises
+      them (Mixtral; Qwen3-MoE with ``norm_topk_prob``, as its checkpoints set it);
     - Qwen3's q/k RMSNorms (on this rank's tokens, every head, before any all-to-all): each its input in fp32 (a
       copy for bf16) and the normalized value in the compute dtype, and the fp32 rsqrt per head.
 
@@ -68,15 +73,20 @@ def layer_activation_bytes(
     keeps its ``[tokens, rank]`` middle (``lora_B``'s input); the adapted linear layers' inputs are kept by
     ``lora_A`` as they were by the trained weights.
     """
-    h, q, inter = model.hidden, model.q_dim, model.intermediate
+    h, q = model.hidden, model.q_dim
     normalized = 0 if lora is not None and not lora.trains("norm") else e  # kept for the norm weight's gradient
     norms = 2 * (h * (FP32 + e + normalized) + FP32)
     if model.qk_norm:
         norms += (q + model.kv_dim) * (FP32 + normalized) + (model.heads + model.kv_heads) * FP32
     kv_pieces = 2 if ring > 1 else 1
     attention = q * e * (3 if ulysses > 1 else 2) + kv_pieces * 2 * kv_width(model, ulysses) * e + model.heads * FP32
-    mlp = 0 if mlp_chunked else 4 * inter * e
-    adapters = 0 if lora is None else len(LORA_PROJECTIONS) * lora.rank * e
+    mlp = 0 if mlp_chunked else 4 * model.token_mlp_width * e
+    if model.moe and not mlp_chunked:
+        k = model.experts_per_token
+        # the router's logits and probabilities, its top-k (fp32 weights, int64 indices) renormalised (their sum)
+        mlp += 2 * k * h * e + model.experts * (e + FP32) + k * (FP32 + 8) + (k + 1) * FP32
+    projections = 4 if model.moe else len(LORA_PROJECTIONS)  # a mixture of experts: adapters on attention only
+    adapters = 0 if lora is None else projections * lora.rank * e
     return norms + attention + mlp + adapters
 
 
@@ -88,7 +98,8 @@ def layer_backward_bytes(model: ModelSpec, e: int, ring: int, ulysses: int, *, m
     Ulysses the all-to-all send/receive buffers)."""
     h, q = model.hidden, model.q_dim
     kv = kv_width(model, ulysses)
-    mlp = h * e + (0 if mlp_chunked else 2 * model.intermediate * e)
+    # a mixture of experts also holds the gradient of the k copies of each token sorted by expert
+    mlp = h * e + (0 if mlp_chunked else 2 * model.token_mlp_width * e + 2 * model.experts_per_token * h * e)
     attention = h * e + q * e + (q + 2 * kv) * e + (q * FP32 if e != FP32 else 0)
     if ring > 1:
         attention += 2 * (2 * kv) * e + 2 * (2 * kv) * FP32
@@ -146,7 +157,10 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     # LoRA: the trained parameters (adapters, trained copies) have fp32 states and gradients; the frozen base
     # (every original weight) is stored sharded in the compute dtype, with no gradient and no AdamW state
     layer_trained = layer if lora is None else lora.layer_trained_params(model)
-    layer_unit = layer + (0 if lora is None else layer_trained)  # what FSDP gathers of one layer
+    not_here = model.expert_params * (layout.ep - 1) // layout.ep  # a layer's experts held by the other EP ranks
+    layer_unit = layer - not_here + (0 if lora is None else layer_trained)  # what FSDP gathers of one layer
+    # a layer's unsharded gradient (LoRA on a mixture of experts: adapters on attention only, no expert's gradient)
+    layer_grads = layer_trained - (not_here if lora is None else 0)
     norm_kept = e if lora is None or lora.trains("norm") else 0  # a norm's normalized value, for its weight gradient
     estimates = []
     for index, layers in enumerate(stage_layers(model.layers, layout.pp)):
@@ -161,12 +175,12 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
         live_states = (trained * (STATE_BYTES - FP32) + frozen * e) / layout.dp_cp
         if layout.pp == 1:  # layers resharded after forward: the current and the prefetched one are gathered
             gathered_fwd = root_unit * e + 2 * layer_unit * e
-            gathered_bwd = gathered_fwd + layer_trained * (e + cast)  # + a layer's unsharded gradient
+            gathered_bwd = gathered_fwd + layer_grads * (e + cast)  # + a layer's unsharded gradient
             unsharded_grads = root_trained * (e + cast)
         else:  # a stage keeps its layers gathered, and their gradients unsharded, for the whole step
             gathered_fwd = (root_unit + len(layers) * layer_unit) * e
-            gathered_bwd = gathered_fwd + len(layers) * layer_trained * e + layer_trained * cast
-            unsharded_grads = trained * e + max(root_trained, layer_trained) * cast
+            gathered_bwd = gathered_fwd + len(layers) * layer_grads * e + layer_grads * cast
+            unsharded_grads = (len(layers) * layer_grads + root_trained) * e + max(root_trained, layer_grads) * cast
         in_flight = 1 if layout.pp == 1 else min(work.batch, layout.pp - index)  # 1F1B warm-up depth
         per_token = sum(kept_input if layout.checkpointed(i) else full for i in layers)
         per_token += 2 * model.head_dim * e + 3 * 8  # RoPE cos/sin, shared by the layers; ids, labels, positions
@@ -181,7 +195,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
         recompute = tokens * rebuilt if any(layout.checkpointed(i) for i in layers) else 0
         backward = tokens * layer_backward_bytes(model, e, layout.ring, layout.ulysses, mlp_chunked=chunked)
         if chunked:  # one MLP chunk rebuilt in the backward (gate, SiLU, up, product) with two gradients
-            backward += min(work.mlp_chunk_tokens, tokens) * 6 * model.intermediate * e
+            backward += min(work.mlp_chunk_tokens, tokens) * 6 * model.token_mlp_width * e
         loss_fwd = loss_bwd = 0
         if last:
             chunk = min(work.loss_chunk_tokens, tokens)

@@ -16,7 +16,10 @@ FP32 = 4  # bytes of the fp32 master weights, gradients, optimizer states, accum
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3) that memory, FLOPs and bytes depend on."""
+    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE and
+    Mixtral) that memory, FLOPs and bytes depend on. A mixture of experts has ``experts`` experts of width
+    ``expert_intermediate`` in every layer in place of the MLP, and a router (``experts x hidden``) that sends each
+    token to ``experts_per_token`` of them; ``intermediate`` is then unused."""
 
     name: str
     hidden: int
@@ -35,6 +38,23 @@ class ModelSpec:
     rope_theta: float | None = None
     path: str | None = None  # a Hugging Face model directory (the recipe then uses model=hf)
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full causal); () = none
+    experts: int = 0  # routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate: int = 0  # one expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """One layer's expert weights (gate, up, down of every expert): what expert parallelism spreads."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def token_mlp_width(self) -> int:
+        """The MLP width one token goes through: the dense intermediate, or its k experts' widths together."""
+        return self.experts_per_token * self.expert_intermediate if self.moe else self.intermediate
 
     @property
     def q_dim(self) -> int:
@@ -46,12 +66,21 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorm weights (and
-        Qwen3's q/k RMSNorm weights)."""
+        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP (a mixture of experts: every
+        expert's, and the router), two RMSNorm weights (and Qwen3's q/k RMSNorm weights)."""
         h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         attention = 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
-        mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
+        if self.moe:
+            mlp = self.expert_params + self.experts * h
+        else:
+            mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
         return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm
+
+    @property
+    def active_layer_params(self) -> int:
+        """The parameters of one layer a token goes through: all but the experts it is not routed to."""
+        unused = (self.experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
+        return self.layer_params - unused
 
     @property
     def embed_params(self) -> int:
@@ -66,6 +95,11 @@ class ModelSpec:
     def num_params(self) -> int:
         """All parameters, as ``sum(p.numel() for p in model.parameters())`` counts them (tied ones once)."""
         return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token goes through (the FLOPs' count): ``num_params`` for a dense model."""
+        return self.num_params - self.layers * (self.layer_params - self.active_layer_params)
 
     @classmethod
     def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
@@ -89,6 +123,11 @@ class ModelSpec:
         hf = AutoConfig.for_model(**{**config, "model_type": family})
         attention_bias = bool(getattr(hf, "attention_bias", False))
         windows = tuple(layer_windows(hf))
+        experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
+        if experts and (getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1):
+            raise ValueError(
+                f"{name}: the planner counts experts in every layer (mlp_only_layers [], decoder_sparse_step 1)"
+            )
         return cls(
             name=name,
             hidden=hf.hidden_size,
@@ -103,10 +142,15 @@ class ModelSpec:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope_theta=config.get("rope_theta"),
             path=path,
             windows=windows if any(windows) else (),
+            experts=experts,
+            experts_per_token=int(getattr(hf, "num_experts_per_tok", 0)) if experts else 0,
+            expert_intermediate=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+            if experts
+            else 0,
         )
 
 
@@ -114,7 +158,8 @@ def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
     return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, kw.pop("head_dim", hidden // heads), **kw)
 
 
-# Published sizes (the models' config.json files; mistral-7b is v0.1, with its 4,096-token window on every layer).
+# Published sizes (the models' config.json files; mistral-7b is v0.1, with its 4,096-token window on every layer;
+# mixtral-8x7b is v0.1, without a window).
 # `tiny` is recipe tiny_cpu with the default tokenizer.
 NAMED_MODELS = {
     model.name: model
@@ -129,6 +174,66 @@ NAMED_MODELS = {
         _named("mistral-7b", 4096, 14336, 32, 32, 8, 32000, family="mistral", rope_theta=10000.0, windows=(4096,) * 32),
         _named("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, family="qwen2", qkv_bias=True, rope_theta=1e6),
         _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
+        _named(
+            "qwen3-30b-a3b",
+            2048,
+            6144,
+            48,
+            32,
+            4,
+            151936,
+            head_dim=128,
+            family="qwen3_moe",
+            qk_norm=True,
+            rope_theta=1e6,
+            experts=128,
+            experts_per_token=8,
+            expert_intermediate=768,
+        ),
+        _named(
+            "qwen3-235b-a22b",
+            4096,
+            12288,
+            94,
+            64,
+            4,
+            151936,
+            head_dim=128,
+            family="qwen3_moe",
+            qk_norm=True,
+            rope_theta=1e6,
+            experts=128,
+            experts_per_token=8,
+            expert_intermediate=1536,
+        ),
+        _named(
+            "mixtral-8x7b",
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            32000,
+            family="mixtral",
+            rope_theta=1e6,
+            experts=8,
+            experts_per_token=2,
+            expert_intermediate=14336,
+        ),
+        _named(
+            "mixtral-8x22b",
+            6144,
+            16384,
+            56,
+            48,
+            8,
+            32768,
+            family="mixtral",
+            rope_theta=1e6,
+            experts=8,
+            experts_per_token=2,
+            expert_intermediate=16384,
+        ),
     )
 }
 

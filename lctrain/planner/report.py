@@ -17,8 +17,13 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     if work.lora_rank:
         trained = f" (+ {', '.join(work.lora_trainable)})" if work.lora_trainable else ""
         dtype += f", LoRA rank {work.lora_rank}{trained} on a frozen base"
+    experts = ""
+    if model.moe:
+        experts = (
+            f" ({_count(model.active_params)} active: {model.experts_per_token} of {model.experts} experts per token)"
+        )
     return (
-        f"{model.name}: {_count(model.num_params)} parameters, {model.layers} layers, {model.heads}/"
+        f"{model.name}: {_count(model.num_params)} parameters{experts}, {model.layers} layers, {model.heads}/"
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "
         f"per step, {dtype}\n{work.nodes} node(s) x {work.gpus_per_node} {hw.name}: {hw.tflops:g} TFLOP/s peak at "
         f"MFU {work.mfu:g}, {hw.mem_gib:g} GiB ({work.headroom:.0%} kept free), intra-node {hw.intra_gbps:g} "
@@ -47,7 +52,8 @@ def _ms(seconds: float) -> str:
 
 def table(plans: Sequence[Plan], chosen: Plan | None, *, top: int, show_refused: bool) -> str:
     header = (
-        f"{'':2}{'pp':>3}{'dp':>4}{'ring':>5}{'uly':>4}  {'AC':<12}{'mem GiB':>8} {'states':>7}{'gath':>6}{'act':>7}"
+        f"{'':2}{'pp':>3}{'dp':>4}{'ring':>5}{'uly':>4}{'ep':>4}  {'AC':<12}{'mem GiB':>8} {'states':>7}{'gath':>6}"
+        f"{'act':>7}"
         f"{'recomp':>7}{'bwd':>6}{'loss':>6} {'at':<5} {'link':<6}{'S/R':>9}{'S/R min':>9}  {'ring step ms: comp':>18}"
         f"{'comm':>9}  {'hidden':<6}{'step s':>9}{'tok/s':>10}{'MFU':>6}"
     )
@@ -66,7 +72,8 @@ def table(plans: Sequence[Plan], chosen: Plan | None, *, top: int, show_refused:
             else f"{'-':<6}{'-':>9}{'-':>9}  {'-':>18}{'-':>9}  {'-':<6}"
         )
         lines.append(
-            f"{mark}{lay.pp:>3}{lay.dp:>4}{lay.ring:>5}{lay.ulysses:>4}  {lay.ac_label():<12}{mem.total / GIB:>8.1f} "
+            f"{mark}{lay.pp:>3}{lay.dp:>4}{lay.ring:>5}{lay.ulysses:>4}{lay.ep:>4}  {lay.ac_label():<12}"
+            f"{mem.total / GIB:>8.1f} "
             f"{gib['states']:>7.1f}{gib['gathered']:>6.1f}{gib['activations']:>7.1f}{gib['recompute']:>7.1f}"
             f"{gib['backward']:>6.1f}{gib['loss']:>6.1f} {PHASES[mem.phase]:<5} {ring_cols}{time.total_s:>9.3g}"
             f"{time.tokens_per_s:>10.4g}{time.mfu:>6.2f}"
@@ -109,6 +116,13 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         f"{plan.time.tokens_per_step:,} tokens).",
         "# How these are predicted, and their error against measured peaks: docs/planner.md.",
     ]
+    if model.moe:
+        lines.insert(
+            -1,
+            f"# Experts: {model.experts} per layer, {model.experts // lay.ep} on each GPU (ep {lay.ep}); "
+            f"{_count(model.num_params)} parameters, {_count(model.active_params)} active per token; expert "
+            f"all-to-alls {plan.time.expert_s:.3g} s per step.",
+        )
     if model.path is not None:
         lines += ["defaults:", "  - override /model: hf", "", "model:", f"  path: {model.path}"]
     else:
@@ -117,13 +131,16 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
             "model:",
             f"  family: {model.family}",
             f"  hidden_size: {model.hidden}",
-            f"  intermediate_size: {model.intermediate}",
+            # a mixture of experts: each expert's width
+            f"  intermediate_size: {model.expert_intermediate if model.moe else model.intermediate}",
             f"  num_layers: {model.layers}",
             f"  num_heads: {model.heads}",
             f"  num_kv_heads: {model.kv_heads}",
             f"  vocab_size: {model.vocab}",
             f"  tie_word_embeddings: {str(model.tied).lower()}",
         ]
+        if model.moe:
+            lines += [f"  num_experts: {model.experts}", f"  experts_per_token: {model.experts_per_token}"]
         if model.rope_theta is not None:
             lines.append(f"  rope_theta: {model.rope_theta}")
     if work.lora_rank:
@@ -134,6 +151,7 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         "",
         "parallel:",
         *(f"  {axis}: {degree}" for axis, degree in lay.degrees().items()),
+        *([f"  ep: {lay.ep}"] if lay.ep > 1 else []),
         f"  activation_checkpointing: {lay.ac}",
     ]
     if lay.ac == "selective":

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from lctrain.planner.memory import MemoryEstimate, estimate_memory
 from lctrain.planner.presets import GIB, Hardware, Layout, ModelSpec, Workload
 from lctrain.planner.timing import RingStep, StepTime, ring_step, step_time
-from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
+from lctrain.rules import check_activation_offload, check_expert_parallel, check_pipeline, check_ulysses_heads
 
 NEAR_BEST = 0.03  # layouts within this fraction of the best estimated throughput count as equally fast
 # activation checkpointing tried by --activation-checkpointing auto, least recomputation first: (mode, ac_every)
@@ -23,6 +23,7 @@ def layout_problems(model: ModelSpec, layout: Layout, work: Workload) -> list[st
         lambda: check_ulysses_heads(model.heads, model.kv_heads, layout.ulysses),
         lambda: layout.check_sequence_length(work.seq_len),
         lambda: check_activation_offload(work.offload, layout.ac),
+        lambda: check_expert_parallel(layout.ep, layout.dp_cp, model.experts),
     ]
     if layout.pp > 1:
         pipeline = (layout.pp, "1F1B", 1, (), model.layers, work.batch)
@@ -52,7 +53,7 @@ class Plan:
         ring = {**asdict(self.ring), "hidden": self.ring.hidden}
         time = {**asdict(self.time), "total_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s}
         time["mfu"] = self.time.mfu
-        layout = {**self.layout.degrees(), "ac": self.layout.ac, "ac_every": self.layout.ac_every}
+        layout = {**self.layout.degrees(), "ep": self.layout.ep, "ac": self.layout.ac, "ac_every": self.layout.ac_every}
         return {
             "layout": layout,
             "feasible": self.feasible,
@@ -104,15 +105,25 @@ def plan_layouts(
     max_pp: int | None = None,
     max_dp: int | None = None,
     mesh: tuple[int, int, int, int] | None = None,
+    ep: int | None = None,
 ) -> list[Plan]:
-    """One plan per mesh (or only ``mesh``). With ``ac="auto"`` each mesh gets the least recomputation that fits
-    (none, selective every 4th, every 2nd, full); otherwise the given mode."""
+    """One plan per mesh (or only ``mesh``) and, for a mixture of experts, per expert-parallel degree (``ep``, else
+    every one that divides both dp x ring x ulysses and the experts). With ``ac="auto"`` each gets the least
+    recomputation that fits (none, selective every 4th, every 2nd, full); otherwise the given mode."""
     choices = AUTO_AC if ac == "auto" else ((ac, ac_every),)
     if work.offload:
         choices = tuple(c for c in choices if c[0] != "none") or choices
     plans = []
-    for pp, dp, ring, ulysses in [mesh] if mesh else meshes(work.world, max_pp=max_pp, max_dp=max_dp):
-        candidates = [evaluate(model, Layout(pp, dp, ring, ulysses, mode, every), hw, work) for mode, every in choices]
+    grid = [
+        (degrees, expert_degree)
+        for degrees in ([mesh] if mesh else meshes(work.world, max_pp=max_pp, max_dp=max_dp))
+        for expert_degree in ([ep] if ep else expert_degrees(model, degrees[1] * degrees[2] * degrees[3]))
+    ]
+    for (pp, dp, ring, ulysses), expert_degree in grid:
+        candidates = [
+            evaluate(model, Layout(pp, dp, ring, ulysses, mode, every, ep=expert_degree), hw, work)
+            for mode, every in choices
+        ]
         runnable = [p for p in candidates if not layout_problems(model, p.layout, work)]
         # the first that fits; else the one that needs least memory; a mesh lctrain refuses: the first choice
         fits = [p for p in runnable if p.feasible]
@@ -120,10 +131,16 @@ def plan_layouts(
     return plans
 
 
+def expert_degrees(model: ModelSpec, dp_cp: int) -> list[int]:
+    """The expert-parallel degrees a mesh allows: those dividing both ``dp_cp`` and the experts (1 for a dense
+    model)."""
+    return [d for d in _divisors(dp_cp) if model.moe and model.experts % d == 0] or [1]
+
+
 def recommend(plans: Sequence[Plan]) -> Plan | None:
     """Among feasible plans whose ring communication hides (or all feasible ones if none hides), those within
     ``NEAR_BEST`` of the best estimated throughput; of these the fewest pipeline stages, then the largest Ulysses
-    degree, then the smallest ring (so the largest dp), then the least recomputation."""
+    degree, then the smallest ring (so the largest dp), then the least recomputation, then the smallest ep."""
     feasible = [p for p in plans if p.feasible]
     if not feasible:
         return None
@@ -136,7 +153,7 @@ def recommend(plans: Sequence[Plan]) -> Plan | None:
 def _preference(plan: Plan) -> tuple:
     layout = plan.layout
     recompute = {"none": 0.0, "selective": 1 / layout.ac_every, "full": 1.0}[layout.ac]
-    return (layout.pp, -layout.ulysses, layout.ring, recompute)
+    return (layout.pp, -layout.ulysses, layout.ring, recompute, layout.ep)
 
 
 def ranked(plans: Sequence[Plan], chosen: Plan | None) -> list[Plan]:

@@ -113,6 +113,7 @@ class StepTime:
     compute_s: float  # FLOPs (with recomputation) at mfu × peak
     ring_exposed_s: float  # ring transfers longer than the attention they overlap
     ulysses_s: float  # the all-to-alls (not overlapped: attention waits for them)
+    expert_s: float  # expert parallelism's all-to-alls: tokens to their experts' ranks and back (not overlapped)
     fsdp_exposed_s: float  # parameter all-gathers and gradient reduce-scatters beyond the compute they overlap
     bubble_s: float  # pipeline idle time, (pp − 1)/m of the stage's work (1F1B)
     tokens_per_step: int  # dp × batch × seq_len
@@ -121,7 +122,9 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.ring_exposed_s + self.ulysses_s + self.fsdp_exposed_s + self.bubble_s
+        return (
+            self.compute_s + self.ring_exposed_s + self.ulysses_s + self.expert_s + self.fsdp_exposed_s + self.bubble_s
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,7 +140,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     e, rows = work.dtype_bytes, work.batch
     layers = max(len(r) for r in stage_layers(model.layers, layout.pp))
     recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
-    per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len, model.windows)
+    per_token = flops_per_token(model.active_params, model.layers, model.hidden, work.seq_len, model.windows)
     model_flops = rows * work.seq_len * per_token / (layout.pp * layout.cp)
     compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
     ring_exposed = 0.0
@@ -150,15 +153,34 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
         moved = (layout.ulysses - 1) / layout.ulysses
         per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
         ulysses = rows * layers * per_layer * (2 + recomputed) / link_bandwidth(hw, work, "alltoall_gbps")
+    experts = expert_all_to_all_s(model, layout, hw, work) * rows * layers * (4 + 2 * recomputed)
     fsdp_exposed = 0.0
     if layout.dp_cp > 1:
-        stage_params = model.num_params / layout.pp
         gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
-        volume = stage_params * (gathers * e + FP32) * (layout.dp_cp - 1) / layout.dp_cp
+        # the experts are gathered over the dp_cp / ep ranks that hold the same ones (lctrain.parallel.expert)
+        dense = (model.num_params - model.layers * model.expert_params) / layout.pp
+        gathered = dense * (layout.dp_cp - 1) / layout.dp_cp
+        gathered += model.layers * model.expert_params / layout.ep / layout.pp * (layout.efsdp - 1) / layout.efsdp
+        volume = gathered * (gathers * e + FP32)
         inside = groups_inside_nodes(layout.dp_cp, work.gpus_per_node)
         bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")
         fsdp_exposed = max(0.0, volume / bandwidth - compute)
-    busy = compute + ring_exposed + ulysses
+    busy = compute + ring_exposed + ulysses + experts
     bubble = busy * (layout.pp - 1) / rows
     tokens = layout.dp * rows * work.seq_len
-    return StepTime(compute, ring_exposed, ulysses, fsdp_exposed, bubble, tokens, model_flops, hw.tflops * 1e12)
+    return StepTime(
+        compute, ring_exposed, ulysses, experts, fsdp_exposed, bubble, tokens, model_flops, hw.tflops * 1e12
+    )
+
+
+def expert_all_to_all_s(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) -> float:
+    """Seconds of one of expert parallelism's all-to-alls in one layer for one row: the k copies of each of the
+    GPU's S/(ring·ulysses) tokens, (ep - 1)/ep of which go to other ranks (routing balanced), over the measured
+    all-to-all bandwidth (``lctrain probe``'s, else NVLink's) when the ep ranks share a node, else the network's.
+    A layer runs four (dispatch and combine, forward and backward), six when it is recomputed."""
+    if layout.ep == 1 or not model.moe:
+        return 0.0
+    tokens = work.seq_len // layout.cp
+    moved = tokens * model.experts_per_token * model.hidden * work.dtype_bytes * (layout.ep - 1) / layout.ep
+    inside = groups_inside_nodes(layout.ep, work.gpus_per_node)
+    return moved / link_bandwidth(hw, work, "alltoall_gbps" if inside else "inter_gbps")
