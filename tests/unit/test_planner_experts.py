@@ -1,0 +1,113 @@
+"""``lctrain plan`` on mixtures of experts: total and active parameters (the published counts, and transformers'
+models), a MoE layer's activations equal to what autograd keeps with lctrain's experts, and expert parallelism's
+terms: the gathered experts divided by ep, the sharded states unchanged, the all-to-all time from the measured links,
+the degrees the search tries and refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lctrain.planner import HARDWARE, NAMED_MODELS, Layout, ModelSpec, Workload, estimate_memory, layer_activation_bytes
+from lctrain.planner.search import expert_degrees, layout_problems, plan_layouts
+from lctrain.planner.timing import expert_all_to_all_s, link_bandwidth
+
+QWEN3_30B = NAMED_MODELS["qwen3-30b-a3b"]
+MIXTRAL = NAMED_MODELS["mixtral-8x7b"]
+# transformers config fields of two tiny mixtures, and the ModelSpec of each
+TINY_MOE = {
+    "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 48, "head_dim": 32, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 8, "intermediate_size": 48},
+}
+
+
+def tiny_spec(family: str) -> ModelSpec:
+    return ModelSpec(
+        "tiny-moe", 128, 48, 2, 4, 2, 300, 32, family=family, qk_norm=family == "qwen3_moe", experts=8,
+        experts_per_token=2, expert_intermediate=48,
+    )  # fmt: skip
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        family, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+        num_experts_per_tok=2, **TINY_MOE[family],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_published_total_and_active_counts() -> None:
+    assert (QWEN3_30B.num_params, QWEN3_30B.active_params) == (30_532_122_624, 3_353_032_704)  # 30.5B, 3.3B
+    assert (MIXTRAL.num_params, MIXTRAL.active_params) == (46_702_792_704, 12_879_925_248)  # 46.7B, 12.9B
+    assert round(NAMED_MODELS["qwen3-235b-a22b"].active_params / 1e9) == 22
+    assert round(NAMED_MODELS["mixtral-8x22b"].num_params / 1e9) == 141
+
+
+@pytest.mark.parametrize("family", list(TINY_MOE))
+def test_parameter_count_equals_transformers(family: str) -> None:
+    assert tiny_spec(family).num_params == sum(p.numel() for p in tiny_model(family).parameters())
+
+
+@pytest.mark.parametrize("family", list(TINY_MOE))
+def test_moe_layer_activations_equal_what_autograd_saves(family: str) -> None:
+    """One decoder layer in fp32 with lctrain's experts implementation: every tensor autograd keeps (parameters and
+    RoPE cos/sin left out) adds up to the formula exactly."""
+    from lctrain.models import patch_attention
+    from lctrain.parallel.expert import apply_expert_parallel
+
+    model = tiny_model(family)
+    apply_expert_parallel(model, None, "loop")
+    patch_attention(model, ulysses_group=None, ring_group=None)
+    tokens = 256
+    positions = torch.arange(tokens)[None]
+    x = torch.randn(1, tokens, 128, requires_grad=True)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(x, positions)
+    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in shared:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
+    assert sum(saved.values()) == tokens * layer_activation_bytes(tiny_spec(family), 4, 1)
+
+
+def test_expert_parallel_divides_the_gathered_experts_not_the_states() -> None:
+    work = Workload(32768, gpus_per_node=8, nodes=2)
+    one, eight = (estimate_memory(MIXTRAL, Layout(1, 2, 1, 8, "full", ep=ep), work) for ep in (1, 8))
+    assert one.states == eight.states
+    # the peak is at the end of the step (states dominate at 32K): two layers gathered in bf16 (the current and the
+    # prefetched one), of whose experts a GPU gathers 1/8 with ep 8
+    assert one.phase == eight.phase == "grads"
+    assert one.gathered - eight.gathered == 2 * MIXTRAL.expert_params * 7 // 8 * 2
+
+
+def test_all_to_all_time_from_the_measured_links() -> None:
+    work = Workload(1 << 20, gpus_per_node=8, nodes=2)
+    measured = dataclasses.replace(HARDWARE["h100"], alltoall_gbps=123.0, measured=("alltoall_gbps",))
+    inside, across = Layout(1, 2, 1, 8, "full", ep=8), Layout(1, 1, 2, 8, "full", ep=16)
+    moved = (1 << 20) // 8 * 8 * 2048 * 2 * 7 / 8  # tokens x k x hidden x bf16, 7/8 leaving the GPU
+    assert expert_all_to_all_s(QWEN3_30B, inside, measured, work) == pytest.approx(moved / 123e9)
+    moved = (1 << 20) // 16 * 8 * 2048 * 2 * 15 / 16
+    bandwidth = link_bandwidth(measured, work, "inter_gbps")
+    assert expert_all_to_all_s(QWEN3_30B, across, measured, work) == pytest.approx(moved / bandwidth)
+    assert expert_all_to_all_s(QWEN3_30B, Layout(1, 2, 1, 8, "full"), measured, work) == 0.0
+
+
+def test_degrees_the_search_tries_and_refuses() -> None:
+    assert expert_degrees(MIXTRAL, 16) == [1, 2, 4, 8]  # 8 experts: never 16
+    assert expert_degrees(NAMED_MODELS["llama3-8b"], 16) == [1]
+    work = Workload(32768, gpus_per_node=8, nodes=2)
+    problems = layout_problems(MIXTRAL, Layout(1, 16, 1, 1, "full", ep=16), work)
+    assert any("parallel.ep=16 does not divide the model's 8 experts" in problem for problem in problems)
+    plans = plan_layouts(MIXTRAL, HARDWARE["h100"], work, mesh=(1, 2, 1, 8))
+    assert [plan.layout.ep for plan in plans] == [1, 2, 4, 8]
