@@ -58,19 +58,6 @@ def position_buckets(seq_len: int) -> list[int]:
     return [*edges, seq_len]
 
 
-def check_validation(cfg: JobConfig) -> None:
-    """The validation settings: one ``ValueError`` naming the setting and the fix."""
-    if cfg.train.val_every < 0:
-        raise ValueError(f"train.val_every={cfg.train.val_every} must be >= 0 (0 = only at the end)")
-    if cfg.train.val_rows < 1:
-        raise ValueError(f"train.val_rows={cfg.train.val_rows} must be >= 1")
-    if cfg.data.val_sources and cfg.parallel.pp > 1:
-        raise ValueError(
-            f"data.val_sources with parallel.pp={cfg.parallel.pp}: validation runs without a pipeline; leave "
-            f"data.val_sources empty and score the export with `lctrain eval` (tasks=[perplexity])"
-        )
-
-
 class Trainer:
     """Builds everything from a ``JobConfig`` on an initialized default process group, then ``train()``."""
 
@@ -101,7 +88,6 @@ class Trainer:
             place=self.place,
         )
         self.sources = self.loader.names  # with several, each step reports loss/<name> and tokens/<name>
-        check_validation(cfg)
         self.val_names = [source.name for source in cfg.data.val_sources]
         self.val_edges = position_buckets(cfg.data.seq_len)
         self.val_rows, self.val_groups = self._validation_rows() if self.val_names else ([], [])
@@ -486,7 +472,6 @@ def check(cfg: JobConfig, world_size: int) -> None:
     else:
         tokenizer = prepare_model(cfg, world_size).tokenizer
     for job in stage_configs(cfg):
-        check_validation(job)
         check_data(job.data, tokenizer)
 
 

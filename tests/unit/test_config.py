@@ -194,6 +194,23 @@ def test_bad_job_names_setting_and_fix(case: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "overrides,world_size,expected",
+    [
+        (["train.val_every=-1"], 1, "train.val_every=-1 must be >= 0 (0 = only at the end)"),
+        (["train.val_rows=0"], 1, "train.val_rows=0 must be >= 1"),
+        (
+            ["parallel.pp=2", "data.batch_size=2", "data.val_sources=[{name: v, split: validation}]"],
+            2,
+            "data.val_sources with parallel.pp=2: validation runs without a pipeline",
+        ),
+    ],
+)
+def test_bad_validation_settings_name_the_setting(overrides: list[str], world_size: int, expected: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check(overrides, world_size)
+
+
+@pytest.mark.parametrize(
     "overrides,world_size",
     [
         ([], 1),
