@@ -1,29 +1,25 @@
 """Hugging Face Llama-style models: the ``model`` config section, build empty, load weights shard by shard, export; USP
 attention patching; LoRA adapters (``lctrain.models.lora``).
 
-The names below are imported from their modules when first used, so that ``lctrain.models.config`` (the ``model``
-section of a job's config) can be imported without torch or transformers.
+The names below are imported from their modules when first used (``lctrain.lazy``): ``lctrain.models.config``, the
+``model`` section of a job's config, imports without torch or transformers.
 """
 
-from importlib import import_module
+from lctrain.lazy import lazy_exports
 
-_MODULES = {
-    "LoraConfig": "config",
-    "ModelConfig": "config",
-    "RopeScalingConfig": "config",
-    "build_empty_model": "hf",
-    "export_hf": "hf",
-    "materialize": "hf",
-    "model_config": "hf",
-    "random_init_source": "hf",
-    "safetensors_source": "hf",
-    "set_rope": "hf",
-    "patch_attention": "patch",
-}
-__all__ = sorted(_MODULES)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_MODULES[name]}"), name)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "config": ("LoraConfig", "ModelConfig", "RopeScalingConfig"),
+        "hf": (
+            "build_empty_model",
+            "export_hf",
+            "materialize",
+            "model_config",
+            "random_init_source",
+            "safetensors_source",
+            "set_rope",
+        ),
+        "patch": ("patch_attention",),
+    },
+)
