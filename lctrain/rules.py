@@ -18,6 +18,17 @@ LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 LAYER_PREFIX = "model.layers."
+# parallel.attention_kernel: auto or a kernel's name (lctrain.attention.kernels.KERNELS, in auto's order on CUDA)
+KERNEL_CHOICES = ("auto", "cudnn", "flash_attn3", "flash_attn", "torch_cuda_flash", "torch_cpu_flash", "reference")
+
+
+def check_kernel_choice(choice: str, *, setting: str = "kernel") -> None:
+    """``choice`` is ``auto`` or a kernel name; ``setting`` is how the caller's user spells it."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(
+            f"{setting}={choice!r} must be one of {', '.join(KERNEL_CHOICES)} (auto picks per device and case; a "
+            f"name is tried first: docs/parallelism.md, 'Attention kernels')"
+        )
 
 
 def check_layout(layout: str, *, setting: str = "layout") -> None:
@@ -176,6 +187,12 @@ def stage_layers(num_layers: int, num_stages: int, split_points: Sequence[str] =
                 )
             starts.append(int(index))
     return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
+
+
+def num_experts(config: object) -> int:
+    """The routed experts per layer of a transformers config (``num_experts`` for Qwen3-MoE, ``num_local_experts``
+    for Mixtral); 0 for a dense model."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
 
 
 def check_expert_parallel(ep: int, dp_cp: int, num_experts: int | None = None, *, setting: str = "parallel.ep") -> None:

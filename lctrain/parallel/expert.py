@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+
 IMPLEMENTATION = "lctrain_experts"  # the name under which transformers' ExpertsInterface finds experts_forward
 KERNELS = ("auto", "grouped_mm", "loop")
 
@@ -43,12 +44,6 @@ def is_experts(module: nn.Module) -> bool:
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if is_experts(module)]
-
-
-def num_experts(config: object) -> int:
-    """The routed experts per layer of a transformers config (``num_experts`` for Qwen3-MoE, ``num_local_experts``
-    for Mixtral); 0 for a dense model."""
-    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
 
 
 class _AllToAll(torch.autograd.Function):

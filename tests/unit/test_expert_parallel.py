@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.config import check_job, load_config
 from lctrain.parallel.dims import ParallelDims
-from lctrain.parallel.expert import KERNELS, apply_expert_parallel, experts_modules, fastest_cpu_kernel, num_experts
+from lctrain.parallel.expert import KERNELS, apply_expert_parallel, experts_modules, fastest_cpu_kernel
+from lctrain.rules import num_experts
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 FAMILIES = {
@@ -70,8 +71,8 @@ BAD_EP = {
 @pytest.mark.parametrize("case", list(BAD_EP))
 def test_bad_ep_names_setting_and_fix(case: str) -> None:
     overrides, world_size, experts, expected = BAD_EP[case]
-    cfg = load_config(["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=128", *overrides])
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError) as error:  # parallel.ep's own checks when the config is made, the rest in check_job
+        cfg = load_config(["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=128", *overrides])
         check_job(cfg, world_size, num_heads=4, num_kv_heads=2, num_layers=2, tied_embeddings=False, vocab_size=61,
                   num_experts=experts)  # fmt: skip
     for text in expected:
