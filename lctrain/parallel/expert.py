@@ -32,9 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-
 IMPLEMENTATION = "lctrain_experts"  # the name under which transformers' ExpertsInterface finds experts_forward
-KERNELS = ("auto", "grouped_mm", "loop")
+KERNELS = ("grouped_mm", "loop")  # the local experts' GEMM: one grouped GEMM, or one GEMM per expert
 
 
 def is_experts(module: nn.Module) -> bool:
