@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.runtime import resolve_device
-from lctrain.train.loss import chunked_cross_entropy_by_group
+from lctrain.train.validate import dp_turns, score_rows
 
 logger = logging.getLogger("lctrain")
 
@@ -86,50 +86,6 @@ def perplexity_lengths(cfg: EvalConfig) -> list[int]:
     return list(cfg.perplexity_lengths or cfg.lengths)
 
 
-def dp_turns(count: int, dp_rank: int, dp: int) -> Iterator[tuple[int, bool]]:
-    """(index, keep) for dp rank ``dp_rank`` of ``dp``: items ``dp_rank, dp_rank + dp, ...``; every rank gets the
-    same number of turns, and a turn past the end repeats item 0 with ``keep=False`` (a forward FSDP needs, then
-    dropped)."""
-    for turn in range(math.ceil(count / dp)):
-        index = turn * dp + dp_rank
-        yield (index, True) if index < count else (0, False)
-
-
-@torch.no_grad()
-def score_rows(
-    hidden_states: FinalHiddenStates,
-    rows: Sequence[dict[str, Any]],
-    *,
-    groups: Sequence[Tensor] | None = None,
-    num_groups: int = 1,
-    dp_rank: int,
-    dp: int,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    chunk_tokens: int,
-) -> Tensor:
-    """The summed negative log-likelihood and the number of predicted tokens of each group of tokens over
-    ``rows``: float64 ``[num_groups, 2]``, the same on every rank of ``group`` (dp_cp).
-
-    Each row is one batch of this rank's part of one packed row (``input_ids``, ``labels``, ``position_ids``
-    ``[1, S_local]``, ``cu_seqlens``); ``groups[i]`` (``[1, S_local]`` ints in ``[0, num_groups)``) puts each token
-    of row i in a group (None: one group). Dp rank d scores rows d, d + dp, ... (``dp_turns``) and the sums are
-    all-reduced over ``group``: context-parallel ranks add their parts of a row, dp ranks their rows."""
-    totals = torch.zeros(num_groups, 2, dtype=torch.float64, device=device)
-    for index, keep in dp_turns(len(rows), dp_rank, dp):
-        row = rows[index]
-        hidden = hidden_states(row["input_ids"].to(device), row["position_ids"].to(device), row["cu_seqlens"][0])
-        labels = row["labels"].to(device)
-        row_groups = torch.zeros_like(labels) if groups is None else groups[index].to(device)
-        _, sums, counts = chunked_cross_entropy_by_group(
-            hidden, hidden_states.model.lm_head.weight, labels, row_groups, num_groups, chunk_tokens=chunk_tokens
-        )
-        if keep:
-            totals += torch.stack([sums, counts.double()], dim=1)
-    dist.all_reduce(totals, group=group)
-    return totals
-
-
 class Evaluator:
     """The model of ``model.path`` on the job's mesh (USP attention, FSDP over ``dp_cp``, no optimizer), built as
     the trainer builds it, on an initialized default process group. ``parallel.pp > 1`` is refused."""
@@ -158,7 +114,9 @@ class Evaluator:
         self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
 
         # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
-        self.model = build_model(cfg, prepared, self.mesh, self.device, training=False).model
+        self.model = build_model(
+            prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False
+        ).model
         self.final_hidden_states = FinalHiddenStates(self.model)
         logger.info(
             "eval %s on mesh %s (%s), device %s: %s",

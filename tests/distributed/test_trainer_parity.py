@@ -55,7 +55,7 @@ from lctrain.attention import SequencePlace
 from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.testing import run_distributed
-from lctrain.train.trainer import position_buckets
+from lctrain.train.validate import position_buckets
 from tests.helpers.corpus import write_chat_corpus, write_corpus
 from tests.helpers.reference_training import (
     SEQ_LEN,

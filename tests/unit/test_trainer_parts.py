@@ -171,7 +171,7 @@ def test_validation_records_print_and_plot(tmp_path: Path) -> None:
 
 
 def test_position_buckets_are_powers_of_four_up_to_the_row() -> None:
-    from lctrain.train.trainer import position_buckets
+    from lctrain.train.validate import position_buckets
 
     assert position_buckets(131072) == [0, 4096, 16384, 65536, 131072]
     assert position_buckets(524288) == [0, 4096, 16384, 65536, 262144, 524288]
