@@ -12,7 +12,13 @@ from typing import Any
 from lctrain.attention.kernels import check_kernel_choice
 from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
 from lctrain.data import check_data_config
-from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
+from lctrain.models.families import (
+    ROPE_SCALING_TYPES,
+    check_experts,
+    check_family,
+    check_model_features,
+    model_source,
+)
 from lctrain.models.lora import check_lora
 from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
@@ -126,6 +132,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
+    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp)
     check_job(
         cfg,
         world_size,

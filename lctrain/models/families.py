@@ -194,3 +194,29 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"model.sliding_window={window_setting} for {source}: {reason}. Set model.sliding_window to null (the "
             f"checkpoint's own) or 0 (none)"
         )
+
+
+def check_experts(config: Any, source: str, coef_setting: float | None, pp: int) -> None:
+    """Refuse ``model.router_aux_loss_coef`` where it cannot apply, and a router loss across pipeline stages.
+    ``config`` has the job's ``model.*`` settings applied."""
+    if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
+        raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
+    if config.model_type not in MOE_FAMILIES:
+        if coef_setting:
+            raise ValueError(
+                f"model.router_aux_loss_coef={coef_setting} for {source}, a {config.model_type!r} model without "
+                f"routers: set it to null"
+            )
+        return
+    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    if not 1 <= config.num_experts_per_tok <= experts:
+        raise ValueError(
+            f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
+            f"model.experts_per_token between 1 and model.num_experts"
+        )
+    if pp > 1 and getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0:
+        raise ValueError(
+            f"parallel.pp={pp} with {source}'s router load-balancing loss (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}): transformers pools its statistics over every layer, which pipeline "
+            f"stages hold apart; set model.router_aux_loss_coef=0 or parallel.pp=1"
+        )

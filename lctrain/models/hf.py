@@ -61,7 +61,8 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.models.families``).
 
     Random init builds ``cfg.family`` (one of ``FAMILIES``) with ``head_dim = hidden_size / num_heads`` (Qwen3's
-    config class would default to 128) and no sliding window unless ``model.sliding_window`` > 0, then on every
+    config class would default to 128), a mixture of experts with ``model.num_experts`` experts of width
+    ``model.intermediate_size``, ``model.experts_per_token`` per token, and no sliding window unless ``model.sliding_window`` > 0, then on every
     layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's
     sizes)."""
     if cfg.path is not None:
@@ -75,7 +76,9 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         apply_sliding_window(config, cfg.sliding_window)
     else:
         check_family(cfg.family, model_source(None, cfg.family))
-        extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family in ("qwen3", "qwen3_moe") else {}
+        extra = (
+            {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family in ("qwen3", "qwen3_moe", "mixtral") else {}
+        )
         extra |= _random_init_experts(cfg)
         config = _random_init_config(
             cfg,

@@ -47,7 +47,7 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [
         module
         for name, module in model.named_modules()
-        if name.endswith("mlp.gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")
+        if name.endswith(".gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")
     ]
 
 
@@ -87,10 +87,12 @@ class RouterStatistics:
         self._armed = True
 
     def _record(self, module: nn.Module, args: Any, output: tuple[Tensor, ...]) -> None:
-        if not self._armed:  # the recompute of a checkpointed forward, in the backward
+        # computed also in the recompute of a checkpointed forward (the backward), which must save the tensors the
+        # forward saved, but not kept then
+        counts, sums = router_statistics(output[0], module.top_k)
+        if not self._armed:
             return
         layer = self._layer[id(module)]
-        counts, sums = router_statistics(output[0], module.top_k)
         if layer == 0:
             self._tokens += output[0].shape[0]
         if self._counts[layer] is None:
@@ -163,7 +165,11 @@ class RouterBalancedLoss:
         aux_share = balance_loss_share(row_counts, sums, totals[-1]) / counts[-1].clamp(min=1) * self.cp
         share = lm_share + (self.coef * aux_share).to(lm_share.dtype)
         # routed counts reported once per row: by each rank its share 1/cp of the row's
-        report = [lm_share.detach().double().view(1), aux_share.detach().view(1), row_counts.double().view(-1) / self.cp]
+        report = [
+            lm_share.detach().double().view(1),
+            aux_share.detach().view(1),
+            row_counts.double().view(-1) / self.cp,
+        ]
         return share, torch.cat([*report, inner_sums])
 
     def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
@@ -177,3 +183,13 @@ class RouterBalancedLoss:
             result[f"expert_load_min/{layer}"] = min(fractions)
             result[f"expert_load_max/{layer}"] = max(fractions)
         return result
+
+
+def with_router_loss(
+    objective: Any, model: nn.Module, coef: float, *, group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None
+) -> Any:
+    """``objective`` with the router's load-balancing loss times ``coef`` (``lctrain.models.hf.router_aux_coef``)
+    and the experts' load when ``model`` (a whole model, not pipeline stages) has routers; else ``objective``."""
+    if not routers(model):
+        return objective
+    return RouterBalancedLoss(objective, RouterStatistics(model), coef=coef, group=group, cp_group=cp_group)

@@ -27,8 +27,10 @@ from lctrain.data import PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
+from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
+from lctrain.models.moe import with_router_loss
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
@@ -117,6 +119,14 @@ class Trainer:
             )
         else:
             self.hidden_states = FinalHiddenStates(self.model)
+            # a mixture of experts adds its routers' load-balancing loss (reduced over each row's cp ranks)
+            self.objective = with_router_loss(
+                self.objective,
+                self.model,
+                router_aux_coef(self.hf_config),
+                group=self.dp_cp_group,
+                cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
+            )
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
