@@ -62,9 +62,9 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
 
     Random init builds ``cfg.family`` (one of ``FAMILIES``) with ``head_dim = hidden_size / num_heads`` (Qwen3's
     config class would default to 128), a mixture of experts with ``model.num_experts`` experts of width
-    ``model.intermediate_size``, ``model.experts_per_token`` per token, and no sliding window unless ``model.sliding_window`` > 0, then on every
-    layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's
-    sizes)."""
+    ``model.intermediate_size``, ``model.experts_per_token`` per token, and no sliding window unless
+    ``model.sliding_window`` > 0, then on every layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096,
+    are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is applied (``set_router_aux_loss``)."""
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
