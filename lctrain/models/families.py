@@ -220,3 +220,27 @@ def check_experts(config: Any, source: str, coef_setting: float | None, pp: int)
             f"{config.router_aux_loss_coef}): transformers pools its statistics over every layer, which pipeline "
             f"stages hold apart; set model.router_aux_loss_coef=0 or parallel.pp=1"
         )
+
+
+def moe_layers(config: Any) -> list[int]:
+    """The decoder layers whose MLP is a mixture of experts (Qwen3-MoE: not in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th; Mixtral: all); [] for a dense family."""
+    if config.model_type == "mixtral":
+        return list(range(config.num_hidden_layers))
+    if config.model_type != "qwen3_moe":
+        return []
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers)
+    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def active_parameters(config: Any, num_params: int) -> int:
+    """The parameters one token computes with, of a model of ``num_params``: each MoE layer's experts count for the
+    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width); a dense model's
+    all. What the FLOP count (MFU) of a mixture of experts takes."""
+    layers = moe_layers(config)
+    if not layers:
+        return num_params
+    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    width = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    idle = experts - config.num_experts_per_tok
+    return num_params - len(layers) * idle * 3 * config.hidden_size * width

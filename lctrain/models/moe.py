@@ -27,8 +27,8 @@ computed.
 pre-hook on the decoder and disarmed by ``take``: the routers' second forward in the backward (activation
 checkpointing, the chunked MLP recompute) is not counted again. ``RouterBalancedLoss`` wraps an objective
 (``TokenMeanLoss``) and adds the auxiliary term to its share, reporting ``lm_loss``, ``aux_loss`` and each MoE
-layer's least and most loaded expert (``expert_load_min/<layer>``, ``expert_load_max/<layer>``: fractions of the
-step's routed assignments; ``1/E`` each when balanced).
+layer's least and most loaded expert (``expert_load_min/<layer>``, ``expert_load_max/<layer>``, by decoder layer
+index: fractions of the layer's routed assignments in the step; ``1/E`` each when balanced).
 """
 
 from __future__ import annotations
@@ -41,14 +41,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 
-def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's routers in layer order: the ``gate`` of each MoE block (a module with ``top_k`` and
-    ``num_experts``, transformers' ``Qwen3MoeTopKRouter`` and ``MixtralTopKRouter``)."""
-    return [
-        module
-        for name, module in model.named_modules()
-        if name.endswith(".gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")
-    ]
+def routers(model: nn.Module) -> dict[int, nn.Module]:
+    """The model's routers by decoder layer index, in layer order: the ``gate`` of each MoE block (a module with
+    ``top_k`` and ``num_experts``, transformers' ``Qwen3MoeTopKRouter`` and ``MixtralTopKRouter``); a dense layer
+    (Qwen3-MoE's ``mlp_only_layers``) has none."""
+    found = {}
+    for name, module in model.named_modules():
+        if name.endswith(".gate") and hasattr(module, "top_k") and hasattr(module, "num_experts"):
+            parts = name.split(".")
+            found[int(parts[parts.index("layers") + 1])] = module
+    return found
 
 
 def router_statistics(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -66,9 +68,11 @@ class RouterStatistics:
     docstring). ``model.model`` is the decoder (its pre-hook starts a forward's statistics)."""
 
     def __init__(self, model: nn.Module):
-        self.routers = routers(model)
-        if not self.routers:
+        found = routers(model)
+        if not found:
             raise ValueError(f"{type(model).__name__} has no routers (mlp.gate with top_k and num_experts)")
+        self.layers = list(found)  # the decoder layer index of each router
+        self.routers = list(found.values())
         self.num_experts = self.routers[0].num_experts
         self._layer = {id(router): index for index, router in enumerate(self.routers)}
         self._armed = False
@@ -179,7 +183,7 @@ class RouterBalancedLoss:
         result |= {"lm_loss": sums[0], "aux_loss": sums[1]}
         routed = torch.tensor(sums[2 : 2 + self.layers * self.experts]).view(self.layers, self.experts)
         load = routed / routed.sum(-1, keepdim=True).clamp(min=1)
-        for layer, fractions in enumerate(load.tolist()):
+        for layer, fractions in zip(self.stats.layers, load.tolist()):
             result[f"expert_load_min/{layer}"] = min(fractions)
             result[f"expert_load_max/{layer}"] = max(fractions)
         return result

@@ -26,7 +26,7 @@ from lctrain.config import JobConfig, to_yaml
 from lctrain.data import PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
-from lctrain.models.families import layer_windows
+from lctrain.models.families import active_parameters, layer_windows
 from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
@@ -142,7 +142,11 @@ class Trainer:
         )
         config = self.hf_config
         self.flops_per_token = flops_per_token(
-            num_params, config.num_hidden_layers, config.hidden_size, cfg.data.seq_len, layer_windows(config)
+            active_parameters(config, num_params),
+            config.num_hidden_layers,
+            config.hidden_size,
+            cfg.data.seq_len,
+            layer_windows(config),
         )
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from lctrain.config import load_config
 from lctrain.models import model_config
 from lctrain.models.chunked_mlp import apply_chunked_mlp
+from lctrain.models.families import active_parameters
 from lctrain.models.hf import router_aux_coef
 from lctrain.models.moe import RouterStatistics, balance_loss_share, router_statistics
 
@@ -105,3 +106,32 @@ def test_the_coefficient_is_transformers_unless_set() -> None:
     assert router_aux_coef(tiny("mixtral", "model.router_aux_loss_coef=0.02").config) == 0.02
     assert router_aux_coef(tiny("qwen3_moe", "model.router_aux_loss_coef=0").config) == 0
     assert router_aux_coef(tiny("llama").config) == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "llama"])
+def test_active_parameters_count_the_routed_experts_only(family: str) -> None:
+    model = tiny(family)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    expected = total - experts + experts * TOP_K // EXPERTS
+    assert active_parameters(model.config, total) == expected
+
+
+def test_dense_layers_of_a_qwen3_moe_have_no_router() -> None:
+    """Qwen3-MoE's ``mlp_only_layers`` keep a dense MLP: no router, not in the loss nor in the active count."""
+    config = tiny("qwen3_moe").config
+    config.mlp_only_layers = [0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    expected = balance_loss_func(model)(model(ids, output_router_logits=True).router_logits, EXPERTS, TOP_K)
+    stats = RouterStatistics(model)
+    model.model(ids)
+    counts, sums, tokens = stats.take()
+    assert stats.layers == [1]
+    torch.testing.assert_close(
+        balance_loss_share(counts, sums, torch.tensor(tokens)).float(), expected, rtol=1e-6, atol=0
+    )
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert active_parameters(config, total) == total - experts + experts * TOP_K // EXPERTS
