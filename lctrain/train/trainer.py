@@ -43,19 +43,6 @@ from lctrain.train.validate import Validator
 logger = logging.getLogger("lctrain")
 
 
-def check_validation(cfg: JobConfig) -> None:
-    """The validation settings: one ``ValueError`` naming the setting and the fix."""
-    if cfg.train.val_every < 0:
-        raise ValueError(f"train.val_every={cfg.train.val_every} must be >= 0 (0 = only at the end)")
-    if cfg.train.val_rows < 1:
-        raise ValueError(f"train.val_rows={cfg.train.val_rows} must be >= 1")
-    if cfg.data.val_sources and cfg.parallel.pp > 1:
-        raise ValueError(
-            f"data.val_sources with parallel.pp={cfg.parallel.pp}: validation runs without a pipeline; leave "
-            f"data.val_sources empty and score the export with `lctrain eval` (tasks=[perplexity])"
-        )
-
-
 class Trainer:
     """Builds everything from a ``JobConfig`` on an initialized default process group, then ``train()``."""
 
@@ -81,7 +68,6 @@ class Trainer:
         # 3. data: this rank's dp shard of the rows, cut to its place; the validation rows (every rank the same rows)
         data, dp_rank = dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)), self.mesh.get_local_rank("dp")
         self.loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
-        check_validation(cfg)
         self.validator = Validator(
             data,
             cfg.train,
@@ -395,7 +381,6 @@ def check(cfg: JobConfig, world_size: int) -> None:
     else:
         tokenizer = prepare_model(cfg, world_size).tokenizer
     for job in stage_configs(cfg):
-        check_validation(job)
         check_data(job.data, tokenizer)
 
 
