@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from lctrain.config.schema import JobConfig
-from lctrain.models.families import check_family, check_model_features, model_source
+from lctrain.models.families import check_experts, check_family, check_model_features, model_source
 from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads, num_experts
 
@@ -92,6 +92,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
+    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp)
     check_job(
         cfg,
         world_size,

@@ -10,7 +10,9 @@ checkpointing of the whole layer (the chunks are then checkpoints nested in the 
 is recomputed, and inside it each MLP chunk once more), with FSDP2 on the layer, and with pipeline stages.
 
 The MLP must be token-wise (each output token depends only on the same input token): true of the Llama, Mistral,
-Qwen2 and Qwen3 MLPs (``down(act(gate(x)) * up(x))``), not of a mixture-of-experts block with a sequence-level router.
+Qwen2 and Qwen3 MLPs (``down(act(gate(x)) * up(x))``) and of the Qwen3-MoE and Mixtral blocks (each token's router
+probabilities, top-k and experts are its own), not of a block whose router balances over the sequence. Each chunk
+is given to the MLP as one row ``[1, chunk, hidden]``, the shape the MoE blocks take.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ def mlp_in_chunks(mlp: nn.Module, hidden_states: Tensor, *, chunk_tokens: int) -
     flat = hidden_states.reshape(-1, shape[-1])  # [B, S, hidden] -> [B·S, hidden]
     pieces = flat.split(chunk_tokens)
     if torch.is_grad_enabled():
-        outputs = [checkpoint(mlp, piece, use_reentrant=False, preserve_rng_state=False) for piece in pieces]
+        outputs = [checkpoint(mlp, piece[None], use_reentrant=False, preserve_rng_state=False) for piece in pieces]
     else:  # no backward: nothing to keep, the chunks only bound the size of the temporaries
-        outputs = [mlp(piece) for piece in pieces]
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        outputs = [mlp(piece[None]) for piece in pieces]
+    out = torch.cat(outputs, dim=1)[0]  # chunks [1, chunk, hidden] -> [B·S, hidden]
     return out.view(*shape[:-1], out.shape[-1])  # [B·S, hidden] -> [B, S, hidden]
 
 

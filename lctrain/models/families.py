@@ -12,7 +12,10 @@ A family is a transformers ``model_type`` whose decoder lctrain patches (USP att
   ``config.layer_types[i]`` is ``sliding_attention``, none on the others (``Qwen2Attention``, ``Qwen3Attention``).
   transformers derives ``layer_types`` from ``use_sliding_window``, ``sliding_window`` and ``max_window_layers``
   (layers ``i >= max_window_layers`` slide) unless the config lists them, and drops ``sliding_window`` when
-  ``use_sliding_window`` is false.
+  ``use_sliding_window`` is false;
+- the mixtures of experts (``MOE_FAMILIES``: a router and experts in place of the MLP, ``lctrain.models.moe``):
+  ``mixtral`` (``config.sliding_window`` on every layer, as Mistral), ``qwen3_moe`` (q/k RMSNorm;
+  ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``).
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -24,9 +27,20 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# the families whose decoder layers route each token to experts (lctrain.models.moe)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # how each family's attention module gets its sliding window: never, the config's on every layer, per layer_types
-WINDOWS = {"llama": "none", "mistral": "model", "qwen2": "layers", "qwen3": "layers"}
+WINDOWS = {
+    "llama": "none",
+    "mistral": "model",
+    "qwen2": "layers",
+    "qwen3": "layers",
+    "qwen3_moe": "model",
+    "mixtral": "model",
+}
+# the families whose config keeps ``sliding_window`` only with ``use_sliding_window`` set (else drops it on load)
+_WINDOW_FLAG = ("qwen3_moe",)
 # RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
 # own, or the scaling model.rope_scaling.type sets (any but default); the others (longrope: short or long factors by
 # the longest position in the batch, which differs between context-parallel ranks; proportional) are refused
@@ -35,8 +49,8 @@ ROPE_SCALING_TYPES = ROPE_TYPES[1:]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _MOE = (
-    "it is a mixture-of-experts model (a router and experts in each layer): lctrain's loss has no router "
-    "load-balancing term, and its chunked MLP, FSDP wrapping and planner assume one dense MLP per decoder layer"
+    "it is a mixture-of-experts model whose router or shared experts lctrain has not been made and checked to run "
+    "exactly (the mixtures it runs: qwen3_moe, mixtral)"
 )
 _ALIBI = "its attention adds ALiBi position biases to the scores, which USP attention does not compute"
 # why some model types people ask for are refused (any other type: not one of FAMILIES)
@@ -51,9 +65,7 @@ REFUSED = {
     "checkpoints) is not the Llama layer lctrain's pipeline stages, chunked MLP and planner assume",
     "bloom": _ALIBI,
     "mpt": _ALIBI,
-    "mixtral": _MOE,
     "qwen2_moe": _MOE,
-    "qwen3_moe": _MOE,
     "deepseek_v2": _MOE,
     "deepseek_v3": _MOE,
     "olmoe": _MOE,
@@ -95,7 +107,8 @@ def random_init_window_kwargs(family: str, setting: int | None) -> dict[str, Any
     every layer. Llama has no window (a positive setting is refused by ``check_model_features``)."""
     window = setting if setting and setting > 0 else None
     if WINDOWS.get(family) == "model":
-        return {"sliding_window": window}
+        flag = {"use_sliding_window": window is not None} if family in _WINDOW_FLAG else {}
+        return {"sliding_window": window, **flag}
     if WINDOWS.get(family) == "layers":  # layers i >= max_window_layers slide: all of them
         return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     return {}
@@ -112,12 +125,16 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
         return  # a positive window on a family without one is refused by check_model_features
     if setting == 0:
         config.sliding_window = None
+        if config.model_type in _WINDOW_FLAG:
+            config.use_sliding_window = False
         if rule == "layers":
             config.use_sliding_window = False
             config.layer_types = ["full_attention"] * config.num_hidden_layers
         return
     if rule == "model":
         config.sliding_window = setting
+        if config.model_type in _WINDOW_FLAG:
+            config.use_sliding_window = True  # transformers drops sliding_window on reload without it
     elif "sliding_attention" in config.layer_types:
         config.sliding_window = setting
         config.use_sliding_window = True  # transformers drops sliding_window on reload without it
@@ -154,6 +171,12 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
             f"replaces it)"
         )
+    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        raise ValueError(
+            f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
+            f"differently on each rank; set router_jitter_noise to 0 in its config.json"
+        )
     if WINDOWS[model_type] == "layers":
         unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
         if unknown:
@@ -171,3 +194,53 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"model.sliding_window={window_setting} for {source}: {reason}. Set model.sliding_window to null (the "
             f"checkpoint's own) or 0 (none)"
         )
+
+
+def check_experts(config: Any, source: str, coef_setting: float | None, pp: int) -> None:
+    """Refuse ``model.router_aux_loss_coef`` where it cannot apply, and a router loss across pipeline stages.
+    ``config`` has the job's ``model.*`` settings applied."""
+    if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
+        raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
+    if config.model_type not in MOE_FAMILIES:
+        if coef_setting:
+            raise ValueError(
+                f"model.router_aux_loss_coef={coef_setting} for {source}, a {config.model_type!r} model without "
+                f"routers: set it to null"
+            )
+        return
+    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    if not 1 <= config.num_experts_per_tok <= experts:
+        raise ValueError(
+            f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
+            f"model.experts_per_token between 1 and model.num_experts"
+        )
+    if pp > 1 and getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0:
+        raise ValueError(
+            f"parallel.pp={pp} with {source}'s router load-balancing loss (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}): transformers pools its statistics over every layer, which pipeline "
+            f"stages hold apart; set model.router_aux_loss_coef=0 or parallel.pp=1"
+        )
+
+
+def moe_layers(config: Any) -> list[int]:
+    """The decoder layers whose MLP is a mixture of experts (Qwen3-MoE: not in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th; Mixtral: all); [] for a dense family."""
+    if config.model_type == "mixtral":
+        return list(range(config.num_hidden_layers))
+    if config.model_type != "qwen3_moe":
+        return []
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers)
+    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def active_parameters(config: Any, num_params: int) -> int:
+    """The parameters one token computes with, of a model of ``num_params``: each MoE layer's experts count for the
+    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width); a dense model's
+    all. What the FLOP count (MFU) of a mixture of experts takes."""
+    layers = moe_layers(config)
+    if not layers:
+        return num_params
+    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    width = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    idle = experts - config.num_experts_per_tok
+    return num_params - len(layers) * idle * 3 * config.hidden_size * width

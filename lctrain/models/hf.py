@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from lctrain.models.config import ModelConfig
 from lctrain.models.families import (
+    MOE_FAMILIES,
     apply_sliding_window,
     check_family,
     layer_windows,
@@ -60,9 +61,10 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.models.families``).
 
     Random init builds ``cfg.family`` (one of ``FAMILIES``) with ``head_dim = hidden_size / num_heads`` (Qwen3's
-    config class would default to 128) and no sliding window unless ``model.sliding_window`` > 0, then on every
-    layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's
-    sizes)."""
+    config class would default to 128), a mixture of experts with ``model.num_experts`` experts of width
+    ``model.intermediate_size``, ``model.experts_per_token`` per token, and no sliding window unless
+    ``model.sliding_window`` > 0, then on every layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096,
+    are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is applied (``set_router_aux_loss``)."""
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -74,7 +76,10 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         apply_sliding_window(config, cfg.sliding_window)
     else:
         check_family(cfg.family, model_source(None, cfg.family))
-        extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family == "qwen3" else {}
+        extra = (
+            {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family in ("qwen3", "qwen3_moe", "mixtral") else {}
+        )
+        extra |= _random_init_experts(cfg)
         config = _random_init_config(
             cfg,
             hidden_size=cfg.hidden_size,
@@ -92,6 +97,7 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
             **random_init_window_kwargs(cfg.family, cfg.sliding_window),
         )
     set_rope(config, cfg)
+    set_router_aux_loss(config, cfg.router_aux_loss_coef)
     windows = [window for window in layer_windows(config) if window]
     if windows:
         logger.info(
@@ -117,6 +123,38 @@ def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
             f"model.num_kv_heads={cfg.num_kv_heads}, model.num_layers={cfg.num_layers}: transformers refuses these "
             f"sizes ({str(cause).strip().splitlines()[-1]}); change the model.* settings"
         ) from None
+
+
+def _random_init_experts(cfg: ModelConfig) -> dict[str, object]:
+    """The transformers config arguments of a randomly initialised mixture of experts' experts (none for a dense
+    family): ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per
+    token."""
+    if cfg.family == "qwen3_moe":
+        experts = {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.intermediate_size}
+    elif cfg.family == "mixtral":
+        experts = {"num_local_experts": cfg.num_experts}
+    else:
+        return {}
+    return experts | {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+
+
+def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
+    """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
+    coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
+    ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
+    trained. ``router_aux_coef`` reads the result."""
+    if coef is None or config.model_type not in MOE_FAMILIES:
+        return
+    config.router_aux_loss_coef = coef
+    config.output_router_logits = coef > 0
+
+
+def router_aux_coef(config: PretrainedConfig) -> float:
+    """The weight of the router's load-balancing loss in the step's loss: 0 for a dense model, else transformers'
+    (``router_aux_loss_coef`` when ``output_router_logits``)."""
+    if config.model_type not in MOE_FAMILIES or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(config.router_aux_loss_coef)
 
 
 def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:

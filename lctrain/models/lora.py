@@ -48,7 +48,9 @@ if TYPE_CHECKING:  # peft is imported where it is used: importing it takes secon
 logger = logging.getLogger("lctrain")
 
 ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
-# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs
+# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs (a
+# mixture of experts has the attention's; its experts' 3D weights get no adapters: peft's target_parameters nests
+# a wrapper per weight whose adapters lctrain's names would not tell apart)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # modules that get no adapters, and why
 _NOT_TARGETS = {
@@ -130,7 +132,7 @@ def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source
             f"the loss's; set model.lora.dropout=0"
         )
     linear, with_params = _module_names(config)
-    for name in lora_targets(lora):
+    for name in lora.target_modules:  # the default projections a family lacks (a MoE block's) are skipped
         if name in _NOT_TARGETS:
             raise ValueError(
                 f"model.lora.target_modules has {name!r}: {_NOT_TARGETS[name]}; train it in full with "

@@ -26,9 +26,11 @@ from lctrain.config import JobConfig, to_yaml
 from lctrain.data import PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
-from lctrain.models.families import layer_windows
+from lctrain.models.families import active_parameters, layer_windows
+from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
+from lctrain.models.moe import with_router_loss
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
@@ -103,6 +105,14 @@ class Trainer:
             )
         else:
             self.hidden_states = FinalHiddenStates(self.model)
+            # a mixture of experts adds its routers' load-balancing loss (reduced over each row's cp ranks)
+            self.objective = with_router_loss(
+                self.objective,
+                self.model,
+                router_aux_coef(self.hf_config),
+                group=self.dp_cp_group,
+                cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
+            )
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -118,7 +128,11 @@ class Trainer:
         )
         config = self.hf_config
         self.flops_per_token = flops_per_token(
-            num_params, config.num_hidden_layers, config.hidden_size, cfg.data.seq_len, layer_windows(config)
+            active_parameters(config, num_params),
+            config.num_hidden_layers,
+            config.hidden_size,
+            cfg.data.seq_len,
+            layer_windows(config),
         )
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(

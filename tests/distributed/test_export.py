@@ -22,8 +22,10 @@ tolerance), which the default RoPE would not (they differ by more than 1e-3; exc
 Each other family, trained one step and exported, reloads with ``from_pretrained`` with the sliding windows it was
 trained with in its ``config.json`` and the sharded model's logits (same tolerance), which the same weights without
 the windows do not give: a random-init Mistral with ``model.sliding_window=8`` (ring 2), a random-init Qwen3 (q/k
-norms; Ulysses 2), a Qwen2 checkpoint loaded with ``model.path`` whose layer 1 alone has a window of 8
-(``use_sliding_window``, ``max_window_layers=1``; ring 2), and that Mistral's export fine-tuned with
+norms; Ulysses 2), the mixtures of experts (a random-init Qwen3-MoE on Ulysses 2, a Mixtral with
+``model.sliding_window=8`` on ring 2; 4 experts, top 2, their router loss in the step), a Qwen2 checkpoint loaded
+with ``model.path`` whose layer 1 alone has a window of 8 (``use_sliding_window``, ``max_window_layers=1``; ring 2),
+and that Mistral's export fine-tuned with
 ``model.sliding_window=0``, whose export has no window.
 """
 
@@ -64,6 +66,7 @@ CASES = {
     ],
 }
 WINDOW = 8
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.router_aux_loss_coef=0.1"]
 # the other families, one step each: (overrides, the window of each of the 2 layers in the exported config.json);
 # <root> is the test's directory (QWEN2_CHECKPOINT: a Qwen2 checkpoint with a window on layer 1 only)
 QWEN2_CHECKPOINT = "qwen2_checkpoint"
@@ -71,6 +74,9 @@ FAMILY_CASES = {
     "mistral_window": (["parallel.ring=2", "model.family=mistral", f"model.sliding_window={WINDOW}"], [WINDOW, WINDOW]),
     "qwen3": (["parallel.ulysses=2", "model.family=qwen3"], [None, None]),
     "qwen2_layers": (["parallel.ring=2", "model=hf", f"model.path=<root>/{QWEN2_CHECKPOINT}"], [None, WINDOW]),
+    # the mixtures of experts, with their router's load-balancing loss in the step
+    "qwen3_moe": (["parallel.ulysses=2", "model.family=qwen3_moe", *MOE], [None, None]),
+    "mixtral_window": (["parallel.ring=2", "model.family=mixtral", f"model.sliding_window={WINDOW}", *MOE], [8, 8]),
     # the Mistral export fine-tuned with its window turned off: the export says so
     "mistral_window_off": (
         ["parallel.ring=2", "model=hf", "model.path=<root>/family_mistral_window/hf", "model.sliding_window=0"],
@@ -274,7 +280,7 @@ def test_export_of_each_family_reloads_with_its_windows_and_logits(
     hf_dir = root / f"family_{case}" / "hf"
     windows = FAMILY_CASES[case][1]
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    assert model.config.model_type == case.split("_")[0]
+    assert model.config.model_type == case.removesuffix("_window_off").removesuffix("_window").split("_layers")[0]
     assert layer_windows(model.config) == windows  # the exported config.json says which windows were trained
     with torch.no_grad():
         expected = model(input_ids=fixed_input(model.config.vocab_size)).logits

@@ -4,7 +4,9 @@ The reference is the plain model (same random init, sdpa attention) run on each 
 as a sequence of its own (one right-padded batch per step; position ids as the packer gives them: 0 at a document
 start, continuing for a document carried over from the previous row), over the rows that every dp rank's
 ``PackedLoader`` yields for every micro-batch of the step. Its loss is the token-summed cross-entropy over all of
-them divided by their valid tokens; then ``torch.nn.utils.clip_grad_norm_``, and AdamW with the trainer's parameter
+them divided by their valid tokens, plus for a mixture of experts its router's load-balancing loss
+(``router_aux_coef`` times the mean over the rows of transformers' ``load_balancing_loss_func`` of each whole row's
+tokens, ``rows_router_loss``); then ``torch.nn.utils.clip_grad_norm_``, and AdamW with the trainer's parameter
 groups (``build_optimizer``) and warmup + cosine schedule (``build_scheduler``).
 
 The corpus is a jsonl file of short and long documents (cut from a stdlib source file), so packed rows hold several
@@ -16,17 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
 
 from lctrain.build import tokenizer_path
 from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
-from lctrain.models.hf import hf_name
+from lctrain.models.hf import hf_name, router_aux_coef
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
@@ -207,10 +211,13 @@ def _reference(cfg: JobConfig, dp: int, *, continued: bool) -> tuple[list[float]
         cu_seqlens += [bounds for batch in batches for bounds in batch["cu_seqlens"]]
         first_positions += [batch["position_ids"][:, 0] for batch in batches]
         input_ids, position_ids, labels = document_pieces(batches)
-        hidden = model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        routed = router_aux_coef(model.config) > 0
+        output = model.model(input_ids=input_ids, position_ids=position_ids, output_router_logits=routed or None)
         valid = labels != IGNORE_INDEX
-        logits = model.lm_head(hidden[valid])  # the valid positions only: the full logits would be large
+        logits = model.lm_head(output.last_hidden_state[valid])  # the valid positions only: the full logits are large
         loss = F.cross_entropy(logits.float(), labels[valid], reduction="sum") / valid.sum()
+        if routed:
+            loss = loss + router_aux_coef(model.config) * rows_router_loss(model, batches, output.router_logits)
         loss.backward()
         if not grads:
             grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
@@ -225,6 +232,26 @@ def _reference(cfg: JobConfig, dp: int, *, continued: bool) -> tuple[list[float]
     if continued:  # text documents continue across rows (conversations never do)
         assert (torch.cat(first_positions) > 0).any(), "no row continues a document from the previous row"
     return losses, norms, grads
+
+
+def rows_router_loss(model: torch.nn.Module, batches: list[dict], router_logits: tuple[torch.Tensor, ...]) -> Tensor:
+    """The mean over the rows of ``batches`` of transformers' ``load_balancing_loss_func`` of each row's tokens (every
+    token of the row, padding included), from the router logits of ``document_pieces(batches)`` (per MoE layer
+    ``[pieces · L, E]``, the pieces right-padded to ``L``)."""
+    lengths = [b - a for batch in batches for bounds in batch["cu_seqlens"] for a, b in zip(bounds[:-1], bounds[1:])]
+    pieces_per_row = [len(bounds) - 1 for batch in batches for bounds in batch["cu_seqlens"]]
+    longest = max(lengths)
+    # per layer, each piece's own tokens: [pieces · L, E] -> pieces of [length, E]
+    layers = [
+        [logits.view(len(lengths), longest, -1)[i, :n] for i, n in enumerate(lengths)] for logits in router_logits
+    ]
+    balance = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    losses, start = [], 0
+    for count in pieces_per_row:
+        row = tuple(torch.cat(pieces[start : start + count]) for pieces in layers)
+        losses.append(balance(row, row[0].shape[-1], model.config.num_experts_per_tok))
+        start += count
+    return torch.stack(losses).mean()
 
 
 def assert_first_step_matches(result: tuple, expected: tuple) -> None:

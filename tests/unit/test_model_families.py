@@ -45,6 +45,15 @@ QWEN25 = {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 
 QWEN2_SLIDING = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
 QWEN3 = {"model_type": "qwen3", "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36}
 QWEN3_SLIDING = {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "head_dim": 16,
+    "use_sliding_window": False,
+}
 # (config.json fields, model.sliding_window, the window of each of the 3 layers)
 CHECKPOINTS = {
     "llama": ({"model_type": "llama"}, None, [None, None, None]),
@@ -71,6 +80,15 @@ CHECKPOINTS = {
     "qwen3": ({**QWEN3, "head_dim": 16}, None, [None, None, None]),
     "qwen3_sliding": ({**QWEN3_SLIDING, "head_dim": 16}, None, [None, None, 8]),
     "qwen3_sliding_5": ({**QWEN3_SLIDING, "head_dim": 16}, 5, [None, None, 5]),
+    # Mixtral-8x7B-v0.1 declares no window, Qwen3-30B-A3B none (use_sliding_window false): every layer or none
+    "mixtral": ({**MIXTRAL, "sliding_window": None}, None, [None, None, None]),
+    "mixtral_16": ({**MIXTRAL, "sliding_window": None}, 16, [16, 16, 16]),
+    "mixtral_window": ({**MIXTRAL, "sliding_window": 8}, None, [8, 8, 8]),
+    "mixtral_window_off": ({**MIXTRAL, "sliding_window": 8}, 0, [None, None, None]),
+    "qwen3_moe": (QWEN3_MOE, None, [None, None, None]),
+    "qwen3_moe_16": (QWEN3_MOE, 16, [16, 16, 16]),
+    "qwen3_moe_sliding": ({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}, None, [8, 8, 8]),
+    "qwen3_moe_sliding_off": ({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}, 0, [None] * 3),
 }
 # random init: (model.family, model.sliding_window, windows)
 RANDOM_INIT = {
@@ -81,6 +99,10 @@ RANDOM_INIT = {
     "qwen2_16": ("qwen2", 16, [16, 16, 16]),
     "qwen3": ("qwen3", None, [None, None, None]),
     "qwen3_16": ("qwen3", 16, [16, 16, 16]),
+    "mixtral": ("mixtral", None, [None, None, None]),  # not transformers' default 4096
+    "mixtral_16": ("mixtral", 16, [16, 16, 16]),
+    "qwen3_moe": ("qwen3_moe", None, [None, None, None]),
+    "qwen3_moe_16": ("qwen3_moe", 16, [16, 16, 16]),
 }
 
 _received: dict[int, int | None] = {}
@@ -145,17 +167,47 @@ def test_random_init_layers_get_their_window(case: str, tmp_path: Path) -> None:
     assert_windows(config, expected, tmp_path)
 
 
-def test_qwen3_has_q_and_k_norms() -> None:
-    config = model_config(job(["model.family=qwen3"]).model, VOCAB)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_has_q_and_k_norms(family: str) -> None:
+    config = model_config(job([f"model.family={family}"]).model, VOCAB)
     names = {name for name, _ in AutoModelForCausalLM.from_config(config).named_parameters()}
     assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= names
 
 
 # refused: (config.json fields, or None for random init with the overrides; overrides; world size; message parts)
 REFUSED = {
-    "gemma2": ({"model_type": "gemma2"}, [], 1, ["is a 'gemma2' model", "soft-caps", "llama, mistral, qwen2, qwen3"]),
-    "mixtral": ({"model_type": "mixtral"}, [], 1, ["is a 'mixtral' model", "mixture-of-experts"]),
-    "qwen3_moe": ({"model_type": "qwen3_moe"}, [], 1, ["is a 'qwen3_moe' model", "mixture-of-experts"]),
+    "gemma2": (
+        {"model_type": "gemma2"},
+        [],
+        1,
+        ["is a 'gemma2' model", "soft-caps", "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"],
+    ),
+    "qwen2_moe": ({"model_type": "qwen2_moe"}, [], 1, ["is a 'qwen2_moe' model", "mixture-of-experts"]),
+    "router_jitter": (
+        {**MIXTRAL, "router_jitter_noise": 0.1},
+        [],
+        1,
+        ["sets router_jitter_noise=0.1", "set router_jitter_noise to 0"],
+    ),
+    "router_loss_on_pipeline": (
+        None,
+        ["model.family=mixtral", "model.router_aux_loss_coef=0.01", "parallel.pp=3"],
+        3,
+        ["parallel.pp=3 with model.family='mixtral'", "set model.router_aux_loss_coef=0 or parallel.pp=1"],
+    ),
+    "router_loss_without_routers": (
+        None,
+        ["model.router_aux_loss_coef=0.01"],
+        1,
+        ["model.router_aux_loss_coef=0.01 for model.family='llama'", "without routers: set it to null"],
+    ),
+    "negative_router_loss": (QWEN3_MOE, ["model.router_aux_loss_coef=-1"], 1, ["must be >= 0 (or null"]),
+    "top_k_above_experts": (
+        None,
+        ["model.family=qwen3_moe", "model.num_experts=2", "model.experts_per_token=3"],
+        1,
+        ["routes each token to 3 of 2 experts", "model.experts_per_token between 1 and model.num_experts"],
+    ),
     "gemma3_text": ({"model_type": "gemma3_text"}, [], 1, ["is a 'gemma3_text' model", "own RoPE base"]),
     "phi3": ({"model_type": "phi3"}, [], 1, ["is a 'phi3' model", "longrope"]),
     "random_init_family": (None, ["model.family=gpt2"], 1, ["model.family='gpt2' is a 'gpt2' model"]),
