@@ -4,9 +4,10 @@
 every check of the job against that model, and where the weights come from. ``build_model`` then puts the model
 on the job's mesh (``ParallelDims.build_mesh``), applying parallelism in one fixed order:
 
-    empty model (meta) -> LoRA adapters (model.lora) -> USP attention -> pipeline stages -> chunked MLP
-    -> activation checkpointing (training) -> FSDP over dp_cp (parameters in host memory with parallel.cpu_offload)
-    -> weights, one full tensor at a time
+    empty model (meta) -> LoRA adapters (model.lora) -> USP attention -> experts (a mixture of experts: lctrain's
+    experts implementation, spread over parallel.ep ranks) -> pipeline stages -> chunked MLP
+    -> activation checkpointing (training) -> FSDP over dp_cp, the experts over the ranks holding the same ones
+    (parameters in host memory with parallel.cpu_offload) -> weights, one full tensor at a time
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.parallel.dims import flat_mesh
+from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import PipelineStageModule, StageLoss, apply_pipeline, merge_stages
+from lctrain.rules import num_experts
 from lctrain.runtime import resolve_dtype
 
 
@@ -108,6 +111,13 @@ def build_model(
         device=device,
         dtype=resolve_dtype(parallel.param_dtype, device),
     )
+    # as torchtitan: experts placed before the pipeline cuts the model and FSDP shards what each rank holds
+    experts_mesh = None
+    if num_experts(prepared.config):
+        if parallel.ep > 1:
+            experts_mesh = ParallelDims.from_config(parallel).build_expert_mesh(mesh)
+        kernel = expert_kernel(device, resolve_dtype(parallel.param_dtype, device))
+        apply_expert_parallel(model, None if experts_mesh is None else experts_mesh["ep"], kernel)
     if parallel.pp > 1:
         assert stage_loss is not None, "a pipeline's last stage computes the loss: pass stage_loss"
         stages = apply_pipeline(
@@ -138,6 +148,7 @@ def build_model(
             reduce_dtype=resolve_dtype(parallel.reduce_dtype, device),
             reshard_after_forward=parallel.pp == 1,
             cpu_offload=parallel.cpu_offload,
+            experts_mesh=None if experts_mesh is None else experts_mesh["efsdp"],
         )
         materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)

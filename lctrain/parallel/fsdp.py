@@ -8,6 +8,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PreTrainedModel
 
+from lctrain.parallel.expert import experts_modules
+
 
 def apply_fsdp(
     model: PreTrainedModel | nn.Module,
@@ -17,6 +19,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` (a Hugging Face model, or one ``PipelineStageModule``) in place over the 1-D ``mesh``
     (``dp_cp``): one all-gather unit per decoder layer, and the root (embeddings, final norm, LM head).
@@ -39,6 +42,11 @@ def apply_fsdp(
     trainable ones in fp32, both in the same units: FSDP2 gathers a unit's parameters in ``param_dtype`` and
     reduce-scatters only the gradients that exist, so frozen weights cost no gradient, no reduction and no
     optimizer state.
+
+    ``experts_mesh`` (expert parallelism, ``parallel.ep > 1``): the ``efsdp`` mesh of the ranks holding the same
+    experts (``lctrain.parallel.expert``). Each experts module (its weights DTensors over the EP mesh) is then its own
+    FSDP unit over that mesh, inside its layer's: the gradient reduce-scatter of an expert sums over the ranks
+    holding it, after the all-to-all's backward has summed it over the EP group.
     """
     for param in model.parameters():
         if not param.requires_grad:  # a frozen weight (LoRA's base) is kept in the compute dtype: never updated
@@ -50,6 +58,10 @@ def apply_fsdp(
     for index, layer in enumerate(layers):
         # the last layer is all-gathered again at once for the backward: keep it unsharded after the forward
         reshard = reshard_after_forward and index < len(layers) - 1
+        for experts in experts_modules(layer) if experts_mesh is not None else ():
+            fully_shard(
+                experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload
+            )
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     for module in model.modules():

@@ -43,16 +43,24 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip gradients by their global L2 norm and return it (the same on every rank): over every FSDP shard
     (DTensor) and, with pipeline stages, over ``pp_group`` (each stage holds different parameters).
-    ``max_norm=None`` only measures."""
+    ``max_norm=None`` only measures. Gradients on different meshes (the experts' under expert parallelism,
+    ``lctrain.parallel.expert``) are measured and clipped one mesh at a time."""
     params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for param in params:
+        by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_group is not None:
         norm = norm**2
         dist.all_reduce(norm, group=pp_group)
         norm = norm.sqrt()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 
