@@ -119,9 +119,9 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
     if model.moe:
         lines.insert(
             -1,
-            f"# Experts: {model.experts} per layer, {model.experts // lay.ep} on each GPU (ep {lay.ep}); "
-            f"{_count(model.num_params)} parameters, {_count(model.active_params)} active per token; expert "
-            f"all-to-alls {plan.time.expert_s:.3g} s per step.",
+            f"# Experts: {model.experts} per layer, {model.experts // lay.ep} per GPU (ep {lay.ep}); "
+            f"{_count(model.active_params)} of {_count(model.num_params)} parameters active; all-to-alls "
+            f"{plan.time.expert_s:.3g} s/step.",
         )
     if model.path is not None:
         lines += ["defaults:", "  - override /model: hf", "", "model:", f"  path: {model.path}"]

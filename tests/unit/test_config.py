@@ -395,12 +395,44 @@ LLAMA31_8B_INSTRUCT = {
         "rope_type": "llama3",
     },
 }
+# Qwen3-30B-A3B and Mixtral-8x7B-v0.1, mixtures of experts, as published (the fields lctrain reads)
+QWEN3_30B_A3B = {
+    **QWEN3_8B,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "max_window_layers": 48,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+MIXTRAL_8X7B_V01 = {
+    **MISTRAL_7B_V01,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.02,
+}
 CHECKPOINTS = {
     "/models/Meta-Llama-3-8B": LLAMA3_8B,
     "/models/Meta-Llama-3-8B-Instruct": LLAMA3_8B,
     "/models/Llama-3.1-8B-Instruct": LLAMA31_8B_INSTRUCT,
     "/models/Qwen3-8B": QWEN3_8B,
     "/models/Mistral-7B-v0.1": MISTRAL_7B_V01,
+    "/models/Qwen3-30B-A3B": QWEN3_30B_A3B,
+    "/models/Mixtral-8x7B-v0.1": MIXTRAL_8X7B_V01,
 }
 SBATCH_GPUS = re.search(r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm/train.sbatch").read_text())
 

@@ -111,3 +111,35 @@ def test_degrees_the_search_tries_and_refuses() -> None:
     assert any("parallel.ep=16 does not divide the model's 8 experts" in problem for problem in problems)
     plans = plan_layouts(MIXTRAL, HARDWARE["h100"], work, mesh=(1, 2, 1, 8))
     assert [plan.layout.ep for plan in plans] == [1, 2, 4, 8]
+
+
+MOE_RECIPES = ("qwen3_30b_a3b_128k", "qwen3_30b_a3b_1m", "mixtral_8x7b_32k")
+
+
+@pytest.mark.parametrize("name", MOE_RECIPES)
+def test_moe_recipes_carry_the_planners_memory_and_layout(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command a MoE recipe's header quotes recommends the recipe's mesh, and predicts the memory it states."""
+    import json
+    import re
+    import shlex
+
+    from lctrain.config import RECIPE_DIR, load_config
+    from lctrain.planner import main
+
+    header = " ".join(
+        line[2:] for line in (RECIPE_DIR / f"{name}.yaml").read_text().splitlines() if line.startswith("# ")
+    )
+    command = re.search(r"`python -m lctrain plan ([^`]+)`", header).group(1)
+    stated = float(re.search(r"Expected memory per GPU: ([\d.]+) GiB", header).group(1))
+    main([*shlex.split(command), "--json"])
+    recommended = json.loads(capsys.readouterr().out)["recommended"]
+    assert round(recommended["memory_gib"]["total"], 1) == stated
+    parallel = load_config([f"recipe={name}"]).parallel
+    layout = recommended["layout"]
+    assert [layout[axis] for axis in ("pp", "dp", "ring", "ulysses", "ep")] == [
+        parallel.pp, parallel.dp, parallel.ring, parallel.ulysses, parallel.ep
+    ]  # fmt: skip
+    assert (layout["ac"], layout["ac_every"] if layout["ac"] == "selective" else None) == (
+        parallel.activation_checkpointing,
+        parallel.ac_every if parallel.activation_checkpointing == "selective" else None,
+    )
