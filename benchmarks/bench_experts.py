@@ -1,0 +1,167 @@
+"""Mixture-of-experts layers: lctrain's experts implementation against transformers' own at world size 1, and expert
+parallelism against none on 4 ranks, on CPU.
+
+    python -m benchmarks.bench_experts                  # both parts, about 3 minutes on 2 cores
+    python -m benchmarks.bench_experts --part single --seq 4096
+
+- ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
+  ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
+  default experts implementation (``grouped_mm``), its ``eager`` loop over experts, and lctrain's
+  (``lctrain.parallel.expert``) with each local kernel and with the one ``expert_kernel`` picks for this CPU. The same
+  weights and rows on every side; steps taken in turn (A, B, C, ..., then again) so that drift in the machine's load
+  hits them alike; the median step time and its ratio to transformers' default.
+- ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
+  on every rank (``ep`` 1) and spread over 2 and 4 ranks: the median step time, the expert weights each rank holds
+  and its peak resident memory during a step (the resident set's high-water mark from ``/proc``, reset before the
+  step: ``benchmarks/memory.py``). Without FSDP: each rank holds its experts whole, so the saving is the experts'
+  (E - E/ep)/E and the cost the all-to-alls (on one machine's loopback here, not a network).
+
+Figures are printed, never asserted; ``docs/benchmarks.md`` records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.memory import StepPeak
+from benchmarks.report import command, commit, machine_line, table
+from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
+from lctrain.testing import run_distributed
+
+MIB = 2**20
+VOCAB = 1024
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        vocab_size=VOCAB,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.expert_width,
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def step(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+    """One forward and backward; its wall time in seconds."""
+    start = time.perf_counter()
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def single(args: argparse.Namespace) -> str:
+    reference = build(args)
+    sides = {}
+    for name in ("grouped_mm", "eager"):
+        model = copy.deepcopy(reference)
+        model.set_experts_implementation(name)
+        sides[f"transformers {name}"] = model
+    chosen = expert_kernel(torch.device("cpu"), torch.float32)
+    for kernel in ("loop", "grouped_mm"):
+        model = copy.deepcopy(reference)
+        apply_expert_parallel(model, None, kernel)
+        sides[f"lctrain {kernel}" + (" (chosen here)" if kernel == chosen else "")] = model
+    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for index in range(args.warmup + args.steps):
+        for name, model in sides.items():
+            elapsed = step(model, input_ids)
+            if index >= args.warmup:
+                times[name].append(elapsed)
+    base = statistics.median(times["transformers grouped_mm"])
+    rows = [
+        [name, f"{statistics.median(t) * 1e3:.0f}", f"{statistics.median(t) / base:.2f}"] for name, t in times.items()
+    ]
+    return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows)
+
+
+def ep_rank(args: argparse.Namespace, ep: int) -> dict[str, float]:
+    """On each of the 4 ranks: build, spread the experts over ``ep`` ranks, time ``args.steps`` steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    model = build(args)
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep")) if ep > 1 else None
+    apply_expert_parallel(model, None if mesh is None else mesh["ep"], "loop")
+    experts = sum(
+        p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
+        for name, p in model.named_parameters()
+        if name.endswith(("gate_up_proj", "down_proj"))
+    )
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=gen)
+    times, peaks = [], []
+    for index in range(args.warmup + args.steps):
+        dist.barrier()
+        with StepPeak(torch.device("cpu")) as peak:
+            elapsed = step(model, input_ids)
+        if index >= args.warmup:
+            times.append(elapsed)
+            peaks.append(peak.peak)
+    return {"step_s": statistics.median(times), "experts_bytes": experts, "peak_bytes": max(peaks)}
+
+
+def expert_parallel(args: argparse.Namespace) -> str:
+    rows, base = [], None
+    for ep in (1, 2, 4):
+        ranks = run_distributed(ep_rank, 4, args, ep)
+        step_s = max(rank["step_s"] for rank in ranks)  # the slowest rank sets the pace
+        base = base or step_s
+        rows.append(
+            [
+                str(ep),
+                f"{step_s * 1e3:.0f}",
+                f"{step_s / base:.2f}",
+                f"{ranks[0]['experts_bytes'] / MIB:.1f}",
+                f"{max(rank['peak_bytes'] for rank in ranks) / MIB:.0f}",
+            ]
+        )
+    header = ["ep", "step ms (slowest rank)", "vs ep 1", "expert weights per rank MiB", "peak RSS per rank MiB"]
+    return table(header, rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_experts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("single", "ep", "all"), default="all")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--expert-width", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"{command()}\ncommit {commit()}, {date.today()}, {machine_line()}")
+    print(
+        f"Qwen3-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.expert_width}, "
+        f"top {args.top_k}; {args.seq} tokens a row, fp32, one thread per process\n"
+    )
+    if args.part in ("single", "all"):
+        print(single(args) + "\n")
+    if args.part in ("ep", "all"):
+        print("4 ranks, one row each:\n" + expert_parallel(args))
+
+
+if __name__ == "__main__":
+    main()
