@@ -158,6 +158,16 @@ def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
     return ModelSpec(name, hidden, inter, layers, heads, kv, vocab, kw.pop("head_dim", hidden // heads), **kw)
 
 
+def _moe(
+    name: str, hidden: int, layers: int, heads: int, kv: int, vocab: int, experts: int, k: int, width: int, **kw
+) -> ModelSpec:
+    """A mixture of experts: ``experts`` of ``width`` per layer, ``k`` per token (RoPE base 1e6, as all four)."""
+    moe = {"experts": experts, "experts_per_token": k, "expert_intermediate": width, "rope_theta": 1e6}
+    return _named(name, hidden, width, layers, heads, kv, vocab, **moe, **kw)
+
+
+QWEN3_MOE = {"head_dim": 128, "family": "qwen3_moe", "qk_norm": True}
+
 # Published sizes (the models' config.json files; mistral-7b is v0.1, with its 4,096-token window on every layer;
 # mixtral-8x7b is v0.1, without a window).
 # `tiny` is recipe tiny_cpu with the default tokenizer.
@@ -174,66 +184,10 @@ NAMED_MODELS = {
         _named("mistral-7b", 4096, 14336, 32, 32, 8, 32000, family="mistral", rope_theta=10000.0, windows=(4096,) * 32),
         _named("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, family="qwen2", qkv_bias=True, rope_theta=1e6),
         _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
-        _named(
-            "qwen3-30b-a3b",
-            2048,
-            6144,
-            48,
-            32,
-            4,
-            151936,
-            head_dim=128,
-            family="qwen3_moe",
-            qk_norm=True,
-            rope_theta=1e6,
-            experts=128,
-            experts_per_token=8,
-            expert_intermediate=768,
-        ),
-        _named(
-            "qwen3-235b-a22b",
-            4096,
-            12288,
-            94,
-            64,
-            4,
-            151936,
-            head_dim=128,
-            family="qwen3_moe",
-            qk_norm=True,
-            rope_theta=1e6,
-            experts=128,
-            experts_per_token=8,
-            expert_intermediate=1536,
-        ),
-        _named(
-            "mixtral-8x7b",
-            4096,
-            14336,
-            32,
-            32,
-            8,
-            32000,
-            family="mixtral",
-            rope_theta=1e6,
-            experts=8,
-            experts_per_token=2,
-            expert_intermediate=14336,
-        ),
-        _named(
-            "mixtral-8x22b",
-            6144,
-            16384,
-            56,
-            48,
-            8,
-            32768,
-            family="mixtral",
-            rope_theta=1e6,
-            experts=8,
-            experts_per_token=2,
-            expert_intermediate=16384,
-        ),
+        _moe("qwen3-30b-a3b", 2048, 48, 32, 4, 151936, 128, 8, 768, **QWEN3_MOE),
+        _moe("qwen3-235b-a22b", 4096, 94, 64, 4, 151936, 128, 8, 1536, **QWEN3_MOE),
+        _moe("mixtral-8x7b", 4096, 32, 32, 8, 32000, 8, 2, 14336, family="mixtral"),
+        _moe("mixtral-8x22b", 6144, 56, 48, 8, 32768, 8, 2, 16384, family="mixtral"),
     )
 }
 
