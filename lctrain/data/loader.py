@@ -1,8 +1,9 @@
 """The streaming packed loader: dp-sharded sources -> tokenize (texts) or render and mask (conversations) -> draw by
 weight -> pack -> micro-batches -> context-parallel shard.
 
-Resuming is exact. The state is, per dp rank: for each source its ``epoch`` and ``document`` (the items of that
-epoch consumed: ``lctrain.data.mixture``) and the counts of records it skipped; the mixture's ``draws``; and the
+Resuming is exact. The state is, per dp rank: for each source its ``epoch``, ``document`` and ``part`` (the items
+of that epoch consumed, and the documents of the next one, a conversation rendered per turn: ``lctrain.data.mixture``)
+and its counts (records skipped, conversations rendered per turn, turns left out); the mixture's ``draws``; and the
 ``offset`` (tokens of the next document already emitted; the positions of a partly emitted document continue from
 it). All plain ints and lists, so json or torch.save it; with one source it keeps the flat form it had before
 mixtures (``epoch``, ``document``, ``offset``), so older checkpoints resume. ``load_state_dict`` re-opens each
@@ -27,8 +28,9 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.attention import SequencePlace
-from lctrain.data.chat import TRAIN_ON, ChatEncoder, parse_conversation
-from lctrain.data.mixture import Encoded, Item, Mixture, SourceStream
+from lctrain.data.chat import TRAIN_ON, ChatEncoder, Conversation, parse_conversation
+from lctrain.data.chat_turns import TurnSettings
+from lctrain.data.mixture import COUNTS, Encoded, Item, Mixture, SourceStream
 from lctrain.data.packing import Document, PackedRow, Packer
 from lctrain.data.sources import DATA_FORMATS, DocumentSource, embedded_files, resolve_paths
 from lctrain.data.tokenizer import load_tokenizer, tokenize_documents
@@ -74,6 +76,10 @@ class DataConfig:
     chat_template: str | None = None  # a Jinja chat template file; None = the tokenizer's own
     train_on: str = "assistant"  # chat tokens with loss: assistant (every assistant turn), last_assistant or all
     overlong: str = "drop"  # a conversation longer than seq_len: drop (counted in the log), truncate or error
+    # a conversation whose whole rendering is not what the model sees at inference for a trained turn: expand (one
+    # document per such turn, counted), last_turn (only the last trained turn) or error
+    divergent_turns: str = "expand"
+    unreachable_turns: str = "error"  # a turn no generation prompt leads to (reasoning templates): error or skip
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture, drawn by weight; [] = paths/dataset
     val_sources: list[SourceConfig] = field(default_factory=list)  # held-out data scored every train.val_every steps
 
@@ -104,6 +110,7 @@ def check_data_config(config: DataConfig) -> None:
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    _turn_settings(config)
     if config.sources and (config.paths or config.dataset):
         raise ValueError(
             "data.sources and data.paths (or data.dataset) are both set: list every source in data.sources "
@@ -148,7 +155,9 @@ def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     for index, source in enumerate(train + val):
         opened = _open_source(source, config)
         if opened.format == "chat":
-            encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, source=index)
+            encoder = ChatEncoder(
+                tokenizer, template=template, train_on=config.train_on, turns=_turn_settings(config), source=index
+            )
             record, where = next(opened.records(0))
             encoder.encode([parse_conversation(record, where)])
     for source in val:
@@ -165,6 +174,10 @@ def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
                     f"data.val_sources {source.name!r}: {what} is also training data ({other.name!r}); validate on "
                     f"held-out files (the embedded corpus: split validation)"
                 )
+
+
+def _turn_settings(config: DataConfig) -> TurnSettings:
+    return TurnSettings(config.divergent_turns, config.unreachable_turns)
 
 
 def _template(config: DataConfig) -> str | None:
@@ -231,7 +244,9 @@ class PackedLoader:
         self._sources = [_open_source(source, config, dp_rank, dp_size) for source in self._configs]
         template = _template(config)
         self._encoders = [
-            ChatEncoder(self.tokenizer, template=template, train_on=config.train_on, source=index)
+            ChatEncoder(
+                self.tokenizer, template=template, train_on=config.train_on, turns=_turn_settings(config), source=index
+            )
             if source.format == "chat"
             else None
             for index, source in enumerate(self._sources)
@@ -242,7 +257,7 @@ class PackedLoader:
             "dp_size": dp_size,
             "draws": 0,
             "offset": 0,
-            "sources": [{"epoch": 0, "document": 0, "overlong": 0, "untrained": 0} for _ in self._sources],
+            "sources": [{"epoch": 0, "document": 0, "part": 0, **dict.fromkeys(COUNTS, 0)} for _ in self._sources],
         }
 
     def _items(self, index: int, epoch: int) -> Iterator[Item]:
@@ -253,33 +268,39 @@ class PackedLoader:
         return [Document(tokens, source=index) for tokens in tokenize_documents(self.tokenizer, texts)]
 
     def _encode_chats(self, index: int, records: list[tuple[str, str]]) -> list[Encoded]:
-        """Conversations -> documents; a conversation longer than a row is dropped, cut or an error
-        (``data.overlong``), one without a trained token skipped."""
-        seq_len, overlong = self.config.seq_len, self.config.overlong
+        """Conversations -> documents (a divergent conversation: several, with counts); a conversation longer than
+        a row is dropped, cut or an error (``data.overlong``), one without a trained token skipped."""
         conversations = [parse_conversation(record, where) for record, where in records]
         encoded: list[Encoded] = []
-        for conversation, document in zip(conversations, self._encoders[index].encode(conversations)):
-            if len(document) > seq_len:
-                if overlong == "error":
-                    raise ValueError(
-                        f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
-                        f"data.seq_len={seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-                    )
-                if overlong == "drop":
-                    if not self._reported_overlong:
-                        logger.info(
-                            "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
-                            "(data.overlong=drop; the count is logged at the end)",
-                            conversation.where,
-                            len(document),
-                            seq_len,
-                        )
-                        self._reported_overlong = True
-                    encoded.append("overlong")
-                    continue
-                document = replace(document, tokens=document.tokens[:seq_len], trained=document.trained[:seq_len])
-            encoded.append(document if document.trained.any() else "untrained")
+        for conversation, parts in zip(conversations, self._encoders[index].encode(conversations)):
+            if isinstance(parts, list):
+                encoded.append([self._fitted(conversation, p) if isinstance(p, Document) else p for p in parts])
+            else:
+                encoded.append(self._fitted(conversation, parts))
         return encoded
+
+    def _fitted(self, conversation: Conversation, document: Document) -> Encoded:
+        """A conversation's document, or why it gives none."""
+        seq_len, overlong = self.config.seq_len, self.config.overlong
+        if len(document) > seq_len:
+            if overlong == "error":
+                raise ValueError(
+                    f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
+                    f"data.seq_len={seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
+                )
+            if overlong == "drop":
+                if not self._reported_overlong:
+                    logger.info(
+                        "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
+                        "(data.overlong=drop; the count is logged at the end)",
+                        conversation.where,
+                        len(document),
+                        seq_len,
+                    )
+                    self._reported_overlong = True
+                return "overlong"
+            document = replace(document, tokens=document.tokens[:seq_len], trained=document.trained[:seq_len])
+        return document if document.trained.any() else "untrained"
 
     def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor]]]:
         state = self._state
@@ -292,7 +313,8 @@ class PackedLoader:
                 dp_size=self.dp_size,
                 epoch=position["epoch"],
                 document=position["document"],
-                skipped={reason: position[reason] for reason in ("overlong", "untrained")},
+                part=position["part"],
+                skipped={reason: position[reason] for reason in COUNTS},
             )
             for index, (source, position) in enumerate(zip(self._sources, state["sources"]))
         ]
@@ -310,11 +332,7 @@ class PackedLoader:
                 "draws": documents.draws - in_progress,
                 "offset": rows.offset,
                 "sources": [
-                    {
-                        "epoch": stream.epoch,
-                        "document": stream.document - (in_progress and index == documents.last),
-                        **stream.skipped,
-                    }
+                    {**stream.position(in_progress and index == documents.last), **stream.skipped}
                     for index, stream in enumerate(streams)
                 ],
             }
@@ -330,17 +348,18 @@ class PackedLoader:
         return batch
 
     def skipped(self) -> dict[str, dict[str, int]]:
-        """Per source name, the records skipped so far by this dp rank: ``overlong`` (dropped, longer than a row)
-        and ``untrained`` (no trained token)."""
+        """Per source name, the counts so far of this dp rank: records skipped, ``overlong`` (dropped, longer than
+        a row) and ``untrained`` (no trained token); ``divergent`` conversations (rendered per turn) and
+        ``unreachable`` turns left out (``lctrain.data.chat_turns``)."""
         return {
-            name: {reason: position[reason] for reason in ("overlong", "untrained")}
+            name: {reason: position[reason] for reason in COUNTS}
             for name, position in zip(self.names, self._state["sources"])
         }
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts (after the last batch yielded); plain ints and lists, so json or torch.save
-        it. One source: ``epoch``, ``document``, ``offset`` and the skipped counts (the format from before
-        mixtures, plus the counts); several: ``draws``, ``offset`` and one such position per source."""
+        it. One source: ``epoch``, ``document``, ``part``, ``offset`` and the counts (the format from before
+        mixtures, plus those); several: ``draws``, ``offset`` and one such position per source."""
         state = self._state
         if len(self._sources) == 1:
             position = state["sources"][0]
@@ -366,7 +385,7 @@ class PackedLoader:
             "draws": int(state.get("draws", 0)),
             "offset": int(state["offset"]),
             "sources": [
-                {key: int(position.get(key, 0)) for key in ("epoch", "document", "overlong", "untrained")}
+                {key: int(position.get(key, 0)) for key in ("epoch", "document", "part", *COUNTS)}
                 for position in positions
             ],
         }
