@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ logger = logging.getLogger("lctrain")
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+TOKENIZE_CHARACTERS = 4_000_000  # one tokenizer call: enough to share its threads, bounds its lists' memory
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 _FORMAT_HELP = (
     'give each record "messages": [{"role": ..., "content": ...}, ...] or a "prompt" and a "completion" (docs/data.md)'
@@ -244,13 +245,7 @@ class ChatEncoder:
             text = conversation.prompt + conversation.completion
             spans = None if self.train_on == "all" else ((len(conversation.prompt), len(text)),)
             plans.append([TrainedText(text, spans)])
-        texts = [part.text for plan in plans for part in plan if isinstance(part, TrainedText)]
-        encoded = (
-            self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-            if texts
-            else {"input_ids": [], "offset_mapping": []}
-        )
-        tokenized = iter(zip(encoded["input_ids"], encoded["offset_mapping"]))
+        tokenized = self._tokenized([part.text for plan in plans for part in plan if isinstance(part, TrainedText)])
         documents: list[Document | list[Document | str]] = []
         for conversation, plan in zip(conversations, plans):
             parts: list[Document | str] = []
@@ -259,7 +254,6 @@ class ChatEncoder:
                     parts.append(part)
                     continue
                 ids, offsets = next(tokenized)
-                offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
                 trained = np.ones(len(ids), dtype=bool) if part.spans is None else token_mask(offsets, part.spans)
                 if conversation.messages is None:
                     ids = [self.tokenizer.bos_token_id, *ids, self.tokenizer.eos_token_id]
@@ -267,6 +261,22 @@ class ChatEncoder:
                 parts.append(self._document(ids, trained))
             documents.append(parts[0] if len(parts) == 1 else parts)
         return documents
+
+    def _tokenized(self, texts: list[str]) -> Iterator[tuple[list[int], np.ndarray]]:
+        """Each text's token ids and character offsets ``[n, 2]``, in tokenizer calls of up to
+        ``TOKENIZE_CHARACTERS`` characters (a conversation rendered once per turn is turns x its length)."""
+        start = 0
+        while start < len(texts):
+            stop, characters = start, 0
+            while stop < len(texts) and (stop == start or characters + len(texts[stop]) <= TOKENIZE_CHARACTERS):
+                characters += len(texts[stop])
+                stop += 1
+            encoded = self.tokenizer(
+                texts[start:stop], add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
+            )
+            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"]):
+                yield ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+            start = stop
 
     def _document(self, ids: Sequence[int], trained: np.ndarray) -> Document:
         trained = torch.from_numpy(np.ascontiguousarray(trained, dtype=bool))

@@ -21,23 +21,11 @@ from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, PackedLoader, load_tokenizer, parse_conversation
 from lctrain.data.chat_turns import DIVERGENT, UNREACHABLE, TurnSettings
 from lctrain.data.packing import Document
+from tests.helpers.corpus import REASONING_TEMPLATE
 from tests.unit.test_data_chat import CONVERSATION, PLAIN_CHATML, assert_document
 
 GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-# Qwen3: an assistant turn after the last user message keeps its reasoning, the earlier ones lose it
-REASONING = (
-    "{{- bos_token -}}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
-    "{%- if m['role'] == 'assistant' and '</think>' in m['content'] and loop.index0 < ns.last_user -%}"
-    "{{- m['content'].split('</think>')[-1].lstrip('\\n') -}}"
-    "{%- else -%}{{- m['content'] -}}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}" + GENERATION_PROMPT
-)
+REASONING = REASONING_TEMPLATE  # Qwen3: the turns before the last user message lose their reasoning
 # Phi-3.5: the EOS after the last message when no generation prompt is asked for
 EOS_APPENDED = PLAIN_CHATML.replace(
     GENERATION_PROMPT, GENERATION_PROMPT.replace("{%- endif -%}", "{%- else -%}{{- eos_token -}}{%- endif -%}")
