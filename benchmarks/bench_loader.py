@@ -2,7 +2,7 @@
 text and for conversations.
 
     python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
-        [--chat-rows 300] [--long-conversations 4] [--expanded-conversations 2] [--default-job-steps 12]
+        [--chat-rows 300] [--long-conversations 4] [--expanded-conversations 1] [--default-job-steps 12]
 
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
     parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
     parser.add_argument(
-        "--expanded-conversations", type=int, default=2, help="~126K-token conversations rendered once per turn"
+        "--expanded-conversations", type=int, default=1, help="~126K-token conversations rendered once per turn"
     )
     parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
