@@ -132,6 +132,15 @@ class TurnSettings:
 DEFAULT_TURNS = TurnSettings()
 
 
+def _last_turn_fix(render: Render, messages: Sequence[dict[str, Any]], turns: Sequence[int], whole: str) -> str:
+    """``data.train_on=last_assistant`` named as a fix when the whole rendering holds the last turn as at inference."""
+    try:
+        works = inference_turn(render, messages, turns[-1]).agrees(whole)
+    except UnreachableTurn:
+        works = False
+    return ", or data.train_on=last_assistant" if works else ""
+
+
 def plan_turns(
     render: Render,
     messages: Sequence[dict[str, Any]],
@@ -162,7 +171,7 @@ def plan_turns(
             raise ValueError(
                 f"{where}: messages[{index}] (assistant) cannot follow its generation prompt: {error}; set "
                 f"data.unreachable_turns=skip to leave such turns out (counted), or data.chat_template to a template "
-                f"that writes each turn after its generation prompt"
+                f"that writes each turn after its generation prompt" + _last_turn_fix(render, messages, turns, whole)
             ) from None
         reachable.append(turn)
         if not turn.agrees(whole):
@@ -176,11 +185,10 @@ def plan_turns(
         return [*counts, TrainedText(whole, tuple(agreeing))]
     if settings.divergent == "error":
         turn = divergent[0]
-        last_works = reachable[-1].index == turns[-1] and reachable[-1] not in divergent
         raise ValueError(
             f"{where}: messages[{turn.index}] (assistant) is not written in the whole conversation as after its "
             f"generation prompt ({difference(whole, turn.prompt + turn.completion)}); set data.divergent_turns=expand "
-            f"(one document per such turn) or last_turn" + (", or data.train_on=last_assistant" if last_works else "")
+            f"(one document per such turn) or last_turn" + _last_turn_fix(render, messages, turns, whole)
         )
     if settings.divergent == "last_turn":
         return [DIVERGENT, *counts, reachable[-1].text]

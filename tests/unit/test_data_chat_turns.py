@@ -185,6 +185,15 @@ def test_a_turn_the_generation_prompt_cannot_reach(tokenizer) -> None:  # noqa: 
     message = str(error.value)
     assert message.startswith("chat.jsonl:3: messages[2] (assistant) cannot follow its generation prompt")
     assert "<think>" in message and "data.unreachable_turns=skip" in message and "data.chat_template" in message
+    assert "last_assistant" not in message  # the last turn is unreachable too
+    reasoned_last = [*CONVERSATION[:4], THINKING[4]]
+    with pytest.raises(ValueError, match=r"messages\[2\] .* or data.train_on=last_assistant$"):
+        encode(tokenizer, OPENS_THINK, {"messages": reasoned_last})
+    only_last = (
+        history(CONVERSATION[:2]) + turn("assistant", CONVERSATION[2]["content"]) + history(CONVERSATION[3:4])[1:]
+    )
+    only_last += [("<|im_start|>assistant\n<think>\n", False), (f"{WHY[1]}A2<|im_end|>", True), ("\n", False)]
+    assert_document(tokenizer, encode(tokenizer, OPENS_THINK, {"messages": reasoned_last}, "last_assistant"), only_last)
     skipped = encode(tokenizer, OPENS_THINK, {"messages": CONVERSATION}, unreachable="skip")
     assert skipped[:2] == [UNREACHABLE, UNREACHABLE] and len(skipped) == 3 and not skipped[2].trained.any()
     turn_2 = history(THINKING[:2]) + [("<|im_start|>assistant\n<think>\n", False), (f"{WHY[0]}A1<|im_end|>", True)]
