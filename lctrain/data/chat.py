@@ -178,8 +178,8 @@ class ChatEncoder:
 
     def _render(
         self, conversation: Conversation, messages: list[dict[str, Any]], generation_prompt: bool, marks: bool = False
-    ) -> Any:  # noqa: ANN401
-        """The text (``marks``: and its ``{% generation %}`` character spans)."""
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The text and (``marks``) its ``{% generation %}`` character spans, else []."""
         try:
             texts, runs = render_jinja_template(
                 [messages],
@@ -193,7 +193,7 @@ class ChatEncoder:
                 f"{conversation.where}: the chat template ({self.template_name}) raised "
                 f"{type(error).__name__}: {error}; fix the record or the template"
             ) from None
-        return (texts[0], runs[0]) if marks else texts[0]
+        return texts[0], runs[0] if marks else []
 
     def _trained_turns(self, conversation: Conversation) -> list[int]:
         messages = conversation.messages
@@ -204,11 +204,10 @@ class ChatEncoder:
         """The texts that train the conversation, with the counts among them (``plan_turns``)."""
         messages = conversation.messages
         if self.train_on == "all":
-            return [TrainedText(self._render(conversation, messages, False), None)]
+            return [TrainedText(self._render(conversation, messages, False)[0], None)]
         turns = self._trained_turns(conversation)
-        whole, runs = self._render(conversation, messages, False, marks=self.marked), None
+        (whole, marked), runs = self._render(conversation, messages, False, marks=self.marked), None
         if self.marked:
-            whole, marked = whole
             assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
             if len(marked) != len(assistant):
                 raise ValueError(
@@ -218,7 +217,7 @@ class ChatEncoder:
             runs = [marked[assistant.index(k)] for k in turns]
 
         def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-            return self._render(conversation, messages, generation_prompt)
+            return self._render(conversation, messages, generation_prompt)[0]
 
         plan = plan_turns(render, messages, turns, self.turns, where=conversation.where, whole=whole, runs=runs)
         if DIVERGENT in plan and not self._reported_divergent:
@@ -235,7 +234,7 @@ class ChatEncoder:
     def encode(self, conversations: Sequence[Conversation]) -> list[Document | list[Document | str]]:
         """One ``Document`` per conversation (its ``trained`` mask may be all False: the caller skips it), or, for a
         divergent one or one with a turn left out, a list of documents and counts (``DIVERGENT``, ``UNREACHABLE``).
-        The texts rendered here are tokenized in one call."""
+        The texts rendered here are tokenized together (``_tokenized``)."""
         plans: list[list[TrainedText | str]] = []
         for conversation in conversations:
             if conversation.messages is not None:
