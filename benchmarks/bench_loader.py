@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.jobs import tiny_job
 from benchmarks.report import command, machine_line
 from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir, load_tokenizer
@@ -50,6 +49,7 @@ from lctrain.data.chat import parse_conversation
 from lctrain.data.packing import IGNORE_INDEX, Document, Packer
 from lctrain.data.tokenizer import CHAT_TEMPLATE
 from lctrain.testing import run_distributed
+from testbed.jobs import tiny_job
 
 LONG_TURNS = 200
 LONG_SEQ_LEN = 131072

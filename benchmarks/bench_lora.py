@@ -75,9 +75,9 @@ def timed_steps(specs: dict[str, list[str]], seq: int, warmup: int, steps: int, 
         batch = packed_batch(random_rows(lctrain.hf_config.vocab_size, 1, seq, index // 2), None, lctrain.shard)
         dist.barrier()
         started = time.perf_counter()
-        lctrain.trainer.forward_backward([batch])
+        step = lctrain.trainer.forward_backward([batch])
         middle = time.perf_counter()
-        lctrain.trainer.optimizer_step().item()
+        lctrain.trainer.optimizer_step(step.trained).item()
         ended = time.perf_counter()
         if index >= 2 * warmup:
             times[side].append((middle - started, ended - middle))

@@ -26,13 +26,13 @@ Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, 
   and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
 - *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
 
-Per link rate and shape, the planner's prediction: ``lctrain.probe.measure`` runs in the same ranks on the limited
-link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
+Per link rate and shape, the planner's prediction: ``lctrain.planner.probe.measure`` runs in the same ranks on the
+limited link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
 does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
 equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
 transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
 b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
-(``ring.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
+(``transport.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
 two passes' knees is the ring's. The waits show where the ring itself stops waiting.
 
 Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
@@ -176,7 +176,7 @@ def set_limit(rate: str | None) -> None:
     """Every rank limits what its host sends (namespace hosts only), then all wait for each other."""
     import torch.distributed as dist
 
-    from benchmarks.hosts import limit_link
+    from testbed.hosts import limit_link
 
     if os.environ.get(LINK):
         limit_link(os.environ[LINK], rate)
@@ -189,7 +189,7 @@ def worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from benchmarks import rings
-    from lctrain.probe import ProbeOptions, measure, write_hardware
+    from lctrain.planner.probe import ProbeOptions, measure, write_hardware
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -231,7 +231,7 @@ def worker(spec: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def ranks_on_hosts(ranks: int, work: Path, spec_path: Path, *, namespaces: bool) -> Iterator[list[subprocess.Popen]]:
     """``ranks`` worker processes, one per namespace host (or all on loopback), rendezvous on rank 0's address."""
-    from benchmarks.hosts import NetworkHosts
+    from testbed.hosts import NetworkHosts
 
     program = [sys.executable, "-m", "benchmarks.bench_ring_overlap", "--worker", str(spec_path)]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "MASTER_PORT": "29571"}
@@ -313,7 +313,7 @@ def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, i
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
     """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
     a·T²): b / (overlap · a) (module doc)."""
-    from lctrain.attention.ring import PIECES
+    from lctrain.attention.transport import PIECES
 
     overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
     result = {}
@@ -494,7 +494,7 @@ def main() -> None:
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
         return
-    from benchmarks.hosts import unavailable
+    from testbed.hosts import unavailable
 
     started = time.perf_counter()
     reason = unavailable()

@@ -18,9 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from lctrain.config import JobConfig, check_model_job
+from lctrain.config import JobConfig, ParallelConfig, check_model_job
 from lctrain.data import load_tokenizer
 from lctrain.models import (
+    LoraConfig,
     build_empty_model,
     materialize,
     model_config,
@@ -82,38 +83,39 @@ class BuiltModel:
 
 
 def build_model(
-    cfg: JobConfig,
     prepared: PreparedModel,
     mesh: DeviceMesh,
     device: torch.device,
     *,
+    parallel: ParallelConfig,
+    lora: LoraConfig,
     training: bool,
     stage_loss: StageLoss | None = None,
 ) -> BuiltModel:
-    """The model on ``mesh``, built in the order of the module docstring. With ``parallel.pp > 1``, ``stage_loss``
-    is the last stage's loss. ``training=False``: no activation checkpointing, modules in eval mode."""
-    par = cfg.parallel
+    """The model on ``mesh``, built in the order of the module docstring from the job's ``parallel`` section and
+    ``model.lora``. With ``parallel.pp > 1``, ``stage_loss`` is the last stage's loss. ``training=False``: no
+    activation checkpointing, modules in eval mode."""
     model = build_empty_model(prepared.config)
     num_params = sum(p.numel() for p in model.parameters())
     # first, on the empty model: peft's LoRA layers and trained copies; every later step sees ordinary modules
-    apply_lora(model, cfg.model.lora)
+    apply_lora(model, lora)
     patch_attention(
         model,
         ulysses_group=mesh.get_group("ulysses"),
         ring_group=mesh.get_group("ring"),
-        layout=par.layout,
-        kernel=par.attention_kernel,
+        layout=parallel.layout,
+        kernel=parallel.attention_kernel,
         device=device,
-        dtype=resolve_dtype(par.param_dtype, device),
+        dtype=resolve_dtype(parallel.param_dtype, device),
     )
-    if par.pp > 1:
+    if parallel.pp > 1:
         assert stage_loss is not None, "a pipeline's last stage computes the loss: pass stage_loss"
         stages = apply_pipeline(
             model,
             mesh["pp"],
-            schedule=par.pp_schedule,
-            stages_per_rank=par.pp_stages_per_rank,
-            split_points=par.pp_split_points,
+            schedule=parallel.pp_schedule,
+            stages_per_rank=parallel.pp_stages_per_rank,
+            split_points=parallel.pp_split_points,
             loss=stage_loss,
         )
         parts: list[nn.Module] = list(stages)
@@ -121,19 +123,22 @@ def build_model(
         stages, parts = [], [model]
     dp_cp = flat_mesh(mesh, "dp_cp")
     for part in parts:
-        apply_chunked_mlp(part.model.layers, par.mlp_chunk_tokens)
+        apply_chunked_mlp(part.model.layers, parallel.mlp_chunk_tokens)
         if training:
             apply_activation_checkpointing(
-                part.model.layers, par.activation_checkpointing, par.ac_every, offload=par.activation_offload
+                part.model.layers,
+                parallel.activation_checkpointing,
+                parallel.ac_every,
+                offload=parallel.activation_offload,
             )
         apply_fsdp(
             part,
             dp_cp,
-            param_dtype=resolve_dtype(par.param_dtype, device),
-            reduce_dtype=resolve_dtype(par.reduce_dtype, device),
-            reshard_after_forward=par.pp == 1,
-            cpu_offload=par.cpu_offload,
+            param_dtype=resolve_dtype(parallel.param_dtype, device),
+            reduce_dtype=resolve_dtype(parallel.reduce_dtype, device),
+            reshard_after_forward=parallel.pp == 1,
+            cpu_offload=parallel.cpu_offload,
         )
-        materialize(part, prepared.source, device, params_device=torch.device("cpu") if par.cpu_offload else None)
+        materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)
     return BuiltModel(merge_stages(stages) if stages else model, stages, num_params)

@@ -14,7 +14,7 @@ COMMANDS = {
     "train": "lctrain.train.trainer",
     "eval": "lctrain.eval.run",
     "plan": "lctrain.planner.cli",
-    "probe": "lctrain.probe",
+    "probe": "lctrain.planner.probe",
 }
 USAGE = (
     "usage: python -m lctrain train|eval [recipe=NAME] [section.field=value ...]   (under torchrun for several ranks)\n"

@@ -1,9 +1,7 @@
 """Exact distributed attention: ring, Ulysses and hybrid USP over blockwise (out, lse) kernels."""
 
 from lctrain.attention.layout import SequencePlace, shard_sequence, unshard_sequence
-from lctrain.attention.ring import ring_attention
-from lctrain.attention.ulysses import ulysses_attention
-from lctrain.attention.usp import usp_attention
+from lctrain.attention.usp import ring_attention, ulysses_attention, usp_attention
 
 __all__ = [
     "SequencePlace",

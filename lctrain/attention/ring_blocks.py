@@ -9,12 +9,19 @@ Offsets at which no rank computes anything are not steps at all: they cost no ti
 
 Query ``i`` sees key ``j`` (global positions) when both are in the same document (``cu_seqlens``), ``j <= i``
 (causal) and ``i - j < window`` (a sliding window of ``window`` keys, the query's own included: Hugging Face's
-``sliding_window``). Without documents or a window one block per step suffices (or none, where the causal mask
-hides the whole piece). Otherwise the plan pairs each local chunk with each chunk of the source and keeps, per
-document present in both, the rectangle that document occupies, clipped to the rows and columns the window
-reaches: a causal square when the two chunks are the same tokens, a full rectangle when the keys come earlier.
-A block the window boundary cuts carries ``window_left``, which the kernel applies as a band; blocks wholly
-inside the window stay plain, blocks wholly outside it are skipped.
+``sliding_window``). A document may also see a shared prefix (``doc_prefix``): every key of an earlier document,
+whose positions its own continue (a preference pair ``[prompt | chosen | rejected]``: both answers see the
+prompt, never each other). The window counts those positions: query ``i`` of document ``d`` sees key ``j`` of
+its prefix ``p`` when ``i - j - gap < window``, ``gap`` being the tokens between the end of ``p`` and the start
+of ``d`` (the chosen answer, for the rejected one).
+
+Without documents or a window one block per step suffices (or none, where the causal mask hides the whole
+piece). Otherwise the plan pairs each local chunk with each chunk of the source and keeps, per document present
+in the query chunk, the rectangle it occupies against its own tokens and against its prefix's in the key chunk,
+clipped to the rows and columns the window reaches: a causal square when the two chunks are the same tokens and
+the keys are the document's own, a full rectangle when the keys come earlier. A block the window boundary cuts
+carries ``window_left``, which the kernel applies as a band; blocks wholly inside the window stay plain, blocks
+wholly outside it are skipped, and so is every (query, key) pair of two documents that do not see each other.
 
 ``group_documents`` merges the document rectangles of a step that lie end to end (block-diagonal: the documents
 of a chunk against the same chunk) into one block with ``segments``, for kernels with a varlen mode: one kernel
@@ -113,13 +120,53 @@ def _dense_blocks(rank: int, source: int, piece_len: int, *, causal: bool, layou
     return [Block(slice(half, piece_len), everything, causal=False)]  # only the local second chunk sees the source
 
 
+def _rectangle(
+    queries: Chunk,
+    keys: Chunk,
+    rows: tuple[int, int],
+    seen: Sequence[int],
+    gap: int,
+    *,
+    causal: bool,
+    window: int | None,
+) -> Block | None:
+    """The block of queries ``rows`` (global ``[start, stop)``, inside ``queries``) against the keys ``seen`` that
+    lie in ``keys``, clipped to the window, or None when it is empty. ``gap``: how many more tokens apart a query
+    and a key are in the row than in positions (0 inside a document)."""
+    q_start, q_stop = rows
+    k_start, k_stop = max(seen[0], keys.start), min(seen[1], keys.stop)
+    window_left = None
+    if window is not None:
+        reach = window + gap  # the window in row order
+        q_stop = min(q_stop, k_stop - 1 + reach)  # later queries are window or more past every key
+        k_start = max(k_start, q_start - reach + 1)  # earlier keys are window or more before every query
+        if q_stop - 1 - k_start >= reach:  # the farthest pair left is out of the window: a band
+            window_left = reach - 1 - (q_start - k_start)
+    if q_start >= q_stop or k_start >= k_stop:
+        return None
+    return Block(
+        slice(queries.offset + q_start - queries.start, queries.offset + q_stop - queries.start),
+        slice(keys.offset + k_start - keys.start, keys.offset + k_stop - keys.start),
+        causal=causal,
+        window_left=window_left,
+    )
+
+
 def _chunk_blocks(
-    queries: Chunk, keys: Chunk, bounds: Sequence[int], *, causal: bool, window: int | None
+    queries: Chunk,
+    keys: Chunk,
+    bounds: Sequence[int],
+    prefixes: Sequence[int] | None,
+    *,
+    causal: bool,
+    window: int | None,
 ) -> list[Block]:
-    """One block per document present in both chunks (the same tokens or disjoint), clipped to the window.
+    """Per document present in the query chunk, its block against its own tokens and its block against its
+    prefix's (``prefixes``, None: no document has one) in the key chunk (the same tokens or disjoint), clipped to
+    the window.
 
     Cols index the source's piece. A window comes with a causal mask (checked by the callers), so the keys are
-    either the query chunk itself or all earlier.
+    either the query chunk itself or all earlier; a prefix comes wholly before its document.
     """
     same = queries.start == keys.start
     if causal and keys.start > queries.start:  # the keys all come later
@@ -128,24 +175,13 @@ def _chunk_blocks(
     first = bisect.bisect_right(bounds, queries.start) - 1
     last = bisect.bisect_right(bounds, queries.stop - 1) - 1
     for doc in range(first, last + 1):
-        doc_start, doc_stop = bounds[doc], bounds[doc + 1]
-        q_start, q_stop = max(doc_start, queries.start), min(doc_stop, queries.stop)
-        k_start, k_stop = max(doc_start, keys.start), min(doc_stop, keys.stop)
-        window_left = None
-        if window is not None:
-            q_stop = min(q_stop, k_stop - 1 + window)  # later queries are window or more past every key
-            k_start = max(k_start, q_start - window + 1)  # earlier keys are window or more before every query
-            if q_stop - 1 - k_start >= window:  # the farthest pair left is out of the window: a band
-                window_left = window - 1 - (q_start - k_start)
-        if q_start < q_stop and k_start < k_stop:
-            blocks.append(
-                Block(
-                    slice(queries.offset + q_start - queries.start, queries.offset + q_stop - queries.start),
-                    slice(keys.offset + k_start - keys.start, keys.offset + k_stop - keys.start),
-                    causal=causal and same,
-                    window_left=window_left,
-                )
-            )
+        rows = (max(bounds[doc], queries.start), min(bounds[doc + 1], queries.stop))
+        found = [_rectangle(queries, keys, rows, bounds[doc : doc + 2], 0, causal=causal and same, window=window)]
+        prefix = -1 if prefixes is None else prefixes[doc]
+        if prefix >= 0:  # the prefix's keys, all before the document's: a rectangle
+            gap = bounds[doc] - bounds[prefix + 1]
+            found.append(_rectangle(queries, keys, rows, bounds[prefix : prefix + 2], gap, causal=False, window=window))
+        blocks += [block for block in found if block is not None]
     return blocks
 
 
@@ -158,6 +194,7 @@ def _source_blocks(
     causal: bool,
     layout: str,
     bounds: Sequence[int] | None,
+    prefixes: Sequence[int] | None,
     window: int | None,
 ) -> list[Block]:
     """The blocks of ``rank``'s queries against ring rank ``source``'s piece (cols index that piece)."""
@@ -166,7 +203,8 @@ def _source_blocks(
     bounds = bounds or (0, size * piece_len)
     local = piece_chunks(rank, size, piece_len, layout)
     remote = piece_chunks(source, size, piece_len, layout)
-    return [b for q in local for k in remote for b in _chunk_blocks(q, k, bounds, causal=causal, window=window)]
+    options = dict(causal=causal, window=window)
+    return [b for q in local for k in remote for b in _chunk_blocks(q, k, bounds, prefixes, **options)]
 
 
 def _rows_needed(blocks: Sequence[Block]) -> slice:
@@ -210,6 +248,8 @@ def _group_documents(keys: tuple[BlockKey, ...]) -> tuple[Block, ...]:
     unbanded documents: the run's band is that of its banded members (all the same) and cuts nothing in the
     others, which are at most ``window_left + 1`` long. Non-causal rectangles are grouped without a band only.
     Every segment then needs the same flash-attn window (``kernels.flash.varlen_window``). Runs of one stay as they are.
+    A shared prefix's rectangle has the rows of its document's own block, so it never joins that one; whatever it
+    joins lies end to end with it, so each segment is still exactly one block of the plan.
     """
     blocks = [Block(slice(k[0], k[1]), slice(k[2], k[3]), k[4], k[5], k[6]) for k in keys]
     groups: list[list[Block]] = []
@@ -261,9 +301,10 @@ def _ring_plans(
     causal: bool,
     layout: str,
     cu_seqlens: tuple[int, ...] | None,
+    doc_prefix: tuple[int, ...] | None,
     window: int | None,
 ) -> tuple[tuple[Step, ...], ...]:
-    options = dict(causal=causal, layout=layout, bounds=cu_seqlens, window=window)
+    options = dict(causal=causal, layout=layout, bounds=cu_seqlens, prefixes=doc_prefix, window=window)
     blocks = [[_source_blocks(r, (r - s) % size, size, piece_len, **options) for s in range(size)] for r in range(size)]
     offsets = [s for s in range(size) if any(blocks[r][s] for r in range(size))]
 
@@ -292,14 +333,18 @@ def plan_ring(
     causal: bool,
     layout: str,
     cu_seqlens: tuple[int, ...] | None = None,
+    doc_prefix: tuple[int, ...] | None = None,
     window: int | None = None,
 ) -> tuple[Step, ...]:
     """The steps of ring rank ``rank``, in ring order; the first is always step 0 (its own piece).
 
     ``cu_seqlens`` are the document boundaries of the global sequence (``size * piece_len`` tokens), or None for
-    one document; ``window`` the sliding window (keys per query, itself included; needs ``causal``), or None.
+    one document; ``doc_prefix`` (one per document, needs ``cu_seqlens``) the earlier document each one also
+    sees, as a prefix whose positions its own continue, or -1 (checked: ``checks.check_doc_prefix``), or None for
+    none; ``window`` the sliding window (keys per query, itself included; needs ``causal``), or None.
     Every rank gets the same steps (the same sources), so each send meets its receive; a rank may have nothing
     to compute, send or receive at some of them. The same plan drives the forward and the backward pass, and
     every layer of a model sees the same row: the plans of all ranks are computed together and cached.
     """
-    return _ring_plans(size, piece_len, causal=causal, layout=layout, cu_seqlens=cu_seqlens, window=window)[rank]
+    options = dict(causal=causal, layout=layout, cu_seqlens=cu_seqlens, doc_prefix=doc_prefix, window=window)
+    return _ring_plans(size, piece_len, **options)[rank]

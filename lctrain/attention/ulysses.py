@@ -1,4 +1,5 @@
-"""DeepSpeed-Ulysses: all-to-all between sequence-sharded and head-sharded layouts, and Ulysses attention.
+"""DeepSpeed-Ulysses: all-to-all between sequence-sharded and head-sharded layouts, and attention run on the
+head-sharded one (``attend_head_sharded``, inside ``usp_attention``).
 
 Ulysses rank u of a group of size U holds sequence part u of its ring piece for all heads; after
 ``seq_to_heads`` it holds the whole piece for head group u (heads ``[u·H/U, (u+1)·H/U)``). Both directions are
@@ -7,15 +8,11 @@ differentiable: the backward of one is the other.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from lctrain.attention.kernels import check_kernel_choice
-from lctrain.attention.ring import attend_ring, check_attention_inputs
 
 
 def _all_to_all(send: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -80,7 +77,7 @@ def attend_head_sharded(
 
     q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]``; ``attend`` sees ``[B, S, Hq/U, D]`` and
     ``[B, S, max(Hkv/U, 1), D]``. KV heads are replicated ``U / Hkv`` times when ``U > Hkv``, never expanded to Hq.
-    The heads have been checked against the group (``check_attention_inputs``).
+    The heads have been checked against the group (``checks.check_attention_inputs``).
     """
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
@@ -90,48 +87,3 @@ def attend_head_sharded(
         v = v.repeat_interleave(size // v.shape[2], dim=2)
     out = attend(seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group))
     return heads_to_seq(out, group)
-
-
-def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    cu_seqlens: Tensor | None = None,
-    window: int | None = None,
-    kernel: str = "auto",
-) -> Tensor:
-    """Exact attention over a sequence split contiguously over ``group`` (ring size 1).
-
-    q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``, differentiable. Needs
-    ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``. ``cu_seqlens``, ``window`` and
-    ``kernel`` as in ``ring_attention``.
-    """
-    size = dist.get_world_size(group) if group is not None else 1
-    bounds = check_attention_inputs(
-        q,
-        k,
-        v,
-        causal=causal,
-        layout="contiguous",
-        window=window,
-        cu_seqlens=cu_seqlens,
-        ring_size=1,
-        ulysses_size=size,
-    )
-    check_kernel_choice(kernel)
-
-    attend = functools.partial(
-        attend_ring,
-        group=None,
-        causal=causal,
-        layout="contiguous",
-        scale=scale,
-        bounds=bounds,
-        window=window,
-        kernel=kernel,
-    )
-    return attend_head_sharded(q, k, v, group, attend)

@@ -1,4 +1,9 @@
-"""Unified sequence parallelism: Ulysses all-to-all inside (adjacent ranks, one node), ring attention across."""
+"""Unified sequence parallelism: Ulysses all-to-all inside (adjacent ranks, one node), ring attention across.
+
+``usp_attention`` is the one attention function: it checks its inputs once (``checks.py``), then runs the ring
+(``ring.py``) on the head-sharded layout (``ulysses.py``). ``ring_attention`` (no Ulysses group) and
+``ulysses_attention`` (no ring group, contiguous layout) are its cases.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,9 @@ import functools
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import check_kernel_choice
-from lctrain.attention.ring import attend_ring, check_attention_inputs
+from lctrain.attention.checks import check_attention_inputs
+from lctrain.attention.ring import attend_ring
 from lctrain.attention.ulysses import attend_head_sharded
-
-
-def _check_orthogonal(ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None) -> None:
-    if ulysses_group is None or ring_group is None:
-        return
-    shared = set(dist.get_process_group_ranks(ulysses_group)) & set(dist.get_process_group_ranks(ring_group))
-    if shared != {dist.get_rank()}:
-        raise ValueError(
-            f"ulysses_group and ring_group share ranks {sorted(shared)}: they must be orthogonal axes of the mesh "
-            f"(meet only at this rank); build them from a DeviceMesh with separate 'ring' and 'ulysses' dims"
-        )
 
 
 def usp_attention(
@@ -34,39 +28,74 @@ def usp_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
 ) -> Tensor:
     """Exact attention over a sequence sharded with ``shard_sequence`` over (ring, ulysses) ranks.
 
-    q ``[B, S/(R·U), Hq, D]``, k/v ``[B, S/(R·U), Hkv, D]`` -> ``[B, S/(R·U), Hq, D]``, differentiable.
-    Ulysses turns the local part into the ring rank's whole piece for ``Hq/U`` heads; ring attention then runs
-    over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding. ``cu_seqlens``,
-    ``window`` and ``kernel`` as in ``ring_attention``.
+    q ``[B, S/(R·U), Hq, D]``, k/v ``[B, S/(R·U), Hkv, D]`` -> ``[B, S/(R·U), Hq, D]`` in q's dtype,
+    differentiable in q, k, v. Ulysses turns the local part into the ring rank's whole piece for ``Hq/U`` heads;
+    ring attention then runs over ``ring_group`` on that piece; a second all-to-all restores the sequence sharding.
+    A group of None has size 1. ``cu_seqlens`` (int, ``[num_docs + 1]``, 0 to S) are the document boundaries of
+    the global sequence, the same on every rank and for every batch row; tokens then attend only inside their
+    document. ``doc_prefix`` (int, ``[num_docs]``, needs ``cu_seqlens``): for each document, an earlier document
+    whose every token it also sees, as a prefix its positions continue, or -1; a prefix has none itself. A
+    preference pair ``[prompt | chosen | rejected]`` is three documents, the answers' prefix the prompt: each answer
+    sees the prompt and itself, never the other. ``window`` (needs ``causal``): query ``i`` sees only keys ``j``
+    with ``i - window < j <= i`` (``window`` keys, itself included: Hugging Face's ``sliding_window``), in its
+    document, counted in positions for a prefix's keys (for the rejected answer: as if the chosen one were not
+    between them); ``window >= S`` is the same as no window. ``kernel``: ``"auto"`` or a kernel name
+    (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block.
     """
-    ulysses_size, ring_size = (dist.get_world_size(g) if g is not None else 1 for g in (ulysses_group, ring_group))
-    bounds = check_attention_inputs(
-        q,
-        k,
-        v,
-        causal=causal,
-        layout=layout,
-        window=window,
-        cu_seqlens=cu_seqlens,
-        ring_size=ring_size,
-        ulysses_size=ulysses_size,
+    options = dict(causal=causal, layout=layout, window=window)  # read by the checks and by the ring
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    bounds, prefixes = check_attention_inputs(
+        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, kernel=kernel, **documents, **options
     )
-    check_kernel_choice(kernel)
-    _check_orthogonal(ulysses_group, ring_group)  # like every check, before any communication
-
     attend = functools.partial(
-        attend_ring,
-        group=ring_group,
-        causal=causal,
-        layout=layout,
-        scale=scale,
-        bounds=bounds,
-        window=window,
-        kernel=kernel,
+        attend_ring, group=ring_group, scale=scale, bounds=bounds, prefixes=prefixes, kernel=kernel, **options
     )
     return attend_head_sharded(q, k, v, ulysses_group, attend)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
+    window: int | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """``usp_attention`` with ``ring_group=group`` and no Ulysses group: q ``[B, S_local, Hq, D]``, k/v
+    ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]``, sharded with ``shard_sequence(layout=layout)``."""
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    options = dict(causal=causal, layout=layout, scale=scale, window=window, kernel=kernel)
+    return usp_attention(q, k, v, ring_group=group, **documents, **options)
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
+    window: int | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """``usp_attention`` with ``ulysses_group=group`` and no ring group: a sequence split contiguously over
+    ``group``. q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``; needs ``Hq % U == 0`` and
+    ``Hkv % U == 0`` or ``U % Hkv == 0``."""
+    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
+    options = dict(causal=causal, layout="contiguous", scale=scale, window=window, kernel=kernel)
+    return usp_attention(q, k, v, ulysses_group=group, **documents, **options)

@@ -38,12 +38,12 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from lctrain.data.chat_turns import DEFAULT_TURNS, DIVERGENT, TrainedText, TurnSettings, plan_turns
+from lctrain.data.config import TRAIN_ON
 from lctrain.data.packing import Document
 
 logger = logging.getLogger("lctrain")
 
 ROLES = ("system", "user", "assistant", "tool")
-TRAIN_ON = ("assistant", "last_assistant", "all")
 TOKENIZE_CHARACTERS = 4_000_000  # one tokenizer call: enough to share its threads, bounds its lists' memory
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 _FORMAT_HELP = (

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-DIVERGENT_TURNS = ("expand", "last_turn", "error")
-UNREACHABLE_TURNS = ("error", "skip")
+from lctrain.data.config import DIVERGENT_TURNS, UNREACHABLE_TURNS
+
 # the counts a plan reports beside its texts: a conversation rendered per turn, a turn left out
 DIVERGENT, UNREACHABLE = "divergent", "unreachable"
 _PLACEHOLDER = "\x00"  # a turn's content that no real content starts with: where the template writes the turn

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -38,32 +38,20 @@ from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.runtime import resolve_device
-from lctrain.train.loss import chunked_cross_entropy_by_group
+from lctrain.train.validate import dp_turns, score_rows
 
 logger = logging.getLogger("lctrain")
 
-TASKS = ("passkey", "perplexity")
-
 
 def check_eval(cfg: JobConfig) -> None:
-    """One clear error for a bad ``eval.*`` setting: known tasks, lengths the mesh can shard whole, depths in
-    [0, 1], positive counts."""
-    ev, dims = cfg.eval, ParallelDims.from_config(cfg.parallel)
-    unknown = [task for task in ev.tasks if task not in TASKS]
-    if unknown or not ev.tasks:
-        raise ValueError(f"eval.tasks={ev.tasks} must be a non-empty list of {TASKS}")
-    for name, lengths in (("eval.lengths", ev.lengths), ("eval.perplexity_lengths", ev.perplexity_lengths)):
+    """The eval lengths against the mesh: each one cut whole over the context-parallel ranks (``EvalConfig``
+    checks its own settings)."""
+    dims = cfg.parallel.dims()
+    for name, lengths in (("eval.lengths", cfg.eval.lengths), ("eval.perplexity_lengths", cfg.eval.perplexity_lengths)):
         for length in lengths:
             dims.check_sequence_length(length, setting=name)
-    if "passkey" in ev.tasks and (not ev.lengths or not ev.depths):
-        raise ValueError(f"eval.lengths={ev.lengths} and eval.depths={ev.depths} must not be empty for passkey")
-    if any(not 0.0 <= depth <= 1.0 for depth in ev.depths):
-        raise ValueError(f"eval.depths={ev.depths} must be fractions in [0, 1] (0 = start of the haystack)")
-    for name in ("samples", "digits", "perplexity_rows"):
-        if getattr(ev, name) < 1:
-            raise ValueError(f"eval.{name}={getattr(ev, name)} must be >= 1")
 
 
 def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
@@ -84,50 +72,6 @@ def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
 
 def perplexity_lengths(cfg: EvalConfig) -> list[int]:
     return list(cfg.perplexity_lengths or cfg.lengths)
-
-
-def dp_turns(count: int, dp_rank: int, dp: int) -> Iterator[tuple[int, bool]]:
-    """(index, keep) for dp rank ``dp_rank`` of ``dp``: items ``dp_rank, dp_rank + dp, ...``; every rank gets the
-    same number of turns, and a turn past the end repeats item 0 with ``keep=False`` (a forward FSDP needs, then
-    dropped)."""
-    for turn in range(math.ceil(count / dp)):
-        index = turn * dp + dp_rank
-        yield (index, True) if index < count else (0, False)
-
-
-@torch.no_grad()
-def score_rows(
-    hidden_states: FinalHiddenStates,
-    rows: Sequence[dict[str, Any]],
-    *,
-    groups: Sequence[Tensor] | None = None,
-    num_groups: int = 1,
-    dp_rank: int,
-    dp: int,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    chunk_tokens: int,
-) -> Tensor:
-    """The summed negative log-likelihood and the number of predicted tokens of each group of tokens over
-    ``rows``: float64 ``[num_groups, 2]``, the same on every rank of ``group`` (dp_cp).
-
-    Each row is one batch of this rank's part of one packed row (``input_ids``, ``labels``, ``position_ids``
-    ``[1, S_local]``, ``cu_seqlens``); ``groups[i]`` (``[1, S_local]`` ints in ``[0, num_groups)``) puts each token
-    of row i in a group (None: one group). Dp rank d scores rows d, d + dp, ... (``dp_turns``) and the sums are
-    all-reduced over ``group``: context-parallel ranks add their parts of a row, dp ranks their rows."""
-    totals = torch.zeros(num_groups, 2, dtype=torch.float64, device=device)
-    for index, keep in dp_turns(len(rows), dp_rank, dp):
-        row = rows[index]
-        hidden = hidden_states(row["input_ids"].to(device), row["position_ids"].to(device), row["cu_seqlens"][0])
-        labels = row["labels"].to(device)
-        row_groups = torch.zeros_like(labels) if groups is None else groups[index].to(device)
-        _, sums, counts = chunked_cross_entropy_by_group(
-            hidden, hidden_states.model.lm_head.weight, labels, row_groups, num_groups, chunk_tokens=chunk_tokens
-        )
-        if keep:
-            totals += torch.stack([sums, counts.double()], dim=1)
-    dist.all_reduce(totals, group=group)
-    return totals
 
 
 class Evaluator:
@@ -151,14 +95,16 @@ class Evaluator:
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
 
         # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = cfg.parallel.dims()
         self.mesh = self.dims.build_mesh(self.device.type)
         self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
         self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
 
         # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
-        self.model = build_model(cfg, prepared, self.mesh, self.device, training=False).model
+        self.model = build_model(
+            prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False
+        ).model
         self.final_hidden_states = FinalHiddenStates(self.model)
         logger.info(
             "eval %s on mesh %s (%s), device %s: %s",

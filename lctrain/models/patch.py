@@ -4,7 +4,8 @@
 ``transformers.AttentionInterface`` and selects it on the model (``set_attn_implementation``); the model classes
 are not touched. Per-batch metadata travels through the call: the model is called with this rank's shard of
 ``input_ids`` and ``position_ids`` (global positions, so RoPE is right on every shard) and, for packed rows,
-``cu_seq_lens_q`` (the global document boundaries), which transformers forwards to the attention function.
+``cu_seq_lens_q`` (the global document boundaries) and, for rows whose documents share a prefix (preference
+pairs), ``doc_prefix`` (``usp_attention``'s), which transformers forwards to the attention function.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def usp_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     cu_seq_lens_q: Tensor | None = None,
+    doc_prefix: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """The transformers attention signature: q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` ->
-    (``[B, S_local, Hq, D]``, no weights). Causal; documents from ``cu_seq_lens_q``; the layer's
-    ``sliding_window`` (None on full-attention layers) becomes the window, with transformers' meaning."""
+    (``[B, S_local, Hq, D]``, no weights). Causal; documents from ``cu_seq_lens_q``, their shared prefixes from
+    ``doc_prefix``; the layer's ``sliding_window`` (None on full-attention layers) becomes the window, with
+    transformers' meaning."""
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by USP attention: set attention_dropout=0")
     if attention_mask is not None:
@@ -61,6 +64,7 @@ def usp_attention_forward(
         layout=layout,
         scale=scaling,
         cu_seqlens=cu_seq_lens_q,
+        doc_prefix=doc_prefix,
         window=sliding_window,
         kernel=kernel,
     )

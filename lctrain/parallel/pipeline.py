@@ -166,8 +166,9 @@ def build_schedule(
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The ``torch.distributed.pipelining`` schedule over this rank's (already sharded) stage modules.
 
-    ``loss_fn(loss_sum, labels)`` turns the last stage's output into the loss to backpropagate; gradients are not
-    scaled by the schedule (the loss is already divided by the step's global token count).
+    ``loss_fn(loss_sum, target)`` turns the last stage's output into the loss to backpropagate, ``target`` being
+    the micro-batch's part of ``schedule.step(target=...)``: the trainer passes the step's global token count once
+    per row, so the loss is already divided by it and the schedule does not scale the gradients.
     """
     pipeline_stages = [
         PipelineStage(module, module.stage_index, module.num_stages, device, group=pp_mesh.get_group())

@@ -18,7 +18,9 @@ every term, lists the assumptions and the estimate's error against measured peak
 (``python -m benchmarks.validate_planner``). Pure arithmetic: importing it loads neither torch nor transformers.
 
 Modules: ``presets`` (the inputs), ``memory``, ``timing``, ``search`` (checks, estimates, recommendation),
-``report`` (table, recipe), ``cli``.
+``report`` (table, recipe), ``cli``; ``probe`` (``python -m lctrain probe``) measures a cluster's links and attention
+kernel under torchrun and writes the hardware file the planner reads: it imports torch, so this package does not
+import it.
 """
 
 from lctrain.planner.cli import main, parser

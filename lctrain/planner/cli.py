@@ -25,14 +25,28 @@ def _mesh_arg(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m lctrain plan",
-        description="Feasible (pp, dp, ring, ulysses) layouts with their estimated memory per GPU, ring-step "
-        "compute and communication, whether the communication hides (S/R >= the S/R min column), step time; "
-        "recommends one and can write it as a recipe. The model behind every figure: docs/planner.md.",
-    )
+def model_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m lctrain COMMAND`` (``plan``, ``probe``) with the ``--model`` both take."""
+    p = argparse.ArgumentParser(prog=f"python -m lctrain {command}", description=description)
     p.add_argument("--model", required=True, help=f"a named size ({', '.join(NAMED_MODELS)}) or a HF model directory")
+    return p
+
+
+def check_positive(values: object, names: Sequence[str]) -> None:
+    """The options ``names`` (attributes of ``values``, spelled ``--name`` on the command line) are at least 1."""
+    for name in names:
+        value = getattr(values, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = model_parser(
+        "plan",
+        "Feasible (pp, dp, ring, ulysses) layouts with their estimated memory per GPU, ring-step compute and "
+        "communication, whether the communication hides (S/R >= the S/R min column), step time; recommends one and "
+        "can write it as a recipe. The model behind every figure: docs/planner.md.",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per row (data.seq_len)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
@@ -98,10 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         model = load_model(args.model)
-    except ValueError as error:
-        raise SystemExit(f"lctrain plan: {error}") from None
-    try:
         base = HARDWARE[args.gpu or "h100"] if args.hardware is None else load_hardware(args.hardware, args.gpu)
+        check_positive(args, ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"))
     except ValueError as error:
         raise SystemExit(f"lctrain plan: {error}") from None
     overrides = {"tflops": args.tflops, "mem_gib": args.mem_gib, "intra_gbps": args.intra_gbps}
@@ -109,9 +121,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = {k: v for k, v in overrides.items() if v is not None}  # nominal figures: no longer measured ones
     hw = replace(base, measured=tuple(f for f in base.measured if f not in overrides), **overrides)
     dtype = args.dtype or hw.dtype or ("bf16" if hw.device == "cuda" else "fp32")
-    for name in ("seq_len", "gpus_per_node", "nodes", "batch", "loss_chunk_tokens", "ac_every"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"lctrain plan: --{name.replace('_', '-')} must be >= 1")
     trainable = tuple(name for name in args.lora_trainable.split(",") if name)
     if args.lora_rank < 0 or (trainable and not args.lora_rank):
         raise SystemExit("lctrain plan: --lora-rank must be >= 1 for LoRA (0 = full fine-tuning, no --lora-trainable)")

@@ -28,11 +28,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, timeline, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
-from lctrain.attention.ring import PIECES
 from lctrain.attention.ring_blocks import Block, Step, group_documents, piece_chunks, plan_ring, visible_pairs
+from lctrain.attention.transport import PIECES
 from lctrain.testing import run_distributed
 from tests.helpers import fake_attention_ops
-from tests.helpers.reference import reference_grads
+from tests.helpers.reference import (
+    masked_reference_grads,
+    random_pairs,
+    reference_grads,
+    unshared_reference_grads,
+    visible_mask,
+)
 
 # (ulysses, ring) splits per world size, as in the issue, plus pure ring and pure Ulysses at 8.
 SPLITS = {
@@ -55,7 +61,8 @@ class Case:
     dtype: torch.dtype
     batch: int = 2
     tokens_per_rank: int = 8
-    # "one" document, or packed: "spanning" (one spans every shard), "random" lengths or "short" (4 tokens each)
+    # "one" document, or packed: "spanning" (one spans every shard), "random" lengths, "short" (4 tokens each) or
+    # "pairs" (preference pairs [prompt | chosen | rejected], the answers sharing the prompt, and plain documents)
     documents: str = "one"
     window: int | None = None  # sliding window (keys per query, itself included)
 
@@ -74,7 +81,23 @@ class Case:
         if self.documents == "random":
             rng = random.Random(str(self))
             return sorted({0, 1, 2, *rng.sample(range(3, s), s // 6), s})
+        if self.documents == "pairs":
+            return random_pairs(s, random.Random(str(self)))[0]
         return None
+
+    @property
+    def doc_prefix(self) -> list[int] | None:
+        """Each document's shared prefix (-1: none) for "pairs", else None."""
+        return random_pairs(self.seq_len, random.Random(str(self)))[1] if self.documents == "pairs" else None
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> list[torch.Tensor]:
+        """out, dq, dk, dv of float64 attention on the full sequence; with shared prefixes, the mask written out."""
+        if self.doc_prefix is None:
+            return reference_grads(q, k, v, dout, causal=self.causal, bounds=self.bounds, window=self.window)
+        mask = visible_mask(
+            self.seq_len, causal=self.causal, bounds=self.bounds, doc_prefix=self.doc_prefix, window=self.window
+        )
+        return masked_reference_grads(q, k, v, dout, mask)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -115,6 +138,21 @@ CASES += [  # sliding windows: causal, GQA with head_dim 80, fp32, packed rows
     for layout, documents in itertools.product(("zigzag", "contiguous"), ("spanning", "random"))
     for window in windows(u, r, layout)
 ]
+PAIR_CASES = (
+    [  # preference pairs sharing their prompt: GQA with head_dim 80, fp32
+        Case(u, r, causal, layout, 8, 2, 80, torch.float32, documents="pairs")
+        for world in SPLITS
+        for (u, r) in SPLITS[world]
+        for causal, layout in itertools.product((True, False), ("zigzag", "contiguous"))
+    ]
+    + [  # and sliding windows counted in positions
+        Case(u, r, True, layout, 8, 2, 80, torch.float32, documents="pairs", window=window)
+        for (u, r) in WINDOW_SPLITS
+        for layout in ("zigzag", "contiguous")
+        for window in windows(u, r, layout)[:3]
+    ]
+)
+CASES += PAIR_CASES
 
 
 def make_inputs(case: Case) -> list[torch.Tensor]:
@@ -163,6 +201,7 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
     q, k, v, dout = (shard(x) for x in make_inputs(case))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     cu_seqlens = torch.tensor(case.bounds, dtype=torch.int32) if case.bounds is not None else None
+    doc_prefix = torch.tensor(case.doc_prefix) if case.doc_prefix is not None else None
     out = usp_attention(
         q,
         k,
@@ -172,6 +211,7 @@ def run_usp(case: Case, ring_group, ulysses_group, ring_rank: int, ulysses_rank:
         causal=case.causal,
         layout=case.layout,
         cu_seqlens=cu_seqlens,
+        doc_prefix=doc_prefix,
         window=case.window,
     )
     out.backward(dout)
@@ -341,7 +381,14 @@ def run_bf16_growth(ulysses: int, ring: int, round_blocks: bool) -> list[torch.T
 FAKE_H200_CASES = [
     Case(u, r, True, "zigzag", 8, 2, 16, torch.float64, documents=documents, window=window)
     for (u, r) in [(1, 2), (2, 2), (1, 4)]
-    for documents, window in (("short", None), ("random", None), ("random", 5), ("one", 5))
+    for documents, window in (
+        ("short", None),
+        ("random", None),
+        ("random", 5),
+        ("one", 5),
+        ("pairs", None),
+        ("pairs", 5),
+    )
 ]
 
 
@@ -375,6 +422,7 @@ def world_job(world: int) -> dict:
             results["counts"][key] = count_kernel_calls(world, layout, causal, 16 * world, documents)
         for layout in ("zigzag", "contiguous"):  # 16 tokens per rank, chunks of 8 (zigzag) or 16, window 4
             results["counts"][(layout, "window")] = count_kernel_calls(world, layout, True, 16 * world, window=4)
+            results["counts"][(layout, True, "pairs")] = count_kernel_calls(world, layout, True, 16 * world, "pairs")
         results["timeline"] = record_timeline(world)
     if world == 8:
         results["bf16_growth"] = {
@@ -397,8 +445,7 @@ def results_for(world: int) -> list[dict]:
 def test_usp_matches_float64_reference(case: Case) -> None:
     world = case.ring * case.ulysses
     got = results_for(world)[0]["cases"][str(case)]
-    q, k, v, dout = make_inputs(case)
-    expected = reference_grads(q, k, v, dout, causal=case.causal, bounds=case.bounds, window=case.window)
+    expected = case.reference(*make_inputs(case))
     if case.dtype == torch.float32:
         tolerances = [dict(atol=1e-5, rtol=0)] + [dict(atol=3e-5, rtol=0)] * 3
     else:
@@ -593,20 +640,61 @@ def test_h200_kernels_group_documents_into_one_call_per_run(case: Case) -> None:
     world = case.ring * case.ulysses
     per_rank = results_for(world)
     tensors, _ = per_rank[0]["fake_h200"][str(case)]
-    q, k, v, dout = make_inputs(case)
-    expected = reference_grads(q, k, v, dout, causal=True, bounds=case.bounds, window=case.window)
+    expected = case.reference(*make_inputs(case))
     for name, actual, reference in zip(("out", "dq", "dk", "dv"), tensors, expected):
         torch.testing.assert_close(actual, reference, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
     bounds = None if case.bounds is None else tuple(case.bounds)
+    doc_prefix = None if case.doc_prefix is None else tuple(case.doc_prefix)
     piece = case.tokens_per_rank * case.ulysses
     for rank, rank_result in enumerate(per_rank):
         _, calls = rank_result["fake_h200"][str(case)]
         window = case.window if case.window is not None and case.window < case.seq_len else None
         plan = plan_ring(
-            rank // case.ulysses, case.ring, piece, causal=True, layout="zigzag", cu_seqlens=bounds, window=window
+            rank // case.ulysses,
+            case.ring,
+            piece,
+            causal=True,
+            layout="zigzag",
+            cu_seqlens=bounds,
+            doc_prefix=doc_prefix,
+            window=window,
         )
         grouped = sum(len(group_documents(step.blocks)) for step in plan)
         forward = calls.get("_flash_attention_forward", 0) + calls.get("_scaled_dot_product_cudnn_attention", 0)
         assert forward == grouped + _piece_calls(plan[-1]), (rank, calls, grouped)
         if case.documents == "short":  # 4-token documents: a rank's diagonal documents are one call
             assert grouped < sum(len(step.blocks) for step in plan)
+
+
+@pytest.mark.parametrize("case", [case for case in PAIR_CASES if case.causal], ids=str)
+def test_shared_prefix_equals_the_prompt_repeated(case: Case) -> None:
+    """Preference pairs sharing their prompt give what float64 attention gives on the row with the prompt repeated
+    for each answer (two plain documents): the same outputs, and the prompt's gradients the sum of its copies'."""
+    got = results_for(case.ring * case.ulysses)[0]["cases"][str(case)]
+    options = dict(bounds=case.bounds, doc_prefix=case.doc_prefix, window=case.window)
+    expected = unshared_reference_grads(*make_inputs(case), **options)
+    tolerances = [dict(atol=1e-5, rtol=0)] + [dict(atol=3e-5, rtol=0)] * 3
+    for name, actual, reference, tol in zip(("out", "dq", "dk", "dv"), got, expected, tolerances):
+        torch.testing.assert_close(actual.double(), reference, **tol, msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_shared_prefix_skips_chosen_by_rejected_blocks(world: int, layout: str) -> None:
+    """The kernels compute exactly the visible pairs of a row of preference pairs, over all ranks: each pair
+    computed as one causal document would cost its chosen x rejected rectangle more."""
+    case = Case(1, world, True, layout, 4, 4, 16, torch.float32, batch=1, tokens_per_rank=16, documents="pairs")
+    bounds, doc_prefix = case.bounds, case.doc_prefix
+    mask = visible_mask(case.seq_len, causal=True, bounds=bounds, doc_prefix=doc_prefix)
+    pairs = [doc for doc in range(len(doc_prefix)) if doc in doc_prefix]  # prompts, each before its two answers
+    merged = [b for doc, b in enumerate(bounds) if doc - 1 not in pairs and doc - 2 not in pairs]  # a pair: one doc
+    skipped = sum((bounds[p + 2] - bounds[p + 1]) * (bounds[p + 3] - bounds[p + 2]) for p in pairs)
+    assert pairs and visible_mask(case.seq_len, causal=True, bounds=merged).sum() - mask.sum() == skipped
+    for kind in ("fwd", "bwd"):
+        work = sum(
+            visible_pairs(Block(slice(0, rows), slice(0, cols), causal, window_left))
+            for counts in _counts(world, (layout, True, "pairs"))
+            for pass_, rows, cols, causal, window_left in counts.calls
+            if pass_ == kind
+        )
+        assert work == mask.sum()

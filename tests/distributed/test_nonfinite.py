@@ -2,7 +2,7 @@
 checkpoint stays intact and loads), ``skip`` drops that step's update, logs a warning and goes on.
 
 One spawned gloo rank (FSDP over a group of one), a tiny model on ``tests/helpers/corpus.py``, three faults at step 2:
-the loss's token sum scaled by NaN (every gradient NaN), by inf, and a finite loss with one gradient element set to NaN
+each row's loss share scaled by NaN (every gradient NaN), by inf, and a finite loss with one gradient element set to NaN
 after the backward. Checked for each: with ``stop``, a ``FloatingPointError`` naming the step and the setting,
 parameters equal to those after step 1, the step-1 checkpoint complete, and a new ``Trainer`` resuming from it with
 exactly the step-1 parameters; with ``skip``, the warning ``skip`` promises, parameters after step 2 equal to those
@@ -22,7 +22,7 @@ import torch
 from lctrain.checkpoint import complete_checkpoints
 from lctrain.config import load_config
 from lctrain.testing import run_distributed
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 
 BASE = [
     "model.hidden_size=32",
@@ -61,26 +61,26 @@ def run(root: str, policy: str, fault: str) -> dict:
     overrides = [*BASE, *corpus_overrides(Path(root) / "corpus.jsonl"), f"train.run_dir={run_dir}"]
     cfg = load_config([*overrides, f"train.nonfinite={policy}"])
     trainer = Trainer(cfg)
-    forward_loss_sum, optimizer_step = trainer.forward_loss_sum, trainer.optimizer_step
+    forward_loss, optimizer_step = trainer.forward_loss, trainer.optimizer_step
     scale = {"nan_loss": float("nan"), "inf_loss": float("inf"), "nan_grad": 1.0}[fault]
 
-    def faulty_loss(batch: dict, row: int) -> torch.Tensor:
-        loss = forward_loss_sum(batch, row)
-        return loss * scale if trainer.step == 1 else loss
+    def faulty_loss(batch: dict, row: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, sums = forward_loss(batch, row, counts)
+        return (loss * scale if trainer.step == 1 else loss), sums
 
     params: list[dict[str, torch.Tensor]] = []
     lrs: list[float] = []
 
-    def recording_optimizer_step() -> torch.Tensor:
+    def recording_optimizer_step(trained: torch.Tensor) -> torch.Tensor:
         lrs.append(trainer.scheduler.get_last_lr()[0])
         if fault == "nan_grad" and trainer.step == 1:
             next(trainer.model.parameters()).grad.to_local().view(-1)[0] = float("nan")
         try:
-            return optimizer_step()
+            return optimizer_step(trained)
         finally:
             params.append(parameters(trainer))
 
-    trainer.forward_loss_sum, trainer.optimizer_step = faulty_loss, recording_optimizer_step
+    trainer.forward_loss, trainer.optimizer_step = faulty_loss, recording_optimizer_step
     records = Records()
     logging.getLogger("lctrain").addHandler(records)
     losses, error, resumed = [], None, None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lctrain.planner import cli as plan_cli
 from lctrain.planner.presets import HARDWARE, load_hardware
-from lctrain.probe import ProbeOptions, measure, write_hardware
+from lctrain.planner.probe import ProbeOptions, measure, write_hardware
 from lctrain.testing import run_distributed
 
 

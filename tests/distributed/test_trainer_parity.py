@@ -19,7 +19,7 @@ Observed on CPU (torch 2.13, 1 thread per process): first-step losses within 1.1
 within 8e-5 relative.
 
 Conversations, mixtures and validation (``CHAT_JOBS``, in the group of world 4: one spawn per world size).
-Three jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
+Four jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
 
 - ``chat``: conversations (``write_chat_corpus``: only the assistant's tokens are trained; some conversations are
   dropped, longer than a row, some skipped, without an assistant turn), ring 2 × ulysses 2;
@@ -58,8 +58,8 @@ from lctrain.attention import SequencePlace
 from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.testing import run_distributed
-from lctrain.train.trainer import position_buckets
-from tests.helpers.corpus import REASONING_TEMPLATE, write_chat_corpus, write_corpus, write_reasoning_chats
+from lctrain.train.validate import position_buckets
+from testbed.corpus import REASONING_TEMPLATE, write_chat_corpus, write_corpus, write_reasoning_chats
 from tests.helpers.reference_training import (
     SEQ_LEN,
     assert_curve_matches,

@@ -153,6 +153,29 @@ def test_ring_of_one_with_documents_and_window_equals_reference(kernel: str) -> 
         torch.testing.assert_close(grad.double(), reference, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("kernel", ["auto", *(k.name for k in cuda_kernels())])
+def test_ring_of_one_with_shared_prompts_equals_reference(kernel: str, window: int | None) -> None:
+    """ring_attention with each kernel choice on a row of two preference pairs [prompt | chosen | rejected] and a
+    plain document: the answers' rectangles against their prompt (banded by the window, counted in positions) go
+    to the kernels like any block, and the result matches float64 math with the mask written out."""
+    from tests.helpers.reference import masked_reference_grads, visible_mask
+
+    bounds, doc_prefix = [0, 200, 240, 300, 301, 400, 450, 512], [-1, 0, 0, -1, -1, 4, 4]
+    q, k, v, dout = make((512, 512, 8, 2, 64, True), torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    documents = dict(
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=CUDA), doc_prefix=torch.tensor(doc_prefix)
+    )
+    out = ring_attention(*leaves, window=window, kernel=kernel, **documents)
+    out.backward(dout)
+    mask = visible_mask(512, causal=True, bounds=bounds, doc_prefix=doc_prefix, window=window).to(CUDA)
+    expected = masked_reference_grads(q, k, v, dout, mask)
+    torch.testing.assert_close(out.double(), expected[0], atol=2e-2, rtol=2e-2)
+    for grad, reference in zip((t.grad for t in leaves), expected[1:]):
+        torch.testing.assert_close(grad.double(), reference, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("causal", [True, False])
 def test_one_gpu_equals_reference(fn, causal: bool) -> None:  # noqa: ANN001

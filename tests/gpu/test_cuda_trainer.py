@@ -55,7 +55,7 @@ def test_first_step_matches_plain_model_and_loss_falls(nccl_group, tmp_path) -> 
     cfg = load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=30"])
     trainer = Trainer(cfg)
     batch = next(iter(trainer.loader))
-    loss = trainer.forward_backward([batch]).item()
+    loss = trainer.forward_backward([batch]).loss.item()
     grads = {hf_name(n): p.grad.full_tensor().float() for n, p in trainer.model.named_parameters()}
 
     plain = build_empty_model(trainer.hf_config)
@@ -108,9 +108,9 @@ def test_a_nan_gradient_skips_the_update_on_the_device(nccl_group, tmp_path) -> 
         k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
         for k, v in trainer.optimizer.state[first].items()
     }
-    trainer.forward_backward([next(batches)])
+    step = trainer.forward_backward([next(batches)])
     first.grad.to_local().view(-1)[0] = float("nan")
-    norm = trainer.optimizer_step()
+    norm = trainer.optimizer_step(step.trained)
     assert not torch.isfinite(norm).item()
     assert all(torch.equal(p.full_tensor(), params[n]) for n, p in trainer.model.named_parameters())
     for key, value in trainer.optimizer.state[first].items():

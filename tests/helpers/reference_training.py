@@ -87,7 +87,7 @@ def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torc
     norms: list[float] = []
     optimizer_step = trainer.optimizer_step
 
-    def capturing_optimizer_step() -> torch.Tensor:
+    def capturing_optimizer_step(trained: torch.Tensor) -> torch.Tensor:
         if not grads:  # the first step's gradients, before clipping (full_tensor: a collective, every rank calls it)
             for name, param in trainer.model.named_parameters():
                 if param.requires_grad:  # with LoRA: the adapters and trained copies
@@ -96,7 +96,7 @@ def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torc
                 stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(trainer.pp_group))]
                 dist.all_gather_object(stages, grads, group=trainer.pp_group)
                 grads.update({name: grad for stage in stages for name, grad in stage.items()})
-        norm = optimizer_step()
+        norm = optimizer_step(trained)
         norms.append(norm.item())
         return norm
 

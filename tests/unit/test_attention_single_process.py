@@ -5,7 +5,7 @@ import torch
 
 from lctrain.attention import ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import reference_attention
-from tests.helpers.reference import reference_grads
+from tests.helpers.reference import masked_reference_grads, reference_grads, unshared_row, visible_mask
 
 
 @pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
@@ -24,7 +24,7 @@ def test_one_rank_equals_reference(fn, causal: bool) -> None:  # noqa: ANN001
         torch.testing.assert_close(grad.double(), reference, atol=3e-5, rtol=0)
 
 
-def test_custom_scale() -> None:
+def test_custom_scale_replaces_the_default() -> None:
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     torch.testing.assert_close(
         ring_attention(q, k, v, scale=0.3), reference_attention(q, k, v, scale=0.3), atol=1e-6, rtol=0
@@ -46,7 +46,7 @@ def test_output_keeps_input_dtype() -> None:
         ([(1, 8, 2, 16)] * 3, (torch.float32, torch.bfloat16, torch.float32), "must share one floating dtype"),
     ],
 )
-def test_bad_inputs(shapes, dtypes, message: str) -> None:  # noqa: ANN001
+def test_bad_shapes_and_dtypes_are_refused_by_every_attention_function(shapes, dtypes, message: str) -> None:  # noqa: ANN001
     dtypes = dtypes or (torch.float32,) * 3
     q, k, v = (torch.randn(*s).to(d) for s, d in zip(shapes, dtypes))
     for fn in (ring_attention, ulysses_attention, usp_attention):
@@ -79,7 +79,7 @@ def test_packed_documents_attend_only_inside_their_document(fn, causal: bool) ->
         (torch.tensor([0.0, 8.0]), "must be a 1-D integer tensor"),
     ],
 )
-def test_bad_cu_seqlens(cu_seqlens: torch.Tensor, message: str) -> None:
+def test_bad_cu_seqlens_are_refused_by_every_attention_function(cu_seqlens: torch.Tensor, message: str) -> None:
     q = torch.randn(1, 8, 2, 16)
     for fn in (ring_attention, ulysses_attention, usp_attention):
         with pytest.raises(ValueError, match=message):
@@ -134,8 +134,72 @@ def test_window_is_hugging_face_sliding_window() -> None:
         (4, False, r"window=4 needs causal=True"),
     ],
 )
-def test_bad_window(window, causal: bool, message: str) -> None:  # noqa: ANN001
+def test_bad_window_is_refused_by_every_attention_function(window, causal: bool, message: str) -> None:  # noqa: ANN001
     q = torch.randn(1, 8, 2, 16)
     for fn in (ring_attention, ulysses_attention, usp_attention, reference_attention):
         with pytest.raises(ValueError, match=message):
             fn(q, q, q, causal=causal, window=window)
+
+
+# two preference pairs [prompt | chosen | rejected] around a length-1 document: each answer's prefix is its prompt
+PAIRS_BOUNDS = [0, 12, 17, 21, 22, 30, 33, 40]
+PAIRS_PREFIX = [-1, 0, 0, -1, -1, 4, 4]
+
+
+def pair_inputs(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 40, h, 80, generator=gen) for h in (8, 2, 2, 8)]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention, usp_attention], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 1), (True, 4), (True, 14)])
+def test_shared_prefix_equals_float64_masked_attention(fn, causal: bool, window: int | None, kernel: str) -> None:  # noqa: ANN001
+    """Each answer sees its prompt and itself, never the other answer; a window counts positions, the rejected
+    answer's continuing the prompt's. On the CPU's own kernel and on the reference one."""
+    q, k, v, dout = pair_inputs(3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    documents = dict(cu_seqlens=torch.tensor(PAIRS_BOUNDS), doc_prefix=torch.tensor(PAIRS_PREFIX))
+    out = fn(q, k, v, causal=causal, window=window, kernel=kernel, **documents)
+    out.backward(dout)
+    mask = visible_mask(40, causal=causal, bounds=PAIRS_BOUNDS, doc_prefix=PAIRS_PREFIX, window=window)
+    expected = masked_reference_grads(q, k, v, dout, mask)
+    torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=0)
+    for grad, reference in zip((q.grad, k.grad, v.grad), expected[1:]):
+        torch.testing.assert_close(grad.double(), reference, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3, 9])
+def test_shared_prefix_equals_the_prompt_repeated(window: int | None) -> None:
+    """The shared row against the same attention on the row with each prompt repeated for each answer (two plain
+    documents): the same outputs, and the gradients of each prompt the sum of its two copies'."""
+    q, k, v, dout = pair_inputs(4)
+    shared = [t.clone().requires_grad_() for t in (q, k, v)]
+    documents = dict(cu_seqlens=torch.tensor(PAIRS_BOUNDS), doc_prefix=torch.tensor(PAIRS_PREFIX))
+    out = ring_attention(*shared, window=window, **documents)
+    out.backward(dout)
+    index, plain, first = unshared_row(PAIRS_BOUNDS, PAIRS_PREFIX)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    repeated = ring_attention(*(t[:, index] for t in leaves), window=window, cu_seqlens=torch.tensor(plain))
+    repeated[:, first].backward(dout)
+    torch.testing.assert_close(out, repeated[:, first], atol=1e-5, rtol=0)
+    for grad, reference in zip((t.grad for t in shared), (t.grad for t in leaves)):
+        torch.testing.assert_close(grad, reference, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "doc_prefix,message",
+    [
+        (torch.tensor([-1, 0]), r"doc_prefix must be a 1-D integer tensor \[num_docs\] \(3 documents"),
+        (torch.tensor([-1.0, 0.0, 0.0]), "doc_prefix must be a 1-D integer tensor"),
+        (torch.tensor([-1, 2, 0]), r"doc_prefix\[1\]=2: a document's prefix must be an earlier document"),
+        (torch.tensor([-1, 0, 1]), r"doc_prefix\[2\]=1 but document 1 has a prefix itself"),
+    ],
+)
+def test_bad_doc_prefix(doc_prefix: torch.Tensor, message: str) -> None:
+    q = torch.randn(1, 8, 2, 16)
+    for fn in (ring_attention, ulysses_attention, usp_attention):
+        with pytest.raises(ValueError, match=message):
+            fn(q, q, q, cu_seqlens=torch.tensor([0, 3, 5, 8]), doc_prefix=doc_prefix)
+        with pytest.raises(ValueError, match="doc_prefix needs cu_seqlens"):
+            fn(q, q, q, doc_prefix=torch.tensor([-1]))

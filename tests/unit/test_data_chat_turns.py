@@ -21,7 +21,7 @@ from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, PackedLoader, load_tokenizer, parse_conversation
 from lctrain.data.chat_turns import DIVERGENT, UNREACHABLE, TurnSettings
 from lctrain.data.packing import Document
-from tests.helpers.corpus import REASONING_TEMPLATE
+from testbed.corpus import REASONING_TEMPLATE
 from tests.unit.test_data_chat import CONVERSATION, PLAIN_CHATML, assert_document
 
 GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -234,5 +234,3 @@ def test_loader_counts_and_resumes_inside_an_expanded_conversation(tmp_path: Pat
         for want, batch in zip(fresh[index + 1 : index + 4], islice(resumed, 3), strict=True):
             for key in ("input_ids", "labels", "position_ids"):
                 assert torch.equal(batch[key], want[key]), (index, key)
-    with pytest.raises(ValueError, match="data.divergent_turns='all' must be one of expand, last_turn, error"):
-        PackedLoader(DataConfig(paths=[str(path)], tokenizer=str(tokenizer_dir), divergent_turns="all"))

@@ -28,7 +28,7 @@ from lctrain.data import (
 from lctrain.data.mixture import Mixture, uniform
 from lctrain.data.sources import embedded_files
 from lctrain.data.stdlib_chat import stdlib_conversations
-from tests.helpers.corpus import write_chat_corpus, write_corpus
+from testbed.corpus import write_chat_corpus, write_corpus
 
 KEYS = ("input_ids", "labels", "position_ids", "sources")
 
@@ -208,6 +208,11 @@ BAD_DATA = {  # DataConfig changes, substrings of the message
     "format": ({"format": "csv"}, ["data.format='csv' must be one of auto, text, chat"]),
     "train_on": ({"train_on": "user"}, ["data.train_on='user' must be one of"]),
     "overlong": ({"overlong": "split"}, ["data.overlong='split' must be one of drop, truncate, error"]),
+    "divergent_turns": (
+        {"divergent_turns": "all"},
+        ["data.divergent_turns='all' must be one of expand, last_turn, error"],
+    ),
+    "unreachable_turns": ({"unreachable_turns": "drop"}, ["data.unreachable_turns='drop' must be one of error, skip"]),
     "no_name": ({"sources": [SourceConfig(paths=["x.jsonl"])]}, ["data.sources[0] has no name"]),
     "same_name": (
         {"sources": [SourceConfig("a", ["x.jsonl"]), SourceConfig("a", ["y.jsonl"])]},

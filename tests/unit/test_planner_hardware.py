@@ -43,9 +43,9 @@ def test_measured_figures_replace_the_preset_and_missing_ones_come_from_it(tmp_p
 
 
 def test_ring_pieces_are_the_rings() -> None:
-    from lctrain.attention import ring
+    from lctrain.attention import transport
 
-    assert RING_PIECES == ring.PIECES
+    assert RING_PIECES == transport.PIECES
 
 
 def test_ring_step_uses_measured_rates_as_achieved(tmp_path: Path) -> None:
@@ -88,8 +88,8 @@ def test_bad_hardware_files_are_refused_naming_the_field(tmp_path: Path, fields:
 def test_probe_command_alone_writes_a_file_without_links(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """``python -m lctrain probe`` without torchrun: a group of one, so no link is measured, only the kernel, the
     GEMM and memory; the planner then takes every link from the preset."""
-    from lctrain import probe
     from lctrain.planner import cli as plan_cli
+    from lctrain.planner import probe
 
     out = tmp_path / "hardware.json"
     probe.main(["--model", "tiny", "--out", str(out), "--tokens", "64", "--bytes", "1024", "--iters", "1"])

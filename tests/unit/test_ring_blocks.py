@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from lctrain.attention.ring_blocks import Block, piece_chunks, plan_ring, visible_pairs
+from lctrain.attention.ring_blocks import Block, group_documents, piece_chunks, plan_ring, visible_pairs
+from tests.helpers.reference import random_pairs, visible_mask
 
 
 def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str) -> torch.Tensor:
@@ -15,22 +16,33 @@ def global_positions(ring_rank: int, ring_size: int, piece_len: int, layout: str
 
 
 def visible(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, bounds: list[int] | None, causal: bool, window: int | None = None
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    bounds: list[int] | None,
+    causal: bool,
+    window: int | None = None,
+    doc_prefix: list[int] | None = None,
 ) -> torch.Tensor:
-    """The true mask [Sq, Sk]: same document, key not after query when causal, fewer than ``window`` back."""
-    allowed = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
-    if bounds is not None:
-        edges = torch.tensor(bounds[1:-1])
-        allowed &= torch.bucketize(q_pos, edges, right=True)[:, None] == torch.bucketize(k_pos, edges, right=True)
-    if causal:
-        allowed &= q_pos[:, None] >= k_pos[None, :]
-    if window is not None:
-        allowed &= q_pos[:, None] - k_pos[None, :] < window
-    return allowed
+    """The true mask [Sq, Sk] (``visible_mask``): same document or its prefix, key not after query when causal,
+    fewer than ``window`` positions back."""
+    seq_len = int(max(q_pos.max(), k_pos.max())) + 1 if bounds is None else bounds[-1]
+    mask = visible_mask(seq_len, causal=causal, bounds=bounds, doc_prefix=doc_prefix, window=window)
+    return mask[q_pos][:, k_pos]
 
 
 def block_mask(block: Block) -> torch.Tensor:
-    """The (query row, key column) pairs a kernel computes for ``block`` (package doc of lctrain.attention.kernels)."""
+    """The (query row, key column) pairs a kernel computes for ``block`` (package doc of lctrain.attention.kernels):
+    with ``segments``, each segment's, laid end to end (block-diagonal)."""
+    if block.segments is not None:
+        rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
+        mask = torch.zeros(rows, cols, dtype=torch.bool)
+        row, col = 0, 0
+        for seg_rows, seg_cols in block.segments:
+            segment = Block(slice(0, seg_rows), slice(0, seg_cols), block.causal, block.window_left)
+            mask[row : row + seg_rows, col : col + seg_cols] = block_mask(segment)
+            row, col = row + seg_rows, col + seg_cols
+        assert (row, col) == (rows, cols)
+        return mask
     rows = torch.arange(block.rows.stop - block.rows.start)[:, None]
     cols = torch.arange(block.cols.stop - block.cols.start)[None, :]
     mask = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
@@ -64,8 +76,11 @@ def plans_for(ring_size: int, piece_len: int, **options) -> list:  # noqa: ANN00
     return [plan_ring(rank, ring_size, piece_len, **options) for rank in range(ring_size)]
 
 
-def check_plans(plans: list, ring_size: int, piece_len: int, layout: str, bounds, causal: bool, window) -> None:  # noqa: ANN001
-    """Every visible pair computed once, nothing else; keys fetched = what the blocks use = what the owner sends."""
+def check_plans(  # noqa: ANN001
+    plans: list, ring_size: int, piece_len: int, layout: str, bounds, causal: bool, window, doc_prefix=None
+) -> None:
+    """Every visible pair computed once, nothing else, also with the documents grouped for varlen kernels; keys
+    fetched = what the blocks use = what the owner sends."""
     sources = [step.source for step in plans[0]]
     assert sources[0] == 0 and sources == sorted(set(sources))
     assert all(plan[0].keys == slice(0, piece_len) and plan[0].send == slice(0, 0) for plan in plans)
@@ -79,9 +94,11 @@ def check_plans(plans: list, ring_size: int, piece_len: int, layout: str, bounds
             step = steps.get(source)
             blocks, keys = (step.blocks, step.keys) if step else ((), slice(0, 0))
             k_pos = global_positions((rank - source) % ring_size, ring_size, piece_len, layout)
-            expected = visible(q_pos, k_pos, bounds, causal, window).long()
-            msg = f"{bounds} w{window} r{rank} s{source}"
+            expected = visible(q_pos, k_pos, bounds, causal, window, doc_prefix).long()
+            msg = f"{bounds} {doc_prefix} w{window} r{rank} s{source}"
             torch.testing.assert_close(covered(blocks, piece_len, keys), expected, msg=msg)
+            grouped = group_documents(blocks) if len(blocks) > 1 else blocks
+            torch.testing.assert_close(covered(grouped, piece_len, keys), expected, msg=msg)
             if step is None or source == 0:
                 continue
             used = [i for b in blocks for i in range(keys.start + b.cols.start, keys.start + b.cols.stop)]
@@ -165,3 +182,47 @@ def test_small_window_fetches_only_the_window_from_neighbours(layout: str) -> No
         # work: every query sees min(window, position + 1) keys
         positions = global_positions(rank, ring_size, piece_len, layout)
         assert work(plan) == int(torch.clamp(positions + 1, max=window).sum())
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 5, 8])
+def test_shared_prefix_plan_covers_exactly_the_visible_pairs(ring_size: int, layout: str) -> None:
+    """Packed preference pairs: each answer's queries against the prompt's keys and its own, never the other
+    answer's, each pair once, with or without a causal mask, and under windows counted in positions (the rejected
+    answer's continue the prompt's)."""
+    rng = random.Random(100 + ring_size)
+    piece_len = 8
+    seq_len = piece_len * ring_size
+    chunk = piece_len // 2 if layout == "zigzag" and ring_size > 1 else piece_len
+    for _ in range(6):
+        bounds, doc_prefix = random_pairs(seq_len, rng)
+        assert any(prefix >= 0 for prefix in doc_prefix)
+        options = dict(layout=layout, cu_seqlens=tuple(bounds), doc_prefix=tuple(doc_prefix))
+        for causal, window in [(True, None), (False, None), *((True, w) for w in (1, 2, chunk, chunk + 3, 9))]:
+            plans = plans_for(ring_size, piece_len, causal=causal, window=window, **options)
+            check_plans(plans, ring_size, piece_len, layout, bounds, causal, window, doc_prefix)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shared_prompt_skips_chosen_by_rejected_and_computes_the_prompt_once(layout: str) -> None:
+    """One pair [prompt 96 | chosen 16 | rejected 16] on a ring of 4: the work is the prompt's causal triangle
+    once plus each answer's rectangle against it and its own triangle: one causal document of the whole pair
+    costs the chosen x rejected rectangle more, the prompt repeated for each answer its triangle more."""
+    ring_size, prompt, answer = 4, 96, 16
+    seq_len = prompt + 2 * answer
+    bounds, doc_prefix = (0, prompt, prompt + answer, seq_len), (-1, 0, 0)
+    plans = plans_for(
+        ring_size, seq_len // ring_size, causal=True, layout=layout, cu_seqlens=bounds, doc_prefix=doc_prefix
+    )
+
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    shared = sum(work(plan) for plan in plans)
+    assert shared == triangle(prompt) + 2 * (answer * prompt + triangle(answer))
+    one_document = sum(work(plan) for plan in plans_for(ring_size, seq_len // ring_size, causal=True, layout=layout))
+    assert one_document - shared == answer * answer  # chosen x rejected: never computed
+    unshared_bounds = (0, prompt + answer, 2 * (prompt + answer))
+    unshared_len = 2 * (prompt + answer)
+    unshared = plans_for(ring_size, unshared_len // ring_size, causal=True, layout=layout, cu_seqlens=unshared_bounds)
+    assert sum(work(plan) for plan in unshared) - shared == triangle(prompt)

@@ -94,9 +94,9 @@ def test_a_training_step_reads_back_once_and_the_optimizer_step_never(trainer) -
         result = trainer.train_step(micro_batches)
     assert step.reads == ["tolist"]
     assert set(result) == {"loss", "grad_norm"} and all(isinstance(v, float) for v in result.values())
-    trainer.forward_backward([batch(vocab, 2)])
+    step = trainer.forward_backward([batch(vocab, 2)])
     with HostReads([]) as optimizer_step:
-        trainer.optimizer_step()
+        trainer.optimizer_step(step.trained)
     assert optimizer_step.reads == []
 
 

@@ -43,8 +43,10 @@ import torch
 import torch.distributed as dist
 
 from lctrain.attention.kernels import resolve_kernel
-from lctrain.planner.presets import GIB, MEASURABLE, NAMED_MODELS, load_model
+from lctrain.planner.cli import check_positive, model_parser
+from lctrain.planner.presets import GIB, MEASURABLE, load_model
 from lctrain.planner.timing import BACKWARD_FLOPS_RATIO
+from lctrain.rules import check_ulysses_heads, groups_inside_nodes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -160,7 +162,7 @@ def measure_links(nodes: Nodes, options: ProbeOptions, device: torch.device) -> 
         seconds = ring_exchange_seconds(*peers, size, iters, device)
         result["inter_gbps"], result["seconds"]["inter"] = size / seconds / 1e9, seconds
     ulysses = options.ulysses
-    if nodes.per_node % ulysses:
+    if not groups_inside_nodes(ulysses, nodes.per_node):
         raise ValueError(f"--ulysses {ulysses} does not divide the {nodes.per_node} ranks of a node")
     if ulysses > 1:
         group = None
@@ -261,13 +263,12 @@ def write_hardware(record: dict[str, Any], path: Path) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m lctrain probe",
-        description="Measure this job's links (inside and between nodes, the Ulysses all-to-all) and the attention "
-        "kernel at the model's head shape; write the hardware file `python -m lctrain plan --hardware FILE` reads. "
-        "Launch it like a training job (torchrun on every node).",
+    p = model_parser(
+        "probe",
+        "Measure this job's links (inside and between nodes, the Ulysses all-to-all) and the attention kernel at the "
+        "model's head shape; write the hardware file `python -m lctrain plan --hardware FILE` reads. Launch it like a "
+        "training job (torchrun on every node).",
     )
-    p.add_argument("--model", required=True, help=f"a named size ({', '.join(NAMED_MODELS)}) or a HF model directory")
     p.add_argument("--out", default="hardware.json", help="the hardware file to write (default hardware.json)")
     p.add_argument(
         "--ulysses", type=int, help="Ulysses group size (default: the ranks of a node, torchrun's LOCAL_WORLD_SIZE)"
@@ -296,16 +297,10 @@ def options_from(args: argparse.Namespace, device: torch.device) -> ProbeOptions
         dtype=args.dtype,
         gemm=8192 if cuda else 2048,
     )
-    for name in ("tokens", "bytes", "iters", "ulysses"):
-        if getattr(options, name) < 1:
-            raise ValueError(f"--{name} {getattr(options, name)} must be >= 1")
+    check_positive(options, ("tokens", "bytes", "iters", "ulysses"))
     if options.tokens % 2:
         raise ValueError(f"--tokens {options.tokens} must be even (the block has half as many keys)")
-    if options.heads % ulysses:
-        raise ValueError(
-            f"the Ulysses group of {ulysses} ranks does not divide the model's {options.heads} attention heads: pass "
-            f"--ulysses with a divisor of both the heads and the ranks per node"
-        )
+    check_ulysses_heads(options.heads, options.kv_heads, ulysses, setting="--ulysses")
     return options
 
 

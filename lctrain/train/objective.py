@@ -1,0 +1,109 @@
+"""The training objective: what a step minimizes, from each row's final hidden states and the LM head.
+
+The trainer calls an objective through one narrow interface, in this order every step:
+
+1. ``step_counts(micro_batches)``: counts taken on the host from this rank's micro-batches of the step, moved to the
+   device and summed over the objective's group in one all-reduce. ``counts[0]`` is what the step's loss is a mean
+   over; 0 means nothing to train (the trainer then skips the update).
+2. ``loss(hidden, weight, row, counts)`` for each row: ``hidden`` ``[1, S_local, H]`` (this rank's part of the row),
+   ``weight`` the LM head ``[vocab, H]``, ``row`` the row's fields named in ``fields`` (``[1, S_local]``, on the
+   device). Returns this rank's differentiable share of the step's loss, which the trainer back-propagates, and
+   detached fp64 sums for the report. The shares add up over the rows and every rank to the step's loss (FSDP sums
+   the gradients over dp_cp); the trainer sums the report sums the same way.
+3. ``report(counts, sums)``: the step's counts and summed report sums, read back to the host, as metrics.
+
+Whatever an objective needs beyond the LM head's inputs stays inside it: its own fields of a row, its own reductions
+inside ``loss`` (per-sequence sums over the context-parallel group, say), its own terms added to the share (taken
+from the model by hooks) and reported through the sums. The trainer does not branch on the objective.
+
+The step's totals travel as a ``StepTotals`` value from the forward-backward to the optimizer step and the report.
+With a pipeline the last stage computes ``loss_sum`` inside its forward and the schedule's ``loss_fn`` is ``share``,
+each micro-batch's target being the step's token count; the last stage reports the total only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain.data.packing import IGNORE_INDEX
+from lctrain.train.loss import chunked_cross_entropy, chunked_cross_entropy_by_group
+
+Batch = dict[str, Any]
+
+
+@dataclass
+class StepTotals:
+    """One step's totals on the device, returned by ``Trainer.forward_backward``."""
+
+    loss: Tensor  # this rank's share of the step's loss (a scalar; summed over every rank: the step's loss)
+    counts: Tensor  # int64 [n]: the objective's step counts, already summed over its group (``step_counts``)
+    sums: Tensor  # fp64 [m]: this rank's report sums over the step's rows (to be summed over every rank)
+
+    @property
+    def trained(self) -> Tensor:
+        """A device bool: the step had something to train."""
+        return self.counts[0] > 0
+
+
+class TokenMeanLoss:
+    """The language-modelling loss: the cross-entropy summed over the step's trained tokens (labels not
+    ``IGNORE_INDEX``) divided by their number over ``group`` (dp_cp) and the step's micro-batches, so that the step's
+    loss is the token mean over the global batch on any mesh. A rank without a trained token adds 0, never 0/0.
+
+    With several ``sources`` (their names, in the order of the rows' ``sources`` ids) the counts are
+    ``[trained tokens, then per source]`` and the report sums each source's token losses, from the same chunks as the
+    loss: ``loss/<name>`` (that source's token mean) and ``tokens/<name>``."""
+
+    def __init__(self, sources: Sequence[str], *, group: dist.ProcessGroup, device: torch.device, chunk_tokens: int):
+        self.sources = list(sources) if len(sources) > 1 else []
+        self.group, self.device, self.chunk_tokens = group, device, chunk_tokens
+        self.fields = ("labels", "sources") if self.sources else ("labels",)
+
+    def step_counts(self, micro_batches: Sequence[Batch]) -> Tensor:
+        """int64 ``[1 + len(sources)]`` on the device: the step's trained tokens (then per source), over ``group``."""
+        masks = [batch["labels"] != IGNORE_INDEX for batch in micro_batches]
+        counts = [sum(mask.sum() for mask in masks).view(1)]
+        if self.sources:
+            sources = [batch["sources"][mask].long() for batch, mask in zip(micro_batches, masks)]
+            counts.append(sum(torch.bincount(s, minlength=len(self.sources)) for s in sources))
+        # queued behind the device's work, not waiting for it
+        step_counts = torch.cat(counts).to(self.device, non_blocking=True)
+        dist.all_reduce(step_counts, group=self.group)
+        return step_counts
+
+    def loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+        """The token-summed loss of ``hidden`` ``[..., H]`` against ``labels`` ``[...]`` (the chunked loss)."""
+        return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=self.chunk_tokens)[0]
+
+    @staticmethod
+    def share(loss_sum: Tensor, tokens: Tensor) -> Tensor:
+        """``loss_sum`` over the step's trained tokens ``tokens`` (``counts[0]``, a scalar or a pipeline micro-batch's
+        ``[1]``; without any, the sum is 0 and so is the share): a scalar."""
+        return loss_sum / tokens.clamp(min=1).reshape(())
+
+    def loss(self, hidden: Tensor, weight: Tensor, row: Batch, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's share of the step's loss from one row, and the row's loss sums per source (fp64
+        ``[len(sources)]``, detached; empty with one source)."""
+        if not self.sources:
+            no_sums = counts.new_zeros(0, dtype=torch.float64)
+            return self.share(self.loss_sum(hidden, weight, row["labels"]), counts[0]), no_sums
+        total, sums, _ = chunked_cross_entropy_by_group(
+            hidden, weight, row["labels"], row["sources"], len(self.sources), chunk_tokens=self.chunk_tokens
+        )
+        return self.share(total, counts[0]), sums
+
+    def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
+        """With several sources, ``loss/<name>`` (None for a source without a trained token, or without ``sums``: a
+        pipeline's last stage computes the total only) and ``tokens/<name>``; else nothing."""
+        result: dict[str, float | None] = {}
+        for index, name in enumerate(self.sources):
+            count = counts[1 + index]
+            result[f"loss/{name}"] = sums[index] / count if count and sums else None
+            result[f"tokens/{name}"] = int(count)
+        return result
