@@ -34,7 +34,7 @@ from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import PipelineStageModule, StageLoss, apply_pipeline, merge_stages
@@ -115,7 +115,7 @@ def build_model(
     experts_mesh = None
     if num_experts(prepared.config):
         if parallel.ep > 1:
-            experts_mesh = ParallelDims.from_config(parallel).build_expert_mesh(mesh)
+            experts_mesh = parallel.dims().build_expert_mesh(mesh)
         kernel = expert_kernel(device, resolve_dtype(parallel.param_dtype, device))
         apply_expert_parallel(model, None if experts_mesh is None else experts_mesh["ep"], kernel)
     if parallel.pp > 1:
