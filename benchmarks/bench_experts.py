@@ -13,8 +13,9 @@ parallelism against none on 4 ranks, on CPU.
 - ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
   on every rank (``ep`` 1) and spread over 2 and 4 ranks: the median step time, the expert weights each rank holds
   and its peak resident memory during a step (the resident set's high-water mark from ``/proc``, reset before the
-  step: ``benchmarks/memory.py``). Without FSDP: each rank holds its experts whole, so the saving is the experts'
-  (E - E/ep)/E and the cost the all-to-alls (on one machine's loopback here, not a network).
+  step: ``benchmarks/memory.py``), the local kernel the one ``expert_kernel`` picks. Without FSDP: each rank holds
+  its experts whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on one machine's
+  loopback here, not a network).
 
 Figures are printed, never asserted; ``docs/benchmarks.md`` records a run.
 """
@@ -101,7 +102,9 @@ def ep_rank(args: argparse.Namespace, ep: int) -> dict[str, float]:
     world = dist.get_world_size()
     model = build(args)
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep")) if ep > 1 else None
-    apply_expert_parallel(model, None if mesh is None else mesh["ep"], "loop")
+    apply_expert_parallel(
+        model, None if mesh is None else mesh["ep"], expert_kernel(torch.device("cpu"), torch.float32)
+    )
     experts = sum(
         p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
         for name, p in model.named_parameters()
