@@ -11,9 +11,10 @@ parallelism against none on 4 ranks, on CPU.
   weights and rows on every side; steps taken in turn (A, B, C, ..., then again) so that drift in the machine's load
   hits them alike; the median step time and its ratio to transformers' default.
 - ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
-  on every rank (``ep`` 1) and spread over 2 and 4 ranks: the median step time, the expert weights each rank holds
-  and its peak resident memory during a step (the resident set's high-water mark from ``/proc``, reset before the
-  step: ``benchmarks/memory.py``), the local kernel the one ``expert_kernel`` picks. Without FSDP: each rank holds
+  on every rank (``ep`` 1) and spread over 2 and 4 ranks, the three side by side in each process and their steps
+  taken in turn: the median step time, the expert weights each rank holds and how much its resident memory grows
+  during a step (the resident set's high-water mark from ``/proc``, reset before the step: ``benchmarks/memory.py``),
+  the local kernel the one ``expert_kernel`` picks. Without FSDP: each rank holds
   its experts whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on one machine's
   loopback here, not a network).
 
@@ -38,6 +39,7 @@ from lctrain.testing import run_distributed
 
 MIB = 2**20
 VOCAB = 1024
+EP_DEGREES = (1, 2, 4)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -95,50 +97,62 @@ def single(args: argparse.Namespace) -> str:
     return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows)
 
 
-def ep_rank(args: argparse.Namespace, ep: int) -> dict[str, float]:
-    """On each of the 4 ranks: build, spread the experts over ``ep`` ranks, time ``args.steps`` steps."""
+def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """On each of the 4 ranks: the model with its experts spread over 1, 2 and 4 ranks, side by side, their steps
+    taken in turn; per ep the median step time, the expert weights held here and the step's memory growth."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    model = build(args)
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep")) if ep > 1 else None
-    apply_expert_parallel(
-        model, None if mesh is None else mesh["ep"], expert_kernel(torch.device("cpu"), torch.float32)
-    )
-    experts = sum(
-        p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
-        for name, p in model.named_parameters()
-        if name.endswith(("gate_up_proj", "down_proj"))
-    )
+    models = {}
+    for ep in EP_DEGREES:
+        model = build(args)
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep")) if ep > 1 else None
+        apply_expert_parallel(
+            model, None if mesh is None else mesh["ep"], expert_kernel(torch.device("cpu"), torch.float32)
+        )
+        models[ep] = model
     gen = torch.Generator().manual_seed(dist.get_rank())
     input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=gen)
-    times, peaks = [], []
+    times: dict[int, list[float]] = {ep: [] for ep in EP_DEGREES}
+    growth: dict[int, list[int]] = {ep: [] for ep in EP_DEGREES}
     for index in range(args.warmup + args.steps):
-        dist.barrier()
-        with StepPeak(torch.device("cpu")) as peak:
-            elapsed = step(model, input_ids)
-        if index >= args.warmup:
-            times.append(elapsed)
-            peaks.append(peak.peak)
-    return {"step_s": statistics.median(times), "experts_bytes": experts, "peak_bytes": max(peaks)}
+        for ep, model in models.items():
+            dist.barrier()
+            with StepPeak(torch.device("cpu")) as peak:
+                elapsed = step(model, input_ids)
+            if index >= args.warmup:
+                times[ep].append(elapsed)
+                growth[ep].append(peak.growth)
+    return {
+        ep: {
+            "step_s": statistics.median(times[ep]),
+            "experts_bytes": sum(
+                p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
+                for name, p in models[ep].named_parameters()
+                if name.endswith(("gate_up_proj", "down_proj"))
+            ),
+            "growth_bytes": max(growth[ep]),
+        }
+        for ep in EP_DEGREES
+    }
 
 
 def expert_parallel(args: argparse.Namespace) -> str:
+    ranks = run_distributed(ep_rank, 4, args)
     rows, base = [], None
-    for ep in (1, 2, 4):
-        ranks = run_distributed(ep_rank, 4, args, ep)
-        step_s = max(rank["step_s"] for rank in ranks)  # the slowest rank sets the pace
+    for ep in EP_DEGREES:
+        step_s = max(rank[ep]["step_s"] for rank in ranks)  # the slowest rank sets the pace
         base = base or step_s
         rows.append(
             [
                 str(ep),
                 f"{step_s * 1e3:.0f}",
                 f"{step_s / base:.2f}",
-                f"{ranks[0]['experts_bytes'] / MIB:.1f}",
-                f"{max(rank['peak_bytes'] for rank in ranks) / MIB:.0f}",
+                f"{ranks[0][ep]['experts_bytes'] / MIB:.1f}",
+                f"{max(rank[ep]['growth_bytes'] for rank in ranks) / MIB:.0f}",
             ]
         )
-    header = ["ep", "step ms (slowest rank)", "vs ep 1", "expert weights per rank MiB", "peak RSS per rank MiB"]
+    header = ["ep", "step ms (slowest rank)", "vs ep 1", "expert weights per rank MiB", "step's peak growth MiB"]
     return table(header, rows)
 
 
