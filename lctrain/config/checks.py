@@ -14,7 +14,6 @@ from typing import Any
 
 from lctrain.config.schema import JobConfig
 from lctrain.models.families import check_experts, check_family, check_model_features, model_source
-from lctrain.parallel.dims import ParallelDims
 from lctrain.rules import check_pipeline, check_ulysses_heads
 
 logger = logging.getLogger("lctrain")
@@ -41,7 +40,7 @@ def check_job(
     every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
-    dims = ParallelDims.from_config(par)
+    dims = par.dims()
     dims.check_world_size(world_size)
     check_ulysses_heads(num_heads, num_kv_heads, dims.ulysses)
     dims.check_sequence_length(data.seq_len)

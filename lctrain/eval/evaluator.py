@@ -38,7 +38,7 @@ from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.runtime import resolve_device
 from lctrain.train.validate import dp_turns, score_rows
 
@@ -48,7 +48,7 @@ logger = logging.getLogger("lctrain")
 def check_eval(cfg: JobConfig) -> None:
     """The eval lengths against the mesh: each one cut whole over the context-parallel ranks (``EvalConfig``
     checks its own settings)."""
-    dims = ParallelDims.from_config(cfg.parallel)
+    dims = cfg.parallel.dims()
     for name, lengths in (("eval.lengths", cfg.eval.lengths), ("eval.perplexity_lengths", cfg.eval.perplexity_lengths)):
         for length in lengths:
             dims.check_sequence_length(length, setting=name)
@@ -95,7 +95,7 @@ class Evaluator:
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
 
         # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = cfg.parallel.dims()
         self.mesh = self.dims.build_mesh(self.device.type)
         self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()

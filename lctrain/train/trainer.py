@@ -31,7 +31,7 @@ from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
 from lctrain.models.moe import with_router_loss
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
@@ -58,7 +58,7 @@ class Trainer:
 
         # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
         par = cfg.parallel
-        self.dims = ParallelDims.from_config(par)
+        self.dims = par.dims()
         self.mesh = self.dims.build_mesh(self.device.type)
         self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)  # this rank's (ring, ulysses) part
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
