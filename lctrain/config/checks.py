@@ -91,7 +91,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
-    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp)
+    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp, cfg.train.router_aux_scope)
     check_job(
         cfg,
         world_size,

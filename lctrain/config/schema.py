@@ -51,6 +51,10 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available), cuda or cpu
     nonfinite: str = "stop"  # a step whose gradient norm is NaN/inf: stop (raise) or skip (no update, logged)
     loss_chunk_tokens: int = 1024  # tokens per chunk of the cross-entropy (the logits of one chunk exist at once)
+    # a mixture of experts' router load-balancing loss pools its statistics over: sequence = each packed row (over
+    # its context-parallel ranks), the loss the mean over the rows; global = the whole step (dp x accumulation), from
+    # a no-grad forward of the step's rows first (one more forward per row)
+    router_aux_scope: str = "sequence"
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; None = known GPUs only
     timeout_s: float = 600.0  # a collective waiting longer than this for other ranks stops the job with an error
     # progressive training: stages run one after another, each a mapping of settings over this job
@@ -68,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"train.timeout_s={self.timeout_s} must be > 0 (seconds a collective may wait)")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.nonfinite={self.nonfinite!r} must be stop or skip")
+        if self.router_aux_scope not in ("sequence", "global"):
+            raise ValueError(f"train.router_aux_scope={self.router_aux_scope!r} must be sequence or global")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"train.device={self.device!r} must be auto, cuda or cpu")
         if self.val_every < 0:

@@ -196,9 +196,15 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
         )
 
 
-def check_experts(config: Any, source: str, coef_setting: float | None, pp: int) -> None:
-    """Refuse ``model.router_aux_loss_coef`` where it cannot apply, and a router loss across pipeline stages.
-    ``config`` has the job's ``model.*`` settings applied."""
+def check_experts(config: Any, source: str, coef_setting: float | None, pp: int, scope: str = "sequence") -> None:
+    """Refuse ``model.router_aux_loss_coef`` where it cannot apply, a router loss across pipeline stages, and
+    ``train.router_aux_scope=global`` without a router loss. ``config`` has the job's ``model.*`` settings applied."""
+    routed = config.model_type in MOE_FAMILIES and getattr(config, "output_router_logits", False)
+    if scope == "global" and not (routed and config.router_aux_loss_coef > 0):
+        raise ValueError(
+            f"train.router_aux_scope=global for {source}, which trains no router load-balancing loss (a mixture of "
+            f"experts with model.router_aux_loss_coef > 0): set train.router_aux_scope=sequence"
+        )
     if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
         raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
     if config.model_type not in MOE_FAMILIES:
@@ -214,7 +220,7 @@ def check_experts(config: Any, source: str, coef_setting: float | None, pp: int)
             f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
             f"model.experts_per_token between 1 and model.num_experts"
         )
-    if pp > 1 and getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0:
+    if pp > 1 and routed and config.router_aux_loss_coef > 0:
         raise ValueError(
             f"parallel.pp={pp} with {source}'s router load-balancing loss (router_aux_loss_coef="
             f"{config.router_aux_loss_coef}): transformers pools its statistics over every layer, which pipeline "

@@ -18,7 +18,14 @@ are spread over the context-parallel ranks (ring × Ulysses), each holding parti
 adds up over the ranks to the row's ``aux``, and so do its gradients, since ``∂aux/∂S^r_e = E C_e / N²`` is what
 each rank's share gives its own ``S^r``: only the counts are reduced, no gradient crosses ranks (FSDP sums the
 parameters' gradients over dp_cp as for the LM loss). The step's auxiliary loss is the mean over the step's rows
-(dp × accumulation), as the LM loss is a mean over their tokens.
+(dp × accumulation), as the LM loss is a mean over their tokens (``train.router_aux_scope=sequence``).
+
+``train.router_aux_scope=global`` pools the statistics over the whole step instead (every row of every dp rank and
+micro-batch: transformers' function on all of them at once, the global-batch balancing Qwen recommends for its MoE
+models). The same share is exact with ``C`` and ``N`` the step's totals, which must be known before the first row's
+backward: ``step_counts`` runs a no-grad forward of the step's rows first (the parameters do not change within a
+step, so the routing is the one the training forward takes) and sums the counts over dp_cp. It costs one more
+forward per row.
 
 Neither family defines a router z-loss (no such term in transformers' modelling files or configs), so none is
 computed.
@@ -33,7 +40,7 @@ index: fractions of the layer's routed assignments in the step; ``1/E`` each whe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -124,11 +131,15 @@ def balance_loss_share(counts: Tensor, sums: Tensor, tokens: Tensor) -> Tensor:
 
 
 class RouterBalancedLoss:
-    """An objective (``lctrain.train.objective``'s interface) that adds ``coef`` × the router's load-balancing loss,
-    the mean over the step's rows of each row's (exact over ``cp_group``, ring × Ulysses), to ``inner``'s loss.
+    """An objective (``lctrain.train.objective``'s interface) that adds ``coef`` × the router's load-balancing loss
+    to ``inner``'s loss. ``scope``: ``sequence``, the mean over the step's rows of each row's loss (statistics summed
+    over ``cp_group``, ring × Ulysses); ``global``, one loss over the step's rows (dp × accumulation), whose counts
+    ``step_counts`` takes from a no-grad forward of every row first (``forward_row(batch, row)``), summed over
+    ``group`` (dp_cp).
 
-    Counts: ``inner``'s, then the step's rows over ``group`` (each counted once per context-parallel rank). Report
-    sums: the LM share, the auxiliary sum over the rows, the routed counts ``[layers · E]``, then ``inner``'s."""
+    Counts: ``inner``'s, then the step's rows over ``group`` (each counted once per context-parallel rank), then with
+    ``global`` the step's routed counts ``[layers · E]`` and tokens per layer. Report sums: the LM share, the
+    auxiliary share, the row's routed counts on this rank ``[layers · E]``, then ``inner``'s."""
 
     def __init__(
         self,
@@ -138,19 +149,35 @@ class RouterBalancedLoss:
         coef: float,
         group: dist.ProcessGroup,
         cp_group: dist.ProcessGroup | None,
+        scope: str = "sequence",
+        forward_row: Callable[[dict[str, Any], int], Tensor] | None = None,
     ):
-        self.inner, self.stats, self.coef = inner, stats, coef
+        if scope == "global" and forward_row is None:
+            raise ValueError("router_aux_scope=global needs forward_row, the model's forward of one row")
+        self.inner, self.stats, self.coef, self.scope, self.forward_row = inner, stats, coef, scope, forward_row
         self.group, self.cp_group = group, cp_group
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.fields = inner.fields
         self.layers, self.experts = len(stats.routers), stats.num_experts
+        self.own = 1 if scope == "sequence" else 2 + self.layers * self.experts  # counts after inner's
 
     def step_counts(self, micro_batches: Sequence[dict[str, Any]]) -> Tensor:
         counts = self.inner.step_counts(micro_batches)
         rows = sum(batch["input_ids"].shape[0] for batch in micro_batches)
-        rows = torch.tensor([rows], dtype=counts.dtype, device=counts.device)
-        dist.all_reduce(rows, group=self.group)
-        return torch.cat([counts, rows])
+        own = [torch.tensor([rows], dtype=counts.dtype, device=counts.device)]
+        if self.scope == "global":
+            routed, tokens = torch.zeros(self.layers * self.experts, device=counts.device), 0
+            with torch.no_grad():  # the routing the step's forward will take: its parameters do not change
+                for batch in micro_batches:
+                    for row in range(batch["input_ids"].shape[0]):
+                        self.forward_row(batch, row)
+                        row_counts, _, row_tokens = self.stats.take()
+                        routed += row_counts.view(-1)
+                        tokens += row_tokens
+            own += [routed.to(counts.dtype), torch.tensor([tokens], dtype=counts.dtype, device=counts.device)]
+        own = torch.cat(own)
+        dist.all_reduce(own, group=self.group)
+        return torch.cat([counts, own])
 
     def loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
         return self.inner.loss_sum(hidden, weight, labels)
@@ -159,25 +186,24 @@ class RouterBalancedLoss:
         return self.inner.share(loss_sum, tokens)
 
     def loss(self, hidden: Tensor, weight: Tensor, row: dict[str, Tensor], counts: Tensor) -> tuple[Tensor, Tensor]:
-        lm_share, inner_sums = self.inner.loss(hidden, weight, row, counts[:-1])
+        lm_share, inner_sums = self.inner.loss(hidden, weight, row, counts[: -self.own])
         local_counts, sums, tokens = self.stats.take()
-        # the row's counts and tokens over its context-parallel ranks: [layers · E + 1]
-        totals = torch.cat([local_counts.reshape(-1), local_counts.new_tensor([tokens])])
-        if self.cp_group is not None:
-            dist.all_reduce(totals, group=self.cp_group)
-        row_counts = totals[:-1].view(self.layers, self.experts)
-        aux_share = balance_loss_share(row_counts, sums, totals[-1]) / counts[-1].clamp(min=1) * self.cp
+        if self.scope == "global":  # the step's counts and tokens, over every rank
+            routed, total = counts[-1 - self.layers * self.experts : -1].view(self.layers, self.experts), counts[-1]
+            aux_share = balance_loss_share(routed, sums, total)
+        else:  # the row's counts and tokens over its context-parallel ranks: [layers · E + 1]
+            totals = torch.cat([local_counts.reshape(-1), local_counts.new_tensor([tokens])])
+            if self.cp_group is not None:
+                dist.all_reduce(totals, group=self.cp_group)
+            routed = totals[:-1].view(self.layers, self.experts)
+            # the mean over the step's rows (counts[-1]: each row once per context-parallel rank)
+            aux_share = balance_loss_share(routed, sums, totals[-1]) * self.cp / counts[-1].clamp(min=1)
         share = lm_share + (self.coef * aux_share).to(lm_share.dtype)
-        # routed counts reported once per row: by each rank its share 1/cp of the row's
-        report = [
-            lm_share.detach().double().view(1),
-            aux_share.detach().view(1),
-            row_counts.double().view(-1) / self.cp,
-        ]
+        report = [lm_share.detach().double().view(1), aux_share.detach().view(1), local_counts.double().view(-1)]
         return share, torch.cat([*report, inner_sums])
 
     def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
-        result = self.inner.report(counts[:-1], sums[2 + self.layers * self.experts :])
+        result = self.inner.report(counts[: -self.own], sums[2 + self.layers * self.experts :])
         if not sums:  # a pipeline's last stage reports the total only
             return result
         result |= {"lm_loss": sums[0], "aux_loss": sums[1]}
@@ -190,10 +216,26 @@ class RouterBalancedLoss:
 
 
 def with_router_loss(
-    objective: Any, model: nn.Module, coef: float, *, group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None
+    objective: Any,
+    model: nn.Module,
+    coef: float,
+    *,
+    group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup | None,
+    scope: str = "sequence",
+    forward_row: Callable[[dict[str, Any], int], Tensor] | None = None,
 ) -> Any:
     """``objective`` with the router's load-balancing loss times ``coef`` (``lctrain.models.hf.router_aux_coef``)
-    and the experts' load when ``model`` (a whole model, not pipeline stages) has routers; else ``objective``."""
+    pooled over ``scope`` (``train.router_aux_scope``) and the experts' load when ``model`` (a whole model, not
+    pipeline stages) has routers; else ``objective``."""
     if not routers(model):
         return objective
-    return RouterBalancedLoss(objective, RouterStatistics(model), coef=coef, group=group, cp_group=cp_group)
+    return RouterBalancedLoss(
+        objective,
+        RouterStatistics(model),
+        coef=coef,
+        group=group,
+        cp_group=cp_group,
+        scope=scope,
+        forward_row=forward_row,
+    )

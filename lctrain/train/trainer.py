@@ -105,13 +105,16 @@ class Trainer:
             )
         else:
             self.hidden_states = FinalHiddenStates(self.model)
-            # a mixture of experts adds its routers' load-balancing loss (reduced over each row's cp ranks)
+            # a mixture of experts adds its routers' load-balancing loss (its statistics over each row's cp ranks, or
+            # over the step's rows from a forward of them first: train.router_aux_scope)
             self.objective = with_router_loss(
                 self.objective,
                 self.model,
                 router_aux_coef(self.hf_config),
                 group=self.dp_cp_group,
                 cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
+                scope=cfg.train.router_aux_scope,
+                forward_row=self.forward_row,
             )
 
         # 5. optimizer, schedule, checkpoints, metrics
@@ -191,15 +194,20 @@ class Trainer:
         all queued work): the copy is queued behind it."""
         return tensor.to(self.device, non_blocking=True)
 
-    def forward_loss(self, batch: Batch, row: int, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """One row of this rank's micro-batch (``[1, S_local]`` tokens) through the model and the objective: this
-        rank's share of the step's loss from the row and the row's report sums (``TokenMeanLoss.loss``)."""
+    def forward_row(self, batch: Batch, row: int) -> Tensor:
+        """The final hidden states ``[1, S_local, H]`` of one row of this rank's micro-batch."""
         rows = slice(row, row + 1)
-        hidden = self.hidden_states(
+        return self.hidden_states(
             self._to_device(batch["input_ids"][rows]),
             self._to_device(batch["position_ids"][rows]),
             batch["cu_seqlens"][row],  # on the host: the attention plans its blocks from it
         )
+
+    def forward_loss(self, batch: Batch, row: int, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """One row of this rank's micro-batch (``[1, S_local]`` tokens) through the model and the objective: this
+        rank's share of the step's loss from the row and the row's report sums (``TokenMeanLoss.loss``)."""
+        rows = slice(row, row + 1)
+        hidden = self.forward_row(batch, row)
         fields = {key: self._to_device(batch[key][rows]) for key in self.objective.fields}
         # the LM head was all-gathered by the root's forward and is kept for its backward
         return self.objective.loss(hidden, self.model.lm_head.weight, fields, counts)

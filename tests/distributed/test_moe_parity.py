@@ -11,11 +11,14 @@ the auxiliary term's gradient shows in every router and expert weight):
 - ``mixtral`` on dp 2 × ring 2, 2 rows a micro-batch, ``grad_accum`` 2, selective checkpointing and the chunked MLP
   (8 tokens a chunk: each chunk calls the router, the chunks are recomputed in the backward);
 - ``qwen3_moe`` on pp 2 × ring 2 (no router loss: across pipeline stages it is refused);
+- ``qwen3_moe`` on dp 2 × ring 2, 2 rows a micro-batch, ``grad_accum`` 2, ``train.router_aux_scope=global``: one
+  load-balancing loss over the step's 8 rows (counts from a no-grad forward of them first);
 - ``mixtral`` with LoRA adapters on the attention projections, dp 2 × ring 2;
 - the first case stopped after 2 steps (a checkpoint at step 2) and resumed to ``STEPS``.
 
 The reference (``reference_training.py``): the LM loss of every document piece of the same rows plus ``coef`` times
-the mean over the rows of transformers' ``load_balancing_loss_func`` on each whole row's router logits. Tolerances as
+the mean over the rows of transformers' ``load_balancing_loss_func`` on each whole row's router logits (global: the
+function on all of the step's rows at once). Tolerances as
 ``test_trainer_parity.py``: first step's loss within 1e-5 relative and every gradient within 1e-5 absolute + 1e-4
 relative; every step's loss within 1e-5 relative and pre-clipping gradient norm within 1e-3 relative. The step's
 reported ``lm_loss + coef · aux_loss`` is its ``loss`` (1e-6 relative), each layer's expert load lies in
@@ -71,6 +74,13 @@ CASES = {
         1,
         2,
         1,
+    ),
+    "qwen3_moe-dp2-ring2-global": (
+        ("model.family=qwen3_moe", f"model.router_aux_loss_coef={COEF}", "train.router_aux_scope=global"),
+        ("parallel.dp=2", "parallel.ring=2", "parallel.activation_checkpointing=full"),
+        2,
+        2,
+        2,
     ),
     "mixtral-lora-dp2-ring2": (
         ("model.family=mixtral", f"model.router_aux_loss_coef={COEF}", "model.lora.rank=4"),

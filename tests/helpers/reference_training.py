@@ -217,7 +217,9 @@ def _reference(cfg: JobConfig, dp: int, *, continued: bool) -> tuple[list[float]
         logits = model.lm_head(output.last_hidden_state[valid])  # the valid positions only: the full logits are large
         loss = F.cross_entropy(logits.float(), labels[valid], reduction="sum") / valid.sum()
         if routed:
-            loss = loss + router_aux_coef(model.config) * rows_router_loss(model, batches, output.router_logits)
+            scope = cfg.train.router_aux_scope
+            aux = rows_router_loss(model, batches, output.router_logits, pooled=scope == "global")
+            loss = loss + router_aux_coef(model.config) * aux
         loss.backward()
         if not grads:
             grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
@@ -234,10 +236,13 @@ def _reference(cfg: JobConfig, dp: int, *, continued: bool) -> tuple[list[float]
     return losses, norms, grads
 
 
-def rows_router_loss(model: torch.nn.Module, batches: list[dict], router_logits: tuple[torch.Tensor, ...]) -> Tensor:
+def rows_router_loss(
+    model: torch.nn.Module, batches: list[dict], router_logits: tuple[torch.Tensor, ...], *, pooled: bool = False
+) -> Tensor:
     """The mean over the rows of ``batches`` of transformers' ``load_balancing_loss_func`` of each row's tokens (every
-    token of the row, padding included), from the router logits of ``document_pieces(batches)`` (per MoE layer
-    ``[pieces · L, E]``, the pieces right-padded to ``L``)."""
+    token of the row, padding included), or with ``pooled`` the function of all of their tokens at once, from the
+    router logits of ``document_pieces(batches)`` (per MoE layer ``[pieces · L, E]``, the pieces right-padded to
+    ``L``)."""
     lengths = [b - a for batch in batches for bounds in batch["cu_seqlens"] for a, b in zip(bounds[:-1], bounds[1:])]
     pieces_per_row = [len(bounds) - 1 for batch in batches for bounds in batch["cu_seqlens"]]
     longest = max(lengths)
@@ -246,6 +251,8 @@ def rows_router_loss(model: torch.nn.Module, batches: list[dict], router_logits:
         [logits.view(len(lengths), longest, -1)[i, :n] for i, n in enumerate(lengths)] for logits in router_logits
     ]
     balance = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    if pooled:
+        pieces_per_row = [sum(pieces_per_row)]
     losses, start = [], 0
     for count in pieces_per_row:
         row = tuple(torch.cat(pieces[start : start + count]) for pieces in layers)

@@ -201,6 +201,12 @@ REFUSED = {
         1,
         ["model.router_aux_loss_coef=0.01 for model.family='llama'", "without routers: set it to null"],
     ),
+    "global_router_scope_without_router_loss": (
+        None,
+        ["model.family=qwen3_moe", "train.router_aux_scope=global"],
+        1,
+        ["train.router_aux_scope=global for model.family='qwen3_moe'", "set train.router_aux_scope=sequence"],
+    ),
     "negative_router_loss": (QWEN3_MOE, ["model.router_aux_loss_coef=-1"], 1, ["must be >= 0 (or null"]),
     "top_k_above_experts": (
         None,
