@@ -22,16 +22,15 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch.distributed as dist
 
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
+    cases_then_resumed,
     job_config,
     reference,
-    train_case,
 )
 
 STEPS = 4
@@ -73,14 +72,8 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
 
 
 def ep_world(workdir: str) -> dict | None:
-    results = {case: train_case(job(workdir, case)) for case in CASES}
-    first = job(workdir, RESUMED, run="resumed", steps=2)
-    first.checkpoint.every = 2
-    train_case(first)
-    resumed = job(workdir, RESUMED, run="resumed")
-    resumed.checkpoint.resume = "auto"
-    results["resumed"] = train_case(resumed)
-    return results if dist.get_rank() == 0 else None
+    """Every case, then the resumed run: 2 steps with a checkpoint, then on to ``STEPS`` from it."""
+    return cases_then_resumed(job, workdir, CASES, RESUMED)
 
 
 @functools.cache

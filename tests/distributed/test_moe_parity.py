@@ -32,16 +32,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
+    cases_then_resumed,
     job_config,
     reference,
-    train_case,
 )
 
 STEPS = 4
@@ -108,14 +107,7 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
 
 def moe_world(workdir: str) -> dict | None:
     """Every case, then the resumed run: 2 steps with a checkpoint, then on to ``STEPS`` from it."""
-    results = {case: train_case(job(workdir, case)) for case in CASES}
-    first = job(workdir, RESUMED, run="resumed", steps=2)
-    first.checkpoint.every = 2
-    train_case(first)
-    resumed = job(workdir, RESUMED, run="resumed")
-    resumed.checkpoint.resume = "auto"
-    results["resumed"] = train_case(resumed)
-    return results if dist.get_rank() == 0 else None
+    return cases_then_resumed(job, workdir, CASES, RESUMED)
 
 
 @functools.cache

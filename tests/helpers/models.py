@@ -16,3 +16,25 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     model = build_empty_model(config)
     materialize(model, random_init_source(config, seed), torch.device("cpu"))
     return model
+
+
+def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256) -> int:
+    """The bytes of every tensor autograd keeps for the backward of decoder layer 1 of ``model`` (a Hugging Face
+    causal LM) on ``tokens`` random tokens, each storage once; parameters and RoPE's cos/sin (shared by all layers)
+    left out."""
+    positions = torch.arange(tokens)[None]
+    x = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(x, positions)
+    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in shared:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
+    return sum(saved.values())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,20 @@ def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torc
     trainer.optimizer_step = capturing_optimizer_step
     losses = trainer.train()
     return losses, norms, grads
+
+
+def cases_then_resumed(job: Callable[..., JobConfig], workdir: str, cases: Iterable[str], resumed: str) -> dict | None:
+    """``train_case`` of ``job(workdir, case)`` for every case, then ``resumed`` again as the run ``resumed``: 2
+    steps with a checkpoint at step 2, then on to all its steps from that checkpoint (its results under
+    ``"resumed"``). ``job(workdir, case, run=..., steps=...)`` makes a case's config. Rank 0 returns the results."""
+    results = {case: train_case(job(workdir, case)) for case in cases}
+    first = job(workdir, resumed, run="resumed", steps=2)
+    first.checkpoint.every = 2
+    train_case(first)
+    again = job(workdir, resumed, run="resumed")
+    again.checkpoint.resume = "auto"
+    results["resumed"] = train_case(again)
+    return results if dist.get_rank() == 0 else None
 
 
 def world_job(configs: dict) -> dict | None:

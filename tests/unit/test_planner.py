@@ -40,6 +40,7 @@ from lctrain.planner import (
     step_time,
 )
 from lctrain.planner.memory import Lora
+from tests.helpers.models import layer_saved_bytes
 
 TINY = NAMED_MODELS["tiny"]
 CPU = HARDWARE["cpu"]
@@ -217,23 +218,7 @@ def test_layer_activations_equal_what_autograd_saves(family: str, lora: Lora | N
         apply_lora(model, LoraConfig(rank=lora.rank, trainable=list(lora.trainable)))
     materialize(model, adapter_source(random_init_source(hf, 0), 0), torch.device("cpu"))
     patch_attention(model, ulysses_group=None, ring_group=None)
-    tokens = 256
-    positions = torch.arange(tokens)[None]
-    x = torch.randn(1, tokens, 128, requires_grad=True)
-    with torch.no_grad():
-        cos, sin = model.model.rotary_emb(x, positions)
-    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in shared:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
-    assert sum(saved.values()) == tokens * layer_activation_bytes(spec, 4, 1, lora=lora)
+    assert layer_saved_bytes(model, tokens=256) == 256 * layer_activation_bytes(spec, 4, 1, lora=lora)
 
 
 def memory(layout: Layout, seq_len: int = 65536, **work: object) -> planner.MemoryEstimate:

@@ -13,6 +13,7 @@ import torch
 from lctrain.planner import HARDWARE, NAMED_MODELS, Layout, ModelSpec, Workload, estimate_memory, layer_activation_bytes
 from lctrain.planner.search import expert_degrees, layout_problems, plan_layouts
 from lctrain.planner.timing import expert_all_to_all_s, link_bandwidth
+from tests.helpers.models import layer_saved_bytes
 
 QWEN3_30B = NAMED_MODELS["qwen3-30b-a3b"]
 MIXTRAL = NAMED_MODELS["mixtral-8x7b"]
@@ -63,22 +64,7 @@ def test_moe_layer_activations_equal_what_autograd_saves(family: str) -> None:
     model = tiny_model(family)
     apply_expert_parallel(model, None, "loop")
     patch_attention(model, ulysses_group=None, ring_group=None)
-    tokens = 256
-    positions = torch.arange(tokens)[None]
-    x = torch.randn(1, tokens, 128, requires_grad=True)
-    with torch.no_grad():
-        cos, sin = model.model.rotary_emb(x, positions)
-    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in shared:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
-    assert sum(saved.values()) == tokens * layer_activation_bytes(tiny_spec(family), 4, 1)
+    assert layer_saved_bytes(model, tokens=256) == 256 * layer_activation_bytes(tiny_spec(family), 4, 1)
 
 
 def test_expert_parallel_divides_the_gathered_experts_not_the_states() -> None:
