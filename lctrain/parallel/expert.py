@@ -3,8 +3,9 @@ routed to an expert travel to its rank by all-to-all and come back the same way.
 
 The experts are transformers' own modules (``Qwen3MoeExperts``, ``MixtralExperts``: ``gate_up_proj`` [E, 2I, H],
 ``down_proj`` [E, H, I], called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``).
-They run through transformers' public experts registry (``ExpertsInterface``): ``apply_expert_parallel`` keeps each
-rank's slice of the expert weights (dim 0) and selects the implementation registered here, which
+They run through transformers' public experts registry (``ExpertsInterface``): ``apply_expert_parallel`` shards the
+expert weights on dim 0 over the EP mesh (DTensors: each rank keeps its experts) and selects the implementation
+registered here, which
 
     sorts the T·k (token, expert) pairs by expert -> all-to-all: each rank receives the pairs of its own experts
     -> the local experts' feed-forward (one grouped GEMM, or a loop over experts) -> all-to-all back
@@ -143,9 +144,9 @@ def experts_forward(
 
 
 def expert_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """The local experts' GEMM on ``device`` for parameters of ``dtype``: ``grouped_mm`` (one grouped GEMM over all
-    experts, ``torch._grouped_mm``) on CUDA devices of capability >= 9.0 in bfloat16, else the faster of the two
-    measured once on this machine (``loop``: one GEMM per expert over its sorted rows)."""
+    """The local experts' GEMM on ``device`` for parameters of ``dtype``: on CUDA ``grouped_mm`` (one grouped GEMM
+    over all experts, ``torch._grouped_mm``) on devices of capability >= 9.0 in bfloat16, else ``loop`` (one GEMM
+    per expert over its sorted rows); on the CPU the faster of the two, measured once per process."""
     if device.type == "cuda":
         usable = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
         return "grouped_mm" if usable and dtype == torch.bfloat16 else "loop"
