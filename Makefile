@@ -1,5 +1,6 @@
 # lctrain: `make train` sets up .venv and runs the default job; `make test` sets up .venv and runs the tests;
-# `make test-cluster` (root) runs the cluster suite on a local slurm cluster and two network namespaces.
+# `make test-fast` the single-process ones only; `make test-cluster` (root) runs the cluster suite on a local slurm
+# cluster and two network namespaces.
 PYTHON ?= python3
 # torch is installed first, from the default index (the public one gives the CUDA build on Linux; a machine may keep
 # a local CPU build) or from TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu.
@@ -8,7 +9,7 @@ TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install train test test-cluster lint bench
+.PHONY: install train test test-fast test-cluster lint bench
 
 install: $(VENV)/.installed
 
@@ -27,6 +28,11 @@ train: install
 test: install
 	$(PY) -m pytest tests
 
+# The inner loop: tests/unit and tests/repository without the tests marked slow (benchmark smoke runs in worker
+# processes, the wheel build); no spawned process group, about 2 minutes on 2 cores (docs/testing.md).
+test-fast: install
+	$(PY) -m pytest tests/unit tests/repository -m "not slow"
+
 # The cluster suite (tests/cluster): a real slurm cluster (munge, slurmctld, two slurmd nodes) and two hosts in
 # network namespaces, started and stopped by the tests. Needs root; installs Debian's packages when they are missing
 # (as root with apt-get); without them the tests are skipped, naming what is missing.
@@ -39,8 +45,8 @@ test-cluster: install
 	LCTRAIN_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster
 
 lint: install
-	$(VENV)/bin/ruff check lctrain tests benchmarks examples
-	$(VENV)/bin/ruff format --check lctrain tests benchmarks examples
+	$(VENV)/bin/ruff check lctrain tests testbed benchmarks examples
+	$(VENV)/bin/ruff format --check lctrain tests testbed benchmarks examples
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[deepspeed]"

@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.jobs import tiny_job
 from benchmarks.report import command, machine_line
 from lctrain.attention import SequencePlace
 from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir
 from lctrain.data.packing import IGNORE_INDEX
 from lctrain.data.tokenizer import CHAT_TEMPLATE
 from lctrain.testing import run_distributed
+from testbed.jobs import tiny_job
 
 LONG_TURNS = 200
 LONG_SEQ_LEN = 131072

@@ -1,10 +1,10 @@
-"""Memory per rank against sequence length with every memory saver on, and the longest context this machine trains
-in one step against the plain Hugging Face baseline.
+"""Memory per rank against sequence length with every memory saver on, against the plain Hugging Face baseline.
+(The longest context each side trains in one step: ``bench_context.py``.)
 
 Run from the repository root::
 
-    python -m benchmarks.bench_memory                    # both sections (15-25 minutes on 2 shared cores)
-    python -m benchmarks.bench_memory --only scaling --per-rank 1024,2048 --ranks 1,2
+    python -m benchmarks.bench_memory                    # every P and length (about 15 minutes on 2 shared cores)
+    python -m benchmarks.bench_memory --per-rank 1024,2048 --ranks 1,2
     python -m benchmarks.bench_memory --json out.json    # also write the raw measurements
     python -m benchmarks.bench_memory --from-json a.json --from-json b.json   # report (merged), nothing run
 
@@ -19,20 +19,12 @@ CPU device: the activations are already in host memory), the chunked MLP (``--ml
 loss (``--loss-chunk-tokens``). Baseline = one process, the same model in plain transformers (sdpa attention), no
 checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: the ``hf`` side of ``sides.py``.
 
-1. Scaling: for each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or
-   above the MLP and loss chunks, so the chunked tensors no longer grow with S) in one process group, shortest
-   first. The step peak per rank (max over ranks) is fitted with a line against S/P (least squares): if memory per
-   rank is O(S/P), the lines of all P coincide (same slope per local token, same intercept), and the slope per
-   *global* token halves as P doubles.
-2. Longest context at ``--budget-gib`` (default 20 GiB) for all processes together. From the fits: total(S) = Σ
-   over ranks of the memory before the step (PSS, below) + P × (intercept + slope × S/P) for lctrain at P =
-   ``--longest-ranks``, and the same at P=1 for the baseline (fitted at ``--baseline-seqs``); each side's longest S
-   is where its line meets the budget. Running those lengths is out of reach here (a step's attention work grows
-   as S², and the budget is above what a shared 24 GiB machine can safely give one job), so the prediction is
-   checked by extrapolation instead: ``--verify-lctrain`` / ``--verify-baseline`` lengths, beyond the fitted
-   ones, run last in the same processes (not used by the fits) and their measured totals are compared with the
-   line's. A watchdog on every rank ends a run whose step passes its share of ``--safe-gib`` (default 16 GiB for
-   all ranks, lowered to what the machine has available minus 2 GiB).
+For each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or above the MLP and
+loss chunks, so the chunked tensors no longer grow with S) run in one process group, shortest first; the baseline
+at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line against S/P (least squares):
+if memory per rank is O(S/P), the lines of all P coincide (same slope per local token, same intercept), and the
+slope per *global* token halves as P doubles. A watchdog on every rank ends a run whose step passes its share of
+``--safe-gib`` (default 16 GiB for all ranks, lowered to what the machine has available minus 2 GiB).
 
 Memory (``memory.py``): the step peak is the resident set a step adds on top of the runtime, the parameters and
 the AdamW states (gradients, activations, logits, communication buffers, allocator slack), each process with
@@ -58,7 +50,6 @@ from benchmarks.report import command, fit_line, machine_line, table
 from benchmarks.runs import run_group
 
 MIB, GIB = 2**20, 2**30
-SECTIONS = ("scaling", "longest")
 SIDES = ("lctrain", "baseline")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # ranks -> (ring, ulysses)
 MODEL = (
@@ -92,7 +83,7 @@ class Point:
     pss_before: list[int]  # bytes, per rank
     rss_before: list[int]  # bytes, per rank
     seconds: float  # slowest rank
-    fitted: bool = True  # False: a verification run, not used by the fits
+    fitted: bool = True  # False: a check run, not used by the fits (in measurements saved by earlier versions)
 
     @property
     def per_rank_tokens(self) -> int:
@@ -125,9 +116,7 @@ def job_for(side: str, ranks: int, args: argparse.Namespace) -> list[str]:
     )
 
 
-def run_points(
-    side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace, *, fitted: Sequence[bool]
-) -> list[Point]:
+def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace) -> list[Point]:
     """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group."""
     ring, ulysses = MESHES[ranks] if side == "lctrain" else (1, 1)
     log(f"  {side}, {ranks} rank(s) (ring {ring} × ulysses {ulysses}): S = {', '.join(f'{s:,}' for s in seqs)}")
@@ -154,7 +143,6 @@ def run_points(
             [r[i]["pss_before"] for r in steps],
             [r[i]["before"] for r in steps],
             max(r[i]["step_s"] for r in steps),
-            fitted[i],
         )
         for i, seq in enumerate(seqs[:done])
     ]
@@ -191,37 +179,10 @@ def fitted(points: Sequence[Point], side: str, min_per_rank: int, ranks: int | N
     ]
 
 
-def line_points(points: Sequence[Point], side: str, min_per_rank: int, ranks: int = 2) -> list[Point]:
-    """The points of a side's line: the baseline's; lctrain's of every P ≥ 2 together (their ring and Ulysses
-    buffers grow with S/P too; one rank has none and sits lower) or, for ``ranks`` = 1, of P = 1."""
-    own = fitted(points, side, min_per_rank)
-    return own if side == "baseline" else [p for p in own if (p.ranks >= 2) == (ranks >= 2)]
-
-
-@dataclass(frozen=True)
-class Model:
-    """A side's predicted total over ranks at length S: Σ PSS before the step (its longest measured run at P) +
-    P × the per-rank line at S/P."""
-
-    ranks: int
-    fit: Fit
-    before: int  # bytes
-
-    @staticmethod
-    def of(points: Sequence[Point], side: str, ranks: int, min_per_rank: int) -> Model:
-        own = [p for p in points if p.side == side and p.ranks == ranks]
-        line = line_points(points, side, min_per_rank, ranks)
-        return Model(ranks, Fit.of(line), sum(max(own, key=lambda p: p.seq).pss_before))
-
-    def total(self, seq: float) -> float:
-        return self.before + self.ranks * self.fit.peak(seq / self.ranks)
-
-    def longest(self, budget: float, unit: int) -> int:
-        """The longest multiple of ``unit`` whose predicted total stays within ``budget`` bytes."""
-        if self.fit.slope <= 0:
-            raise SystemExit("memory does not grow with S over the fitted lengths: measure longer ones")
-        seq = (budget - self.before - self.ranks * self.fit.intercept) / self.fit.slope  # P·b·(S/P) = b·S
-        return int(seq // unit * unit)
+def pooled_points(points: Sequence[Point], min_per_rank: int) -> list[Point]:
+    """The points of lctrain's one line: those of every P ≥ 2 together (their ring and Ulysses buffers grow with
+    S/P too; one rank has none and sits lower)."""
+    return [p for p in fitted(points, "lctrain", min_per_rank) if p.ranks >= 2]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,7 +263,7 @@ def scaling_report(points: list[Point], min_per_rank: int) -> str:
         if fittable(own):
             fit = Fit.of(own)
             fit_row(mesh_label(side, ranks), str(ranks), own, f"{fit.slope / ranks / 1024:.2f}")
-    pooled = line_points(points, "lctrain", min_per_rank)
+    pooled = pooled_points(points, min_per_rank)
     if len({p.ranks for p in pooled}) > 1 and fittable(pooled):
         fit_row(
             "**lctrain, every P ≥ 2 together**",
@@ -323,68 +284,6 @@ def scaling_report(points: list[Point], min_per_rank: int) -> str:
     return "\n".join(out)
 
 
-def longest_report(points: list[Point], args: argparse.Namespace) -> str:
-    budget, ranks = args.budget_gib * GIB, args.longest_ranks
-    unit = 2 * MESHES[ranks][0] * MESHES[ranks][1] * 64
-    models = {
-        "lctrain": Model.of(points, "lctrain", ranks, args.fit_min_per_rank),
-        "baseline": Model.of(points, "baseline", 1, args.fit_min_per_rank),
-    }
-    limits = {side: model.longest(budget, unit) for side, model in models.items()}
-    rows = []
-    for side, model in models.items():
-        n = model.ranks
-        rows.append(
-            [
-                mesh_label(side, n),
-                f"{gib(model.before)} GiB + {n} × ({mib(model.fit.intercept)} MiB + "
-                f"{model.fit.slope / 1024:.2f} KiB × S/{n})",
-                gib(model.total(limits[side])),
-                f"**{limits[side]:,}**",
-            ]
-        )
-    header = [
-        "side",
-        "total(S) = Σ PSS before + P × step peak per rank",
-        "total at that S (GiB)",
-        "longest S (predicted)",
-    ]
-    out = [
-        table(header, rows),
-        "",
-        f"Ratio lctrain / baseline at {args.budget_gib:g} GiB for all processes: "
-        f"**{limits['lctrain'] / limits['baseline']:.1f}×** ({limits['lctrain']:,} vs {limits['baseline']:,} tokens, "
-        f"both predicted).",
-    ]
-    checks = [p for p in points if not p.fitted and p.side in models and (p.side == "baseline" or p.ranks == ranks)]
-    if checks:
-        rows = []
-        for p in checks:
-            predicted = models[p.side].total(p.seq)
-            rows.append(
-                [
-                    mesh_label(p.side, p.ranks),
-                    f"{p.seq:,}",
-                    f"{max(q.per_rank_tokens for q in fitted(points, p.side, args.fit_min_per_rank)):,}",
-                    gib(predicted),
-                    gib(p.total),
-                    f"{(p.total - predicted) / predicted:+.1%}",
-                    f"{p.seconds:.0f}",
-                ]
-            )
-        header = [
-            "check run (not fitted)",
-            "S",
-            "longest fitted S/P",
-            "predicted total (GiB)",
-            "measured (GiB)",
-            "error",
-            "step (s)",
-        ]
-        out += ["", table(header, rows)]
-    return "\n".join(out)
-
-
 def plot(points: list[Point], path: Path, min_per_rank: int) -> None:
     """Left: lctrain's step peak per rank against S/P for every P, and the line fitted to P ≥ 2 (linear axes).
     Right: the same points and the baseline against S (log axes): at fixed S, each doubling of P halves the rank's
@@ -401,7 +300,7 @@ def plot(points: list[Point], path: Path, min_per_rank: int) -> None:
         if side == "lctrain":
             left.plot([p.per_rank_tokens for p in own], [p.peak / MIB for p in own], **style)
         right.plot([p.seq for p in own], [p.peak / MIB for p in own], **style)
-    pooled = line_points(points, "lctrain", min_per_rank)
+    pooled = pooled_points(points, min_per_rank)
     if fittable(pooled):
         fit = Fit.of(pooled)
         x = [min_per_rank / 2, max(p.per_rank_tokens for p in points if p.side == "lctrain")]
@@ -432,11 +331,10 @@ def ints(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="job override (both sides)"
     )
-    parser.add_argument("--ranks", type=ints, default=[1, 2, 4, 8], help="P values of the scaling section")
+    parser.add_argument("--ranks", type=ints, default=[1, 2, 4, 8], help="lctrain's process counts P")
     parser.add_argument(
         "--per-rank", type=ints, default=[512, 1024, 2048, 4096, 8192], help="S/P values (tokens per rank)"
     )
@@ -447,10 +345,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline-seqs", type=ints, default=[1024, 2048, 4096, 8192], help="baseline lengths")
     parser.add_argument("--mlp-chunk-tokens", type=int, default=256, help="parallel.mlp_chunk_tokens of lctrain")
     parser.add_argument("--loss-chunk-tokens", type=int, default=256, help="train.loss_chunk_tokens of lctrain")
-    parser.add_argument("--budget-gib", type=float, default=20.0, help="memory of all processes for the longest S")
-    parser.add_argument("--longest-ranks", type=int, default=8, choices=sorted(MESHES), help="lctrain's P there")
-    parser.add_argument("--verify-lctrain", type=ints, default=[32768], help="lengths to run and compare (lctrain)")
-    parser.add_argument("--verify-baseline", type=ints, default=[16384], help="lengths to run and compare (baseline)")
     parser.add_argument("--safe-gib", type=float, default=16.0, help="stop any run whose ranks pass this together")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
     parser.add_argument(
@@ -458,9 +352,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--plot", type=Path, default=PLOT, help="the PNG of memory per rank vs S/P")
     args = parser.parse_args()
-    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-    if set(args.only) - set(SECTIONS) or set(args.ranks) - set(MESHES):
-        parser.error(f"sections from {SECTIONS}, ranks from {sorted(MESHES)}")
+    if set(args.ranks) - set(MESHES):
+        parser.error(f"ranks from {sorted(MESHES)}")
     return args
 
 
@@ -478,16 +371,11 @@ def main() -> None:
         points: list[Point] = []
         # a watchdog ends any run whose ranks pass --safe-gib together (each rank: its share), or what is free now
         args.safe_gib = min(args.safe_gib, (memory.available() - 2 * GIB) / GIB)
-        longest = "longest" in args.only
         log(f"one step per length, all savers on; at most {args.safe_gib:.1f} GiB for all ranks")
-        for n in sorted(set(args.ranks) | ({args.longest_ranks} if longest else set())):
-            extra = args.verify_lctrain if longest and n == args.longest_ranks else []
-            seqs = [n * s for s in args.per_rank if n * s <= args.max_fitted_seq] + extra
-            points += run_points("lctrain", n, seqs, args, fitted=[s not in extra for s in seqs])
-        extra = args.verify_baseline if longest else []
-        seqs = args.baseline_seqs + extra
-        if seqs:
-            points += run_points("baseline", 1, seqs, args, fitted=[s not in extra for s in seqs])
+        for n in sorted(args.ranks):
+            points += run_points("lctrain", n, [n * s for s in args.per_rank if n * s <= args.max_fitted_seq], args)
+        if args.baseline_seqs:
+            points += run_points("baseline", 1, args.baseline_seqs, args)
         wall = time.perf_counter() - started
         if args.json:
             saved = {"machine": machine, "command": run_command, "wall_s": wall, "points": [asdict(p) for p in points]}
@@ -502,9 +390,6 @@ def main() -> None:
     )
     print(f"- total wall time {wall:.0f} s\n")
     print(scaling_report(points, args.fit_min_per_rank))
-    if any(p.side == "baseline" for p in points) and any(p.ranks == args.longest_ranks for p in points):
-        print("\n## Longest context\n")
-        print(longest_report(points, args))
     if args.plot:
         plot(points, args.plot, args.fit_min_per_rank)
         print(f"\nplot: {args.plot}")

@@ -176,7 +176,7 @@ def set_limit(rate: str | None) -> None:
     """Every rank limits what its host sends (namespace hosts only), then all wait for each other."""
     import torch.distributed as dist
 
-    from benchmarks.hosts import limit_link
+    from testbed.hosts import limit_link
 
     if os.environ.get(LINK):
         limit_link(os.environ[LINK], rate)
@@ -231,7 +231,7 @@ def worker(spec: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def ranks_on_hosts(ranks: int, work: Path, spec_path: Path, *, namespaces: bool) -> Iterator[list[subprocess.Popen]]:
     """``ranks`` worker processes, one per namespace host (or all on loopback), rendezvous on rank 0's address."""
-    from benchmarks.hosts import NetworkHosts
+    from testbed.hosts import NetworkHosts
 
     program = [sys.executable, "-m", "benchmarks.bench_ring_overlap", "--worker", str(spec_path)]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "MASTER_PORT": "29571"}
@@ -494,7 +494,7 @@ def main() -> None:
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
         return
-    from benchmarks.hosts import unavailable
+    from testbed.hosts import unavailable
 
     started = time.perf_counter()
     reason = unavailable()

@@ -1,6 +1,6 @@
-"""The jobs the benchmarks run, each named once: the tiny CPU recipe without its outputs (also the job the launch and
-cluster tests start, ``tests/helpers/jobs.py``), and the one-GPU model, Llama-3.2-1B's sizes with an untied head. A job
-is a list of Hydra overrides for ``lctrain.config.load_config``; later overrides win."""
+"""The jobs the benchmarks run, each named once: on CPU the tiny job (``testbed/jobs.py``), on one GPU Llama-3.2-1B's
+sizes with an untied head. A job is a list of Hydra overrides for ``lctrain.config.load_config``; later overrides
+win."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from lctrain.cli import set_allocator_defaults
+from testbed.jobs import QUIET, tiny_job
 
 REPO = Path(__file__).resolve().parents[1]
-# no Hugging Face export, loss plot, progress bar or validation: outputs that a measured or tested job does not need
-QUIET = ("checkpoint.export_hf=false", "logging.plot=false", "logging.progress_bar=false", "data.val_sources=[]")
 # the model's sizes by the names the benchmarks' flags use
 SHAPE_SETTINGS = {
     "hidden": "model.hidden_size",
@@ -24,12 +23,6 @@ SHAPE_SETTINGS = {
     "vocab": "model.vocab_size",
 }
 LLAMA_1B_UNTIED = {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "vocab": 128256}
-
-
-def tiny_job(*changes: str) -> list[str]:
-    """``recipe=tiny_cpu`` (a small Llama on the embedded corpus, ring 2 × Ulysses 2) without its outputs, then
-    ``changes``."""
-    return ["recipe=tiny_cpu", *QUIET, *changes]
 
 
 def shape_overrides(shape: Mapping[str, int | None]) -> list[str]:

@@ -17,7 +17,7 @@ For each world size it starts one ``torchrun --standalone --nproc-per-node P`` j
 (``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
 to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
 instead of keeping the high-water mark of a heap). The worker trains the tiny model of
-``recipes/tiny_cpu.yaml`` on a small generated jsonl corpus (``tests/helpers/corpus.py``), case after case,
+``recipes/tiny_cpu.yaml`` on a small generated jsonl corpus (``testbed/corpus.py``), case after case,
 each a fresh ``Trainer`` on the same process group:
 
 1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
@@ -50,6 +50,7 @@ from pathlib import Path
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
 from benchmarks.report import command
+from testbed.corpus import write_corpus
 
 MIB = 2**20
 
@@ -239,8 +240,6 @@ def main() -> None:
         device = saved.get("device", "cpu")
         print(report(saved["results"], saved["seconds"], saved["command"], device, saved.get("machine", "")))
         return
-    from tests.helpers.corpus import write_corpus  # the repository root is on sys.path: `python -m` from it
-
     worlds = [1] if args.quick or args.device == "cuda" else args.worlds
     all_cases = CUDA_CASES if args.device == "cuda" else CASES
     start = time.perf_counter()

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.helpers.corpus import write_corpus
+    from testbed.corpus import write_corpus
 
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
 

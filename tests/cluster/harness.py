@@ -9,7 +9,7 @@ written (``SLURM_CONF`` and ``AuthInfo=socket=...`` point at that directory). Th
 mount namespace of its own where a copy of ``/etc/hosts`` with one more line is bind-mounted over it, and the
 jobs it starts inherit that namespace.
 
-``TwoHosts``: two network namespaces joined by a veth pair (``benchmarks/hosts.py``, which the ring overlap
+``TwoHosts``: two network namespaces joined by a veth pair (``testbed/hosts.py``, which the ring overlap
 benchmark uses too), each end with its own address in a private /24; each "host" also has its own hostname (a UTS
 namespace) and an ``/etc/hosts`` naming both (a mount namespace), so that the rendezvous and gloo find each host's
 veth address by name as they would on two machines. Nothing else is attached to those namespaces, so their traffic
@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.hosts import MARKER, NetworkHosts, Started, in_mount_namespace, kill_marked, run, which
+from testbed.hosts import MARKER, NetworkHosts, Started, in_mount_namespace, kill_marked, run, which
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "iproute2"]
 COMMANDS = ["munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo"]

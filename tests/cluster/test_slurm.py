@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 import pytest
 
-from benchmarks.hosts import alive, marked
+from testbed.hosts import alive, marked
 from tests.cluster.harness import SlurmCluster, free_port, wait_until
 from tests.cluster.training import (
     EVERY,

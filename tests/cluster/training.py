@@ -1,7 +1,7 @@
 """The job the cluster tests launch, and what they check about how its ranks ended.
 
 The tiny recipe (ring 2 × ulysses 2: 4 ranks, one Ulysses pair per node), shrunk as in ``tests/helpers/jobs.py``, on the
-small corpus of ``tests/helpers/corpus.py``: ``STEPS`` steps with a checkpoint every ``EVERY``. Faults are injected as
+small corpus of ``testbed/corpus.py``: ``STEPS`` steps with a checkpoint every ``EVERY``. Faults are injected as
 soon as a new checkpoint is complete, and the remaining steps leave room for the fault to land before the job ends. On
 CPU with gloo the steps are bitwise deterministic, so every resumed or multi-node run must record exactly the losses,
 gradient norms and learning rates of the uninterrupted one-node run (``reference``).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.corpus import write_corpus
+from testbed.corpus import write_corpus
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from lctrain.eval.passkey import passkey_sample, sample_key
 from lctrain.eval.run import evaluate
 from lctrain.models import build_empty_model, export_hf, materialize, model_config, random_init_source
 from lctrain.testing import run_distributed
-from tests.helpers.corpus import write_corpus
+from testbed.corpus import write_corpus
 
 MESHES = {  # case -> (world size, parallel overrides)
     "single": (1, []),

@@ -46,7 +46,7 @@ from lctrain.data import load_tokenizer
 from lctrain.models import random_init_source
 from lctrain.models.families import apply_sliding_window, layer_windows
 from lctrain.testing import run_distributed
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 
 WORLD = 2
 SEQ_LEN = 64

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from lctrain.cli import ALLOCATOR_SETTINGS
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 from tests.helpers.jobs import TINY, kill_job, rank_ends, recording_env, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]

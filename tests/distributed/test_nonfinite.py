@@ -22,7 +22,7 @@ import torch
 from lctrain.checkpoint import complete_checkpoints
 from lctrain.config import load_config
 from lctrain.testing import run_distributed
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 
 BASE = [
     "model.hidden_size=32",

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from lctrain.train.trainer import Trainer
-from tests.helpers.corpus import write_corpus
+from testbed.corpus import write_corpus
 from tests.helpers.reference_training import job_config
 
 STEPS = 6

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from lctrain.config import load_config
 from lctrain.testing import run_distributed
 from lctrain.train.stages import stage_configs
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 
 STAGES = (
     "train.stages=[{data.seq_len: 64, train.steps: 3, parallel.dp: 2}, {data.seq_len: 128, train.steps: 3, "

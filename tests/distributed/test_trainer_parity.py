@@ -56,7 +56,7 @@ from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.testing import run_distributed
 from lctrain.train.validate import position_buckets
-from tests.helpers.corpus import write_chat_corpus, write_corpus
+from testbed.corpus import write_chat_corpus, write_corpus
 from tests.helpers.reference_training import (
     SEQ_LEN,
     assert_curve_matches,

@@ -36,7 +36,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.corpus import corpus_overrides, write_corpus
+from testbed.corpus import corpus_overrides, write_corpus
 from tests.helpers.jobs import kill_job, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]

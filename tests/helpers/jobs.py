@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks.jobs import tiny_job
+from testbed.jobs import tiny_job
 
 # the tiny job (recipe tiny_cpu, ring 2 x ulysses 2) shrunk further: the job that the launch and cluster tests start
 TINY = tiny_job("model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "data.seq_len=128")
@@ -64,7 +64,7 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 
 EXIT_RECORDER = Path(__file__).resolve().parent / "exit_recorder"  # its sitecustomize.py records each worker's end
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def recording_env(exit_dir: Path, log_dir: Path) -> dict[str, str]:

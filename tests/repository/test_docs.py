@@ -5,6 +5,7 @@
 - ``README.md`` and ``docs/*.md`` refer only to files and directories that exist (``docs/x.md``, ``scripts/...``,
   ``benchmarks/...``, ``docker/...``, ``lctrain/...``, ``tests/...`` written in backquotes).
 - Counts the docs state about the tests (how many bad configs are refused) are the tests' own.
+- ``docs/configuration.md`` has a row for every config field with its default.
 """
 
 from __future__ import annotations
@@ -82,3 +83,25 @@ def test_table_rows_skips_headers() -> None:
 def test_referenced_paths_exist(doc: str) -> None:
     missing = [path for path in PATH_REFERENCE.findall((REPO / doc).read_text()) if not (REPO / path).exists()]
     assert not missing, f"{doc} refers to missing paths: {missing}"
+
+
+def test_every_config_field_is_documented_with_its_default() -> None:
+    import dataclasses
+
+    from lctrain.config import JobConfig
+
+    doc = (REPO / "docs" / "configuration.md").read_text()
+
+    def rows(prefix: str, section: object) -> list[str]:
+        found = []
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if dataclasses.is_dataclass(value):  # a nested section: model.rope_scaling.type, ...
+                found += rows(f"{prefix}{field.name}.", value)
+                continue
+            default = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            found.append(f"| `{prefix}{field.name}` | `{default}` |")
+        return found
+
+    for row in rows("", JobConfig()):
+        assert row in doc, f"docs/configuration.md lacks the row {row}"

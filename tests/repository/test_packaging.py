@@ -17,7 +17,9 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from tests.helpers.corpus import corpus_overrides, write_corpus
+import pytest
+
+from testbed.corpus import corpus_overrides, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +31,7 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_wheel_carries_the_configs_and_trains_from_another_directory(tmp_path: Path) -> None:
     source = tmp_path / "source"  # a copy: building writes build/ and *.egg-info next to the sources
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info"))

@@ -24,7 +24,7 @@ def test_one_rank_equals_reference(fn, causal: bool) -> None:  # noqa: ANN001
         torch.testing.assert_close(grad.double(), reference, atol=3e-5, rtol=0)
 
 
-def test_custom_scale() -> None:
+def test_custom_scale_replaces_the_default() -> None:
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     torch.testing.assert_close(
         ring_attention(q, k, v, scale=0.3), reference_attention(q, k, v, scale=0.3), atol=1e-6, rtol=0
@@ -46,7 +46,7 @@ def test_output_keeps_input_dtype() -> None:
         ([(1, 8, 2, 16)] * 3, (torch.float32, torch.bfloat16, torch.float32), "must share one floating dtype"),
     ],
 )
-def test_bad_inputs(shapes, dtypes, message: str) -> None:  # noqa: ANN001
+def test_bad_shapes_and_dtypes_are_refused_by_every_attention_function(shapes, dtypes, message: str) -> None:  # noqa: ANN001
     dtypes = dtypes or (torch.float32,) * 3
     q, k, v = (torch.randn(*s).to(d) for s, d in zip(shapes, dtypes))
     for fn in (ring_attention, ulysses_attention, usp_attention):
@@ -79,7 +79,7 @@ def test_packed_documents_attend_only_inside_their_document(fn, causal: bool) ->
         (torch.tensor([0.0, 8.0]), "must be a 1-D integer tensor"),
     ],
 )
-def test_bad_cu_seqlens(cu_seqlens: torch.Tensor, message: str) -> None:
+def test_bad_cu_seqlens_are_refused_by_every_attention_function(cu_seqlens: torch.Tensor, message: str) -> None:
     q = torch.randn(1, 8, 2, 16)
     for fn in (ring_attention, ulysses_attention, usp_attention):
         with pytest.raises(ValueError, match=message):
@@ -134,7 +134,7 @@ def test_window_is_hugging_face_sliding_window() -> None:
         (4, False, r"window=4 needs causal=True"),
     ],
 )
-def test_bad_window(window, causal: bool, message: str) -> None:  # noqa: ANN001
+def test_bad_window_is_refused_by_every_attention_function(window, causal: bool, message: str) -> None:  # noqa: ANN001
     q = torch.randn(1, 8, 2, 16)
     for fn in (ring_attention, ulysses_attention, usp_attention, reference_attention):
         with pytest.raises(ValueError, match=message):

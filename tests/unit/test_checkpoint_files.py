@@ -136,7 +136,7 @@ def test_only_complete_step_directories_are_listed(tmp_path: Path) -> None:
     assert Checkpointer(root, keep=2).latest() == root / "step_00000005"
 
 
-def test_no_checkpoints(tmp_path: Path) -> None:
+def test_latest_is_none_without_a_complete_checkpoint(tmp_path: Path) -> None:
     assert complete_checkpoints(tmp_path / "missing") == []
     assert Checkpointer(tmp_path / "missing", keep=1).latest() is None
     make_dirs(tmp_path / "checkpoints", {"step_00000010.tmp": True})
@@ -371,7 +371,7 @@ def test_crafted_extras_run_no_code(process_group: None, tmp_path: Path) -> None
 
 def test_trainer_resume_into_another_model_names_key_and_fix(process_group: None, tmp_path: Path) -> None:
     from lctrain.train.trainer import Trainer
-    from tests.helpers.corpus import corpus_overrides, write_corpus
+    from testbed.corpus import corpus_overrides, write_corpus
 
     def config(name: str, hidden: int, *extra: str) -> Any:
         return load_config(

@@ -170,7 +170,7 @@ def test_default_tokenizer_is_deterministic(tokenizer_dir, tmp_path) -> None:
 # --------------------------------------------------------------------------------------------- bad inputs
 
 
-def test_bad_inputs(corpus, tokenizer_dir, tmp_path) -> None:
+def test_missing_files_empty_data_bad_fields_and_lengths_name_the_setting(corpus, tokenizer_dir, tmp_path) -> None:
     tok = str(tokenizer_dir)
     with pytest.raises(FileNotFoundError, match="paths: no such file"):
         PackedLoader(DataConfig(paths=[str(tmp_path / "missing.jsonl")], tokenizer=tok))

@@ -28,7 +28,7 @@ from lctrain.data import (
 from lctrain.data.mixture import Mixture, uniform
 from lctrain.data.sources import embedded_files
 from lctrain.data.stdlib_chat import stdlib_conversations
-from tests.helpers.corpus import write_chat_corpus, write_corpus
+from testbed.corpus import write_chat_corpus, write_corpus
 
 KEYS = ("input_ids", "labels", "position_ids", "sources")
 

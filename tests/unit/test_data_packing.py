@@ -33,7 +33,7 @@ def reference_rows(docs: list[list[int]], seq_len: int, truncate: bool) -> list[
     return rows
 
 
-def test_docstring_example() -> None:
+def test_pack_gives_the_rows_of_its_docstring_example() -> None:
     a, b, c, d, e, f = 10, 11, 12, 13, 14, 15
     rows = pack([[a, b, c], [d, e], [f, f, f]], seq_len=4)
     assert as_lists(rows[0]) == ([a, b, c, d], [b, c, IGNORE, e], [0, 1, 2, 0], [0, 3, 4])
@@ -72,7 +72,7 @@ def test_length_one_and_empty_documents() -> None:
     assert as_lists(rows[1]) == ([4, 5, 6], [5, IGNORE, IGNORE], [1, 2, 0], [0, 2, 3])
 
 
-def test_dtypes_and_shapes() -> None:
+def test_rows_hold_seq_len_int64_tokens_and_int32_cu_seqlens() -> None:
     row = pack([[1, 2, 3, 4, 5]], seq_len=4)[0]
     for x in (row.input_ids, row.labels, row.position_ids):
         assert x.dtype == torch.int64 and x.shape == (4,)
@@ -123,7 +123,7 @@ def test_restart_from_offset_continues_exactly(truncate: bool) -> None:
         assert [as_lists(r) for r in resumed] == [as_lists(r) for r in full[step:]]
 
 
-def test_errors() -> None:
+def test_bad_seq_len_and_offsets_are_refused() -> None:
     with pytest.raises(ValueError, match="seq_len=0"):
         Packer(iter([]), 0)
     with pytest.raises(ValueError, match="offset=3"):

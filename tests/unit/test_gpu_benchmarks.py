@@ -147,6 +147,7 @@ def test_fit_line_through_depths() -> None:
     assert per_layer == pytest.approx(65 / 28) and fixed == pytest.approx(2.75)
 
 
+@pytest.mark.slow
 def test_bench_trainer_on_cpu_reports_both_sides_and_their_ratio(tmp_path: Path) -> None:
     """A timed run of each side, taken in turn, and a memory run of each (four fresh processes)."""
     command = [sys.executable, "-m", "benchmarks.bench_trainer", *TINY, "--seq", "128", "--checkpointing", "none"]
@@ -167,6 +168,7 @@ def test_bench_trainer_on_cpu_reports_both_sides_and_their_ratio(tmp_path: Path)
         assert len(steps) == 4 and all(step["ok"] for step in steps)  # ready, 1 timed step, 2 memory steps
 
 
+@pytest.mark.slow
 def test_bench_context_on_cpu_searches_fits_layers_and_checks_the_prediction(tmp_path: Path) -> None:
     """Three fresh processes: each side at S=256 (the start and the maximum), and lctrain with 1 layer; the search's
     2-layer probe serves as the second depth of the fit and as the full-depth check (so the error is 0 here: the

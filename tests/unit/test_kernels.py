@@ -180,7 +180,7 @@ def test_merge_ignores_rows_that_saw_no_key() -> None:
     torch.testing.assert_close(out[0, 0], torch.zeros(1, 4))
 
 
-def test_resolver_on_cpu() -> None:
+def test_resolver_picks_the_cpu_flash_kernel_for_every_dtype() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert resolve_kernel(torch.device("cpu"), dtype) is TORCH_CPU_FLASH
 

@@ -38,7 +38,7 @@ def test_zigzag_ring_of_four() -> None:
     ]
 
 
-def test_contiguous_layout() -> None:
+def test_contiguous_layout_gives_each_rank_consecutive_tokens() -> None:
     assert shards_of(torch.arange(8), ring=2, ulysses=2, layout="contiguous") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
@@ -62,7 +62,7 @@ def test_every_token_lands_exactly_once() -> None:
     assert tokens == list(range(48))
 
 
-def test_errors_name_the_setting_and_the_fix() -> None:
+def test_bad_lengths_ranks_and_layouts_name_the_setting_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"sequence length \(dim 0\)=12 is not divisible by 16 .* multiple of 16"):
         shard_sequence(torch.arange(12), dim=0, ring_rank=0, ring_size=4, ulysses_rank=0, ulysses_size=2)
     with pytest.raises(ValueError, match="ring_rank=2 is outside"):

@@ -27,7 +27,7 @@ def test_matches_full_logits(chunk_tokens: int) -> None:
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_errors() -> None:
+def test_zero_chunk_size_and_mismatched_token_dims_are_refused() -> None:
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_tokens=0)
     with pytest.raises(ValueError, match="disagree on the token dims"):

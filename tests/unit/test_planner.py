@@ -450,7 +450,7 @@ def test_llama3_8b_at_1m_on_64_gpus_recommends_a_layout(capsys: pytest.CaptureFi
     assert report["model"]["num_params"] == 8_030_261_248
 
 
-def test_table_and_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_prints_the_table_and_refuses_a_mesh_of_another_size(capsys: pytest.CaptureFixture[str]) -> None:
     from lctrain.cli import main as cli_main
 
     cli_main(["plan", "--model", "tiny", "--seq-len", "8192", "--gpus-per-node", "4", "--gpu", "cpu", "--all"])

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from lctrain.attention.kernels.base import AttentionKernel, accumulation_dtype, visible_keys
 
-BAND_TILE_ROWS = 256  # queries per tile; 128 and 256 were the fastest of 64-1024 on CPU (bench_window_kernel.py)
+# queries per tile, among the fastest on CPU (docs/benchmarks.md, "Banded blocks on the CPU kernel")
+BAND_TILE_ROWS = 256
 
 
 def band_tiles(q_len: int, k_len: int, *, causal: bool, window_left: int) -> list[tuple[slice, slice]]:

@@ -4,7 +4,7 @@ bf16 blocks computed in bf16 go to it as transposed views, which are no slower. 
 tiles (``bands``).
 
 The compute dtype of bf16 blocks is chosen per pass for the CPU the process runs on (``cpu_bf16_dtypes``): where
-PyTorch emulates bf16 its bf16 backward is 3-4 times slower than fp32, where the CPU has bf16 instructions it is
+PyTorch emulates bf16 its bf16 backward is several times slower than fp32, where the CPU has bf16 instructions it is
 faster (docs/benchmarks.md, "The CPU compute dtype"). fp16 blocks are computed in fp32."""
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ class PassDtypes:
 @functools.cache
 def cpu_bf16_dtypes() -> PassDtypes:
     """The compute dtypes of bf16 blocks on this CPU, chosen once per process. On x86 from its flags: with bf16
-    instructions (AVX-512 BF16 or AMX) that PyTorch's kernels use (they run at AVX-512) the backward in bf16
-    (measured 0.75-0.79x the fp32 time on an AMD EPYC) and the forward in fp32 (bf16 there 1.05-1.17x); without,
-    both in fp32 (bf16 3-4x slower in the backward on an Intel Xeon). On other architectures, whose flags torch
-    does not report, measured: each pass in the faster of the two on a small block (``_measured_dtypes``)."""
+    instructions (AVX-512 BF16 or AMX) that PyTorch's kernels use (they run at AVX-512) the backward in bf16 and
+    the forward in fp32, the faster dtype of each pass there; without, both in fp32 (docs/benchmarks.md, "The CPU
+    compute dtype, per machine"). On other architectures, whose flags torch does not report, measured: each pass in
+    the faster of the two on a small block (``_measured_dtypes``)."""
     if platform.machine().lower() not in X86:
         return _measured_dtypes()
     capability = torch.backends.cpu.get_cpu_capability()

@@ -1,4 +1,5 @@
-"""The small, deterministic jsonl corpus of the end-to-end training tests.
+"""The small, deterministic jsonl corpora of the end-to-end training tests and of the planner check
+(``benchmarks/validate_planner.py``).
 
 The embedded default corpus tokenizes up to 64 standard-library files (megabytes of text) on every rank before the
 first batch: seconds of CPU per rank and launch. These documents are excerpts of one standard-library file: mostly

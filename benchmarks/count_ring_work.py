@@ -1,0 +1,90 @@
+"""What ring attention computes and sends for packed documents and for sliding windows, counted from the ring plan
+(no timing).
+
+    python -m benchmarks.count_ring_work [--seq 1048576] [--ring 8] [--documents 2048 16384] [--cuts 200]
+        [--windows 4096 32768 131072] [--kv-dim 1024]
+
+For a causal row on a ring of R ranks, zigzag and contiguous, each row kind: one document; documents of each length
+of ``--documents``; ``--cuts`` random cuts; one document with each window W of ``--windows``. It prints per rank
+(min … max over ranks, forward pass): the query×key pairs computed (``visible_pairs`` of every block: what a kernel
+that skips masked tiles computes), the busiest rank's share of the one-document work, kernel calls, the ring steps
+run (steps that no rank needs are dropped, with their K/V transfers), the steps at which the rank sends K/V, and the
+K/V elements it sends (rows × 2 × ``--kv-dim``, K and V; the default 1024 = 8 KV heads × 128, Llama-3-8B). The
+backward runs the same blocks, fetches the same rows again and returns as many dK/dV elements (fp32) to their
+owners. The plan is what ``ring_attention`` executes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from lctrain.attention.ring_blocks import plan_ring, visible_pairs
+
+Row = tuple[list[int] | None, int | None]  # (document boundaries or None for one document, window or None)
+
+
+def span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,} … {high:,}"
+
+
+def span_e(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.3e}" if low == high else f"{low:.3e} … {high:.3e}"
+
+
+def rows(seq: int, documents: list[int], cuts: int, windows: list[int]) -> dict[str, Row]:
+    """The row kinds by name, one document first."""
+    found: dict[str, Row] = {"one document": (None, None)}
+    for length in documents:
+        found[f"documents of {length:,}"] = (list(range(0, seq + 1, length)), None)
+    if cuts:
+        found[f"{cuts} random cuts"] = ([0, *sorted(random.Random(0).sample(range(1, seq), cuts)), seq], None)
+    for window in windows:
+        found[f"window {window:,}"] = (None, window)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=1048576)
+    parser.add_argument("--ring", type=int, default=8)
+    parser.add_argument("--documents", type=int, nargs="*", default=[2048, 16384], help="document lengths")
+    parser.add_argument("--cuts", type=int, default=200, help="random document boundaries in one row (0: none)")
+    parser.add_argument("--windows", type=int, nargs="*", default=[4096, 32768, 131072])
+    parser.add_argument("--kv-dim", type=int, default=1024, help="KV heads × head_dim per ring rank")
+    args = parser.parse_args()
+    if args.seq % args.ring or any(length > args.seq or args.seq % length for length in args.documents):
+        parser.error(f"--seq {args.seq} must be divisible by --ring and by every --documents length")
+    piece_len = args.seq // args.ring
+    print(
+        f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
+        f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}"
+    )
+    print(
+        "| layout | row | query×key pairs | busiest / one document | kernel calls | ring steps run | "
+        "steps sending K/V | K/V elements sent |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for layout in ("zigzag", "contiguous"):
+        dense = None
+        for name, (bounds, window) in rows(args.seq, args.documents, args.cuts, args.windows).items():
+            cu_seqlens = None if bounds is None else tuple(bounds)
+            plans = [
+                plan_ring(rank, args.ring, piece_len, causal=True, layout=layout, cu_seqlens=cu_seqlens, window=window)
+                for rank in range(args.ring)
+            ]
+            work = [sum(visible_pairs(b) for step in plan for b in step.blocks) for plan in plans]
+            dense = dense or max(work)  # the first row is one document
+            calls = [sum(len(step.blocks) for step in plan) for plan in plans]
+            sending = [sum(step.send.stop > step.send.start for step in plan) for plan in plans]
+            rows_sent = [sum(step.send.stop - step.send.start for step in plan) for plan in plans]
+            print(
+                f"| {layout} | {name} | {span_e(work)} | {max(work) / dense:.4f} | {span(calls)} | "
+                f"{len(plans[0])}/{args.ring} | {span(sending)} | {span([2 * r * args.kv_dim for r in rows_sent])} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
