@@ -40,6 +40,7 @@ from torch import Tensor
 from lctrain.config import ObjectiveConfig
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.train.loss import chunked_token_logprobs
+from lctrain.train.validate import dp_turns
 
 Batch = dict[str, Any]
 
@@ -176,6 +177,22 @@ def pair_losses(
     return total, *rewards
 
 
+def pair_metrics(policy: Completions, chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:
+    """Each pair's ``[1, *PAIR_METRICS]`` (the 1 counts it): fp64 ``[K, 1 + len(PAIR_METRICS)]``, detached."""
+    return torch.stack(
+        [
+            torch.ones_like(chosen_rewards),
+            chosen_rewards,
+            rejected_rewards,
+            (chosen_rewards > rejected_rewards).double(),
+            chosen_rewards - rejected_rewards,
+            policy.chosen.detach(),
+            policy.rejected.detach(),
+        ],
+        dim=1,
+    )
+
+
 class Reference:
     """The reference model's forward: ``hidden_states`` through the reference weights while ``active()`` holds (the
     policy's own forward with its adapters disabled, or a frozen model of its own)."""
@@ -271,23 +288,52 @@ class PreferenceLoss:
         share = losses.sum() / pairs
         if self.sft_weight:
             share = share - self.sft_weight * policy.chosen.sum() / chosen_tokens
-        metrics = torch.stack(
-            [
-                torch.ones_like(chosen_rewards),
-                chosen_rewards,
-                rejected_rewards,
-                (chosen_rewards > rejected_rewards).double(),
-                chosen_rewards - rejected_rewards,
-                policy.chosen.detach(),
-                policy.rejected.detach(),
-            ],
-            dim=1,
-        )  # [K, 1 + len(PAIR_METRICS)]
+        metrics = pair_metrics(policy, chosen_rewards, rejected_rewards)
         sums = [metrics.sum(0)]
         if self.sources:
             by_source = metrics.new_zeros(len(self.sources), metrics.shape[1])
             sums.append(by_source.index_add_(0, policy.sources[0::2], metrics).reshape(-1))
         return (share / self.cp).float(), torch.cat(sums) / self.cp
+
+    @torch.no_grad()
+    def validate(
+        self, rows: Sequence[Batch], hidden_states: FinalHiddenStates, *, dp_rank: int, dp: int
+    ) -> dict[str, float | None]:
+        """Validation pairs: ``rows`` (this rank's part of each, batches of one row, every rank the same rows) scored
+        without gradients through ``hidden_states`` (the training model's forward) and the reference, dp rank d taking
+        rows d, d + dp, ... (``dp_turns``). Returns ``val_loss`` (the objective over all the rows' pairs),
+        ``val_pairs`` and ``val_<metric>`` for ``PAIR_METRICS``; reads the sums back to the host."""
+        # [pairs, *PAIR_METRICS, pair-term losses, chosen log-probs, chosen tokens], summed over the kept rows
+        totals = torch.zeros(len(PAIR_METRICS) + 4, dtype=torch.float64, device=self.device)
+        for index, keep in dp_turns(len(rows), dp_rank, dp):
+            row = rows[index]
+            reference = self._reference_row(row, 0) if self.reference is not None else None
+            hidden = hidden_states(
+                row["input_ids"].to(self.device),
+                row["position_ids"].to(self.device),
+                row["cu_seqlens"][0],
+                row["doc_prefix"][0],
+            )
+            fields = {key: row[key].to(self.device) for key in ("labels", "completions")}
+            policy = completion_logps(
+                hidden,
+                hidden_states.model.lm_head.weight,
+                fields,
+                row["pair_counts"][0],
+                cp_group=self.cp_group,
+                chunk_tokens=self.chunk_tokens,
+            )
+            losses, chosen_rewards, rejected_rewards = pair_losses(self.objective, policy, reference)
+            if keep:
+                extra = torch.stack([losses.sum(), policy.chosen.sum(), policy.tokens[0::2].sum()])
+                totals += torch.cat([pair_metrics(policy, chosen_rewards, rejected_rewards).sum(0), extra])
+        dist.all_reduce(totals, group=self.group)
+        values = (totals / self.cp).tolist()  # every cp rank of a dp rank scored the same pairs
+        pairs, metrics, (pair_loss, chosen_logps, chosen_tokens) = values[0], values[1:-3], values[-3:]
+        loss = pair_loss / pairs - self.sft_weight * chosen_logps / chosen_tokens if pairs else None
+        result: dict[str, float | None] = {"val_loss": loss, "val_pairs": int(round(pairs))}
+        result.update({f"val_{name}": value / pairs if pairs else None for name, value in zip(PAIR_METRICS, metrics)})
+        return result
 
     def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
         """``pairs`` and TRL's pair metrics (``PAIR_METRICS``: means over the step's pairs), then with several sources
@@ -311,15 +357,17 @@ def adapters_disabled(model: torch.nn.Module) -> Callable[[], AbstractContextMan
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
 
+    # the flag the layers' forward reads: peft's enable_adapters(False) would also clear the adapters' requires_grad,
+    # which FSDP2 reads once, at the first forward (when that is the reference's, the adapters would never train)
     @contextlib.contextmanager
     def disabled() -> Iterator[None]:
         for layer in layers:
-            layer.enable_adapters(False)
+            layer._disable_adapters = True
         try:
             yield
         finally:
             for layer in layers:
-                layer.enable_adapters(True)
+                layer._disable_adapters = False
 
     return disabled
 

@@ -333,7 +333,7 @@ class Trainer:
                     "mfu": mfu,
                     "peak_mem_gib": peak_memory_gib(self.device),
                     "step_time_s": elapsed,
-                    **(self.validator.validate(self.hidden_states) if validation else {}),
+                    **(self.validator.validate(self.hidden_states, self.objective) if validation else {}),
                 },
             )
             if line is not None:

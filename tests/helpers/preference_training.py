@@ -61,10 +61,18 @@ def rank_micro_batches(cfg: JobConfig, trainer: Trainer, rows: Sequence[Row]) ->
     return [shard_rows(rows[s : s + size], trainer.place, cfg.parallel.layout) for s in starts]
 
 
-def run_losses(cfg: JobConfig, rows: Sequence[Row], loss_types: Sequence[Sequence[str]]) -> dict | None:
+ADAPTER_B = 0.05  # every lora_B entry, so that the adapted policy differs from its base (the reference)
+
+
+def run_losses(
+    cfg: JobConfig, rows: Sequence[Row], loss_types: Sequence[Sequence[str]], *, adapters: bool = False
+) -> dict | None:
     """For each loss combination: the step's loss, the objective's report and the full gradients (HF names), from
-    ``Trainer.forward_backward`` over the step's ``rows`` (no optimizer step). Rank 0 returns them."""
+    ``Trainer.forward_backward`` over the step's ``rows`` (no optimizer step). Rank 0 returns them. ``adapters``:
+    every ``lora_B`` set to ``ADAPTER_B`` first."""
     trainer = Trainer(cfg)
+    if adapters:
+        set_adapters(trainer.model)
     batches = rank_micro_batches(cfg, trainer, rows)
     results = {}
     for types in loss_types:
@@ -93,11 +101,33 @@ def run_losses(cfg: JobConfig, rows: Sequence[Row], loss_types: Sequence[Sequenc
     return results if dist.get_rank() == 0 else None
 
 
+def set_adapters(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.fill_(ADAPTER_B)
+
+
+def world_cases(cases: dict) -> dict | None:
+    """Every case (name -> (cfg, rows, loss types, adapters)) on one process group, one after the other."""
+    results = {
+        name: run_losses(cfg, rows, types, adapters=adapters) for name, (cfg, rows, types, adapters) in cases.items()
+    }
+    return results if dist.get_rank() == 0 else None
+
+
 def expected_losses(
-    cfg: JobConfig, pairs: Sequence[Pair], loss_types: Sequence[Sequence[str]], reference: torch.nn.Module | None
+    cfg: JobConfig,
+    pairs: Sequence[Pair],
+    loss_types: Sequence[Sequence[str]],
+    reference: torch.nn.Module | None,
+    *,
+    adapters: bool = False,
 ) -> dict:
     """The same from the plain single-process model of ``cfg`` on every ``[prompt, answer]`` alone, TRL's formulas."""
     policy_model = reference_model(cfg)
+    if adapters:
+        set_adapters(policy_model)
     ref = None
     if reference is not None:
         with torch.no_grad():
@@ -115,16 +145,17 @@ def expected_losses(
     return results
 
 
+def base_model(cfg: JobConfig, seed: int = 0) -> torch.nn.Module:
+    """The plain model of ``cfg`` without adapters, its weights from ``train.seed + seed``."""
+    lora = dataclasses.replace(cfg.model.lora, rank=0)
+    train = dataclasses.replace(cfg.train, seed=cfg.train.seed + seed)
+    return reference_model(dataclasses.replace(cfg, train=train, model=dataclasses.replace(cfg.model, lora=lora)))
+
+
 def other_model(cfg: JobConfig, path: Path) -> torch.nn.Module:
     """A model of ``cfg``'s architecture with other weights (seed + 1, no adapters), also saved as a Hugging Face
     directory at ``path`` (a reference given by path)."""
-    lora = dataclasses.replace(cfg.model.lora, rank=0)
-    other = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(cfg.train, seed=cfg.train.seed + 1),
-        model=dataclasses.replace(cfg.model, lora=lora),
-    )
-    model = reference_model(other)
+    model = base_model(cfg, seed=1)
     model.save_pretrained(path)
     return model
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lctrain.config import ObjectiveConfig, load_config
 from lctrain.train.loss import chunked_token_logprobs
-from tests.helpers.corpus import write_corpus
+from testbed.corpus import write_corpus
 from tests.helpers.preference_training import (
     BETA,
     LABEL_SMOOTHING,
@@ -120,3 +120,20 @@ def test_reference_free_losses_need_no_reference() -> None:
     assert not ObjectiveConfig(name="dpo", loss_type=["simpo", "orpo", "sft"], reference="none").needs_reference
     assert ObjectiveConfig(name="dpo", loss_type=["sigmoid", "sft"]).needs_reference
     assert not ObjectiveConfig().needs_reference  # lm
+
+
+def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
+    from lctrain.train.trainer import Trainer
+    from tests.helpers.pairs import shard_rows
+
+    cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "reference"), loss_type=["sigmoid", "sft"])
+    reference = other_model(cfg, tmp_path / "reference")
+    pairs_by_row = step_pairs(3)
+    trainer = Trainer(cfg)
+    rows = [shard_rows([row]) for row in packed_rows(pairs_by_row)]
+    result = trainer.objective.validate(rows, trainer.hidden_states, dp_rank=0, dp=1)
+    pairs = [pair for row in pairs_by_row for pair in row]
+    (loss, metrics, _) = expected_losses(cfg, pairs, [["sigmoid", "sft"]], reference)[("sigmoid", "sft")]
+    assert result["val_pairs"] == len(pairs) and math.isclose(result["val_loss"], loss, rel_tol=1e-5)
+    for name, value in metrics.items():
+        assert math.isclose(result[f"val_{name}"], value, rel_tol=1e-5, abs_tol=1e-6), name
