@@ -30,7 +30,7 @@ import torch
 
 from lctrain.attention import SequencePlace
 from lctrain.testing import run_distributed
-from tests.helpers.pairs import shard_rows
+from testbed.pairs import shard_rows
 from tests.helpers.preference_training import (
     BETA,
     LABEL_SMOOTHING,

@@ -20,7 +20,8 @@ from lctrain.config import JobConfig, ObjectiveConfig
 from lctrain.models.hf import hf_name
 from lctrain.train.preference import PreferenceLoss
 from lctrain.train.trainer import Trainer
-from tests.helpers.pairs import Pair, Row, pack_pairs, sequence_logps, shard_rows, trl_loss, trl_metrics
+from testbed.pairs import Pair, Row, pack_pairs, shard_rows
+from tests.helpers.pairs import sequence_logps, trl_loss, trl_metrics
 from tests.helpers.reference_training import SEQ_LEN, job_config, reference_model
 
 LOSS_TYPES = (["sigmoid"], ["ipo"], ["hinge"], ["robust"], ["simpo"], ["orpo"], ["sigmoid", "sft"])

@@ -124,7 +124,7 @@ def test_reference_free_losses_need_no_reference() -> None:
 
 def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
     from lctrain.train.trainer import Trainer
-    from tests.helpers.pairs import shard_rows
+    from testbed.pairs import shard_rows
 
     cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "reference"), loss_type=["sigmoid", "sft"])
     reference = other_model(cfg, tmp_path / "reference")
