@@ -9,6 +9,7 @@ as two plain documents. The trained tokens are exactly the completion tokens; ``
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,8 @@ Row = dict
 
 def pack_pairs(pairs: Sequence[Pair], seq_len: int, *, shared: bool = True, source: int = 0) -> Row:
     """One global row (1-D tensors of ``seq_len``: ``input_ids``, ``position_ids``, ``labels``, ``completions``,
-    ``sources``; ``cu_seqlens`` int32, ``doc_prefix`` int64, ``pair_count``) holding ``pairs`` whole."""
+    ``sources``; ``cu_seqlens`` int32, ``doc_prefix`` int64, ``pair_count``, ``pair_ids``: each pair's identity, a
+    hash of its tokens) holding ``pairs`` whole."""
     tokens: list[int] = []
     positions: list[int] = []
     labels: list[int] = []
@@ -63,6 +65,9 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, *, shared: bool = True, sour
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "doc_prefix": torch.tensor(prefixes),
         "pair_count": len(pairs),
+        "pair_ids": torch.tensor(
+            [zlib.crc32(repr(tuple(map(list, pair))).encode()) for pair in pairs], dtype=torch.int64
+        ),
     }
 
 
@@ -87,5 +92,5 @@ def shard_rows(rows: Sequence[Row], place: SequencePlace | None = None, layout: 
     batch["cu_seqlens"] = [row["cu_seqlens"] for row in rows]
     batch["doc_prefix"] = [row["doc_prefix"] for row in rows]
     batch["pair_counts"] = [row["pair_count"] for row in rows]
-    batch["pair_ids"] = [torch.arange(row["pair_count"], dtype=torch.int64) for row in rows]
+    batch["pair_ids"] = [row["pair_ids"] for row in rows]
     return batch

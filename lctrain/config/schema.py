@@ -144,6 +144,9 @@ class ObjectiveConfig:
     # reference_path) or none (only with reference-free losses: simpo, orpo, sft)
     reference: str = "initial"
     reference_path: str | None = None  # reference=path: the Hugging Face model directory
+    # compute the reference's log-probs of every pair the run trains and validates on in one pass before training,
+    # keep them with the run (<run_dir>/reference_logps/), and drop the reference model
+    precompute_reference: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:

@@ -26,8 +26,9 @@ each micro-batch's target being the step's token count; the last stage reports t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ from lctrain.data.packing import IGNORE_INDEX
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.dims import flat_mesh
 from lctrain.train.loss import chunked_cross_entropy, chunked_cross_entropy_by_group
-from lctrain.train.preference import PreferenceLoss, build_reference
+from lctrain.train.preference import PreferenceLoss
+from lctrain.train.reference import ReferenceCache, build_reference
 
 Batch = dict[str, Any]
 
@@ -124,18 +126,21 @@ def build_objective(
     device: torch.device,
     model: torch.nn.Module,
     hidden_states: FinalHiddenStates | None,
+    rows: Callable[[], Iterable[Batch]] | None = None,
 ) -> TokenMeanLoss | PreferenceLoss:
     """The objective of ``cfg.objective.name`` (``cfg``: the ``JobConfig``): ``TokenMeanLoss``, or ``PreferenceLoss``
     with its reference model (``preference.build_reference``: ``prepared``, the built policy ``model`` and its
     ``hidden_states`` forward; None with a pipeline, which runs the LM objective only) on the job's ``mesh``, over
-    the rows' ``sources``."""
+    the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of ``rows()`` (every
+    micro-batch of this rank's run and the validation rows) from ``<run_dir>/reference_logps/dp<rank>.pt``, computed
+    and saved there first when it is not there yet."""
     dp_cp = flat_mesh(mesh, "dp_cp").get_group()
     chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.objective.name == "lm":
         return TokenMeanLoss(sources, group=dp_cp, device=device, chunk_tokens=chunk_tokens)
     assert hidden_states is not None, "the preference objective runs without a pipeline (check_job)"
     cp = cfg.parallel.ring * cfg.parallel.ulysses
-    return PreferenceLoss(
+    objective = PreferenceLoss(
         cfg.objective,
         sources,
         group=dp_cp,
@@ -144,3 +149,14 @@ def build_objective(
         chunk_tokens=chunk_tokens,
         reference=build_reference(cfg, prepared, mesh, device, model, hidden_states),
     )
+    if cfg.objective.precompute_reference and objective.reference is not None:
+        assert rows is not None, "precomputing the reference needs the run's rows"
+        path = Path(cfg.train.run_dir) / "reference_logps" / f"dp{mesh.get_local_rank('dp')}.pt"
+        source = cfg.objective.reference_path or cfg.model.path or f"the random init of seed {cfg.train.seed}"
+        identity = f"objective.reference={cfg.objective.reference} ({source})"
+        cache = ReferenceCache.load(path, identity)
+        if cache is None:
+            objective.precompute_reference(rows(), ReferenceCache(path, identity))
+        else:
+            objective.use_cache(cache)
+    return objective

@@ -19,16 +19,14 @@ all-reduce's backward sums the cp ranks' gradients of the sums, so the gradient 
 is exactly the loss's (and the report sums are divided the same way, as the trainer sums them over every rank).
 
 The reference model's log-probs (the losses that compare with one) are computed in ``step_counts``, before any
-forward of the policy in the step, without gradients, through the same patched attention and sharding.
+forward of the policy in the step, without gradients, through the same patched attention and sharding, or looked up
+among those computed before training (``lctrain.train.reference``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +38,7 @@ from torch import Tensor
 from lctrain.config import ObjectiveConfig
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.train.loss import chunked_token_logprobs
+from lctrain.train.reference import Reference, ReferenceCache
 from lctrain.train.validate import dp_turns
 
 Batch = dict[str, Any]
@@ -193,20 +192,6 @@ def pair_metrics(policy: Completions, chosen_rewards: Tensor, rejected_rewards: 
     )
 
 
-class Reference:
-    """The reference model's forward: ``hidden_states`` through the reference weights while ``active()`` holds (the
-    policy's own forward with its adapters disabled, or a frozen model of its own)."""
-
-    def __init__(
-        self, hidden_states: FinalHiddenStates, active: Callable[[], AbstractContextManager] = contextlib.nullcontext
-    ):
-        self.hidden_states, self.active = hidden_states, active
-
-    @property
-    def weight(self) -> Tensor:
-        return self.hidden_states.model.lm_head.weight
-
-
 class PreferenceLoss:
     """The preference objective (module docstring). ``group``: dp_cp; ``cp_group``: ring x Ulysses (None at size 1);
     ``sources``: the source names (per-source metrics with several); ``reference``: None for reference-free losses.
@@ -236,7 +221,33 @@ class PreferenceLoss:
         self.fields = ("labels", "completions", "pair_counts", *(("sources",) if self.sources else ()))
         weights = objective.loss_weights or [1.0] * len(objective.loss_type)
         self.sft_weight = dict(zip(objective.loss_type, weights)).get("sft", 0.0)
+        self.cache: ReferenceCache | None = None  # precomputed reference log-probs (precompute_reference)
         self._reference_rows: Iterator[Completions] = iter(())
+
+    def precompute_reference(self, batches: Iterable[Batch], cache: ReferenceCache) -> None:
+        """The reference's log-probs of every row of ``batches`` (micro-batches of this rank, host tensors) into
+        ``cache``, saved (by the first cp rank of each dp rank); from now on the steps and the validation look them up
+        and the reference model is dropped (a frozen copy's memory is freed)."""
+        if self.reference is None:
+            return
+        for batch in batches:
+            for row in range(batch["input_ids"].shape[0]):
+                cache.add(batch["pair_ids"][row], self._reference_row(batch, row).logps)
+        if self.cp_rank == 0:
+            cache.save()
+        self.use_cache(cache)
+
+    def use_cache(self, cache: ReferenceCache) -> None:
+        """Look the reference's log-probs up in ``cache`` instead of computing them; the model is dropped."""
+        if self.reference is not None:
+            self.cache, self.reference = cache, None
+
+    def _reference_for(self, batch: Batch, row: int) -> Completions | None:
+        """The reference's ``Completions`` of one row (host tensors): computed, looked up, or None (no reference)."""
+        if self.cache is not None:
+            logps = self.cache.lookup(batch["pair_ids"][row], self.device)
+            return Completions(logps, torch.zeros_like(logps), torch.zeros_like(logps, dtype=torch.long))
+        return self._reference_row(batch, row) if self.reference is not None else None
 
     def step_counts(self, micro_batches: Sequence[Batch]) -> Tensor:
         """int64 ``[2]`` on the device: the step's pairs (counted once per dp rank: the cp ranks of a dp rank hold the
@@ -245,14 +256,8 @@ class PreferenceLoss:
         chosen = sum(int(((b["completions"] >= 0) & (b["completions"] % 2 == 0)).sum()) for b in micro_batches)
         counts = torch.tensor([pairs, chosen], dtype=torch.int64).to(self.device, non_blocking=True)
         dist.all_reduce(counts, group=self.group)
-        if self.reference is not None:
-            self._reference_rows = iter(
-                [
-                    self._reference_row(batch, row)
-                    for batch in micro_batches
-                    for row in range(batch["input_ids"].shape[0])
-                ]
-            )
+        rows = [(batch, row) for batch in micro_batches for row in range(batch["input_ids"].shape[0])]
+        self._reference_rows = iter([self._reference_for(batch, row) for batch, row in rows])
         return counts
 
     @torch.no_grad()
@@ -282,7 +287,7 @@ class PreferenceLoss:
         policy = completion_logps(
             hidden, weight, row, row["pair_counts"], cp_group=self.cp_group, chunk_tokens=self.chunk_tokens
         )
-        reference = next(self._reference_rows) if self.reference is not None else None
+        reference = next(self._reference_rows)
         losses, chosen_rewards, rejected_rewards = pair_losses(self.objective, policy, reference)
         pairs, chosen_tokens = counts[0].clamp(min=1), counts[1].clamp(min=1)
         share = losses.sum() / pairs
@@ -307,7 +312,7 @@ class PreferenceLoss:
         totals = torch.zeros(len(PAIR_METRICS) + 4, dtype=torch.float64, device=self.device)
         for index, keep in dp_turns(len(rows), dp_rank, dp):
             row = rows[index]
-            reference = self._reference_row(row, 0) if self.reference is not None else None
+            reference = self._reference_for(row, 0)
             hidden = hidden_states(
                 row["input_ids"].to(self.device),
                 row["position_ids"].to(self.device),
@@ -347,51 +352,3 @@ class PreferenceLoss:
             for name, value in zip(PAIR_METRICS, part[1:]):
                 result[f"{name}{suffix}"] = value / part[0] if part[0] else None
         return result
-
-
-def adapters_disabled(model: torch.nn.Module) -> Callable[[], AbstractContextManager]:
-    """A context factory: inside, every peft adapter of ``model`` (LoRA layers and trained copies) is off, so the
-    model computes its frozen base (the reference of a LoRA job, without a second copy of the weights)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
-
-    # the flag the layers' forward reads: peft's enable_adapters(False) would also clear the adapters' requires_grad,
-    # which FSDP2 reads once, at the first forward (when that is the reference's, the adapters would never train)
-    @contextlib.contextmanager
-    def disabled() -> Iterator[None]:
-        for layer in layers:
-            layer._disable_adapters = True
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer._disable_adapters = False
-
-    return disabled
-
-
-def build_reference(
-    cfg: Any, prepared: Any, mesh: Any, device: torch.device, policy: torch.nn.Module, hidden: FinalHiddenStates
-) -> Reference | None:
-    """The reference model of the job (``cfg``: its ``JobConfig``; ``prepared``: its ``lctrain.build.PreparedModel``;
-    ``policy`` and ``hidden``: the trained model and its forward), or None when no loss needs one.
-
-    ``objective.reference``: ``initial`` with LoRA is the policy itself with its adapters disabled; ``initial``
-    without LoRA a frozen copy of the initial weights, and ``path`` a Hugging Face directory's weights, built like
-    the policy (the same attention, mesh, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without
-    gradients or optimizer state."""
-    from lctrain.build import build_model  # the build imports the trainer's modules
-    from lctrain.models import LoraConfig, safetensors_source
-
-    objective = cfg.objective
-    if not objective.needs_reference:
-        return None
-    if objective.reference == "initial" and cfg.model.lora.rank:
-        return Reference(hidden, adapters_disabled(policy))
-    if objective.reference == "path":
-        prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path))
-    model = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False).model
-    model.requires_grad_(False)
-    return Reference(FinalHiddenStates(model))

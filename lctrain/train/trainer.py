@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from lctrain.attention import SequencePlace
 from lctrain.build import build_model, prepare_model, tokenizer_path
 from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
-from lctrain.data import PackedLoader, check_data, load_tokenizer
+from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
@@ -124,6 +125,7 @@ class Trainer:
             device=self.device,
             model=self.model,
             hidden_states=None if built.stages else self.hidden_states,
+            rows=lambda: self._run_rows(data, dp_rank),
         )
 
         # 5. optimizer, schedule, checkpoints, metrics
@@ -151,6 +153,13 @@ class Trainer:
             cfg.data.seq_len,
             self.device,
         )
+
+    def _run_rows(self, data: DataConfig, dp_rank: int) -> Iterator[Batch]:
+        """Every micro-batch this rank's run trains on, from the start (a loader of its own), then the validation
+        rows: what a precomputed reference covers."""
+        micro_batches = self.cfg.train.steps * self.cfg.train.grad_accum
+        loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
+        return itertools.chain(itertools.islice(iter(loader), micro_batches), self.validator.rows)
 
     def _resume(self) -> None:
         """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another

@@ -137,3 +137,26 @@ def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None
     assert result["val_pairs"] == len(pairs) and math.isclose(result["val_loss"], loss, rel_tol=1e-5)
     for name, value in metrics.items():
         assert math.isclose(result[f"val_{name}"], value, rel_tol=1e-5, abs_tol=1e-6), name
+
+
+def test_precomputed_reference_gives_the_same_step_and_is_checked(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
+    from lctrain.train.reference import ReferenceCache
+    from lctrain.train.trainer import Trainer
+    from testbed.pairs import shard_rows
+
+    cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "reference"))
+    other_model(cfg, tmp_path / "reference")
+    trainer = Trainer(cfg)
+    batch = shard_rows(packed_rows(step_pairs(2)))
+    computed = trainer.forward_backward([batch])
+    trainer.optimizer.zero_grad(set_to_none=True)
+    path = tmp_path / "cache" / "dp0.pt"
+    trainer.objective.precompute_reference([batch], ReferenceCache(path, "this reference"))
+    assert trainer.objective.reference is None and path.is_file()  # the model dropped, the cache kept
+    looked_up = trainer.forward_backward([batch])
+    assert looked_up.loss.item() == computed.loss.item() and torch.equal(looked_up.sums, computed.sums)
+    with pytest.raises(ValueError, match="holds the reference log-probs of this reference, not of"):
+        ReferenceCache.load(path, "another reference")
+    batch["pair_ids"] = [ids * 0 - 7 for ids in batch["pair_ids"]]
+    with pytest.raises(ValueError, match="pair -7 has no reference log-probs in .*dp0.pt"):
+        trainer.forward_backward([batch])
