@@ -18,6 +18,17 @@ LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 LAYER_PREFIX = "model.layers."
+# parallel.attention_kernel: auto or a kernel's name (lctrain.attention.kernels.KERNELS, in auto's order on CUDA)
+KERNEL_CHOICES = ("auto", "cudnn", "flash_attn3", "flash_attn", "torch_cuda_flash", "torch_cpu_flash", "reference")
+
+
+def check_kernel_choice(choice: str, *, setting: str = "kernel") -> None:
+    """``choice`` is ``auto`` or a kernel name; ``setting`` is how the caller's user spells it."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(
+            f"{setting}={choice!r} must be one of {', '.join(KERNEL_CHOICES)} (auto picks per device and case; a "
+            f"name is tried first: docs/parallelism.md, 'Attention kernels')"
+        )
 
 
 def check_layout(layout: str, *, setting: str = "layout") -> None:

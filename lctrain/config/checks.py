@@ -1,6 +1,9 @@
-"""Cross-field checks of a job: one clear error naming the setting and the fix, raised before anything runs.
+"""The rules that join sections of a job, or need its model and world size: one clear error naming the setting and
+the fix, raised before anything runs. Each section checks its own fields when it is made (``__post_init__`` of
+the dataclasses in ``lctrain.config.schema``, ``lctrain.models.config``, ``lctrain.data.config``).
 
-The rules shared with the loader, the attention functions and the planner come from ``lctrain.rules``.
+The rules shared with the loader, the attention functions and the planner come from ``lctrain.rules``. Importing
+this module loads neither torch nor transformers (``check_model_job`` imports ``lctrain.models.lora`` when it runs).
 """
 
 from __future__ import annotations
@@ -9,13 +12,9 @@ import logging
 import os
 from typing import Any
 
-from lctrain.attention.kernels import check_kernel_choice
-from lctrain.config.schema import ACTIVATION_CHECKPOINTING, DTYPES, JobConfig
-from lctrain.data import check_data_config
-from lctrain.models.families import ROPE_SCALING_TYPES, check_family, check_model_features, model_source
-from lctrain.models.lora import check_lora
-from lctrain.parallel.dims import ParallelDims
-from lctrain.rules import check_activation_offload, check_pipeline, check_ulysses_heads
+from lctrain.config.schema import JobConfig
+from lctrain.models.families import check_family, check_model_features, model_source
+from lctrain.rules import check_pipeline, check_ulysses_heads
 
 logger = logging.getLogger("lctrain")
 
@@ -41,13 +40,10 @@ def check_job(
     every rank raises the same error, nothing has been written.
     """
     par, data, train = cfg.parallel, cfg.data, cfg.train
-    dims = ParallelDims.from_config(par)  # degrees >= 1, a known layout
-    check_kernel_choice(par.attention_kernel, setting="parallel.attention_kernel")
+    dims = par.dims()
     dims.check_world_size(world_size)
     check_ulysses_heads(num_heads, num_kv_heads, dims.ulysses)
     dims.check_sequence_length(data.seq_len)
-    if par.ulysses_across_nodes not in ("error", "warn"):
-        raise ValueError(f"parallel.ulysses_across_nodes={par.ulysses_across_nodes!r} must be error or warn")
     try:
         dims.check_ulysses_inside_nodes(local_world_size or world_size)
     except ValueError as error:
@@ -70,57 +66,21 @@ def check_job(
             f"objective.name=dpo with parallel.pp={par.pp}: the preference loss runs without a pipeline; set "
             f"parallel.pp=1 and spread the pairs' length over parallel.ring and parallel.ulysses"
         )
-    if par.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(
-            f"parallel.activation_checkpointing={par.activation_checkpointing!r} must be one of "
-            f"{ACTIVATION_CHECKPOINTING}"
-        )
-    if par.ac_every < 1:
-        raise ValueError(f"parallel.ac_every={par.ac_every} must be >= 1")
-    check_activation_offload(par.activation_offload, par.activation_checkpointing)
     if par.cpu_offload and train.device == "cpu":
         logger.warning(
             "parallel.cpu_offload=true with train.device=cpu: the parameters and optimizer states are in host memory "
             "already, so the offload only adds copies; set parallel.cpu_offload=false on CPU"
         )
-    if par.mlp_chunk_tokens < 0:
-        raise ValueError(f"parallel.mlp_chunk_tokens={par.mlp_chunk_tokens} must be >= 0 (0 = no chunking)")
-    for name in ("param_dtype", "reduce_dtype"):
-        if getattr(par, name) not in DTYPES:
-            raise ValueError(f"parallel.{name}={getattr(par, name)!r} must be one of {DTYPES}")
-    if cfg.model.path is None:
-        check_family(cfg.model.family, model_source(None, cfg.model.family))
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab_size:
         raise ValueError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
             f"set model.vocab_size >= {vocab_size} (or leave it unset)"
         )
-    positive = {
-        "data.batch_size": data.batch_size,
-        "train.steps": train.steps,
-        "train.grad_accum": train.grad_accum,
-        "train.loss_chunk_tokens": train.loss_chunk_tokens,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "logging.every": cfg.logging.every,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
-    if train.timeout_s <= 0:
-        raise ValueError(f"train.timeout_s={train.timeout_s} must be > 0 (seconds a collective may wait)")
-    if cfg.checkpoint.every < 0:
-        raise ValueError(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
-    if len(cfg.optim.betas) != 2:
-        raise ValueError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9, 0.95]")
-    if train.nonfinite not in ("stop", "skip"):
-        raise ValueError(f"train.nonfinite={train.nonfinite!r} must be stop or skip")
-    if train.device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"train.device={train.device!r} must be auto, cuda or cpu")
-    if cfg.logging.wandb not in ("disabled", "offline", "online"):
-        raise ValueError(f"logging.wandb={cfg.logging.wandb!r} must be disabled, offline or online")
-    check_data_config(cfg.data)  # the data settings on their own; lctrain.train.trainer.check reads the data
+    if data.val_sources and par.pp > 1:
+        raise ValueError(
+            f"data.val_sources with parallel.pp={par.pp}: validation runs without a pipeline; leave "
+            f"data.val_sources empty and score the export with `lctrain eval` (tasks=[perplexity])"
+        )
 
 
 def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:
@@ -128,6 +88,8 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     honour: ``lctrain.models.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
     builds (after its ``model.*`` settings) and the processes per node from torchrun's environment
     (``LOCAL_WORLD_SIZE``), then the LoRA settings against the model's modules (``check_lora``)."""
+    from lctrain.models.lora import check_lora  # builds the model on meta: torch and peft
+
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
@@ -147,23 +109,9 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
 
 
 def check_rope(cfg: JobConfig, cp: int, max_position_embeddings: int | None, rope_type: str | None = None) -> None:
-    """The RoPE scaling settings: a type transformers supports for Llama, its required fields, and no dynamic
-    scaling (set here, or the checkpoint's own ``rope_type``) that the ``cp`` context-parallel ranks would compute
-    differently."""
+    """No dynamic RoPE scaling (set in ``model.rope_scaling``, or the checkpoint's own ``rope_type``) that the
+    ``cp`` context-parallel ranks would compute differently (``RopeScalingConfig`` checks its own fields)."""
     scaling = cfg.model.rope_scaling
-    if scaling.type is not None:
-        if scaling.type not in ROPE_SCALING_TYPES:
-            raise ValueError(f"model.rope_scaling.type={scaling.type!r} must be one of {ROPE_SCALING_TYPES} (or null)")
-        if scaling.factor < 1:
-            raise ValueError(
-                f"model.rope_scaling.factor={scaling.factor} must be >= 1: the new context over the one the "
-                f"checkpoint was trained at (e.g. 16 for 8K -> 128K)"
-            )
-        if scaling.type in ("yarn", "llama3") and scaling.original_max_position_embeddings is None:
-            raise ValueError(
-                f"model.rope_scaling.type={scaling.type} needs model.rope_scaling.original_max_position_embeddings: "
-                f"set it to the context the checkpoint was trained at (e.g. 8192)"
-            )
     dynamic = scaling.type == "dynamic" or (scaling.type is None and rope_type == "dynamic")
     if dynamic and cp > 1 and (max_position_embeddings or 0) < cfg.data.seq_len:
         setting = "model.rope_scaling.type=dynamic" if scaling.type else f"{cfg.model.path}'s RoPE type dynamic"

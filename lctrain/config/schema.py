@@ -1,5 +1,8 @@
-"""The typed configuration of a training run: one dataclass per component, each field documented. The ``model`` and
-``data`` sections live with the code that reads them (``lctrain.models.ModelConfig``, ``lctrain.data.DataConfig``).
+"""The typed configuration of a training run: one dataclass per component, each field documented and checked where it
+is defined (``__post_init__``: one ``ValueError`` naming the setting and the fix, raised when the config is made).
+The ``model`` and ``data`` sections live with the code that reads them (``lctrain.models.config``,
+``lctrain.data.config``); the rules that join sections or need the model are ``lctrain.config.checks``'. Importing
+this module loads neither torch nor transformers.
 
 Hydra composes ``configs/train.yaml`` (its defaults list picks one file from each group, then a recipe from
 ``recipes/`` when ``recipe=NAME`` is given) on top of ``JobConfig``; any field can be overridden on the
@@ -11,40 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lctrain.data import DataConfig
+from lctrain.data.config import DataConfig
 from lctrain.models.config import ModelConfig
+from lctrain.parallel.config import ParallelConfig
 
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees of the 4D mesh (their product is the world size), the sequence layout, and memory/precision policy."""
-
-    pp: int = 1  # pipeline-parallel ranks (each holds pp_stages_per_rank stages of consecutive layers)
-    dp: int = 1  # data parallel: different batches
-    ring: int = 1  # ring attention: sequence chunks passed peer to peer (spans nodes)
-    ulysses: int = 1  # Ulysses all-to-all: heads <-> sequence (inside a node)
-    ulysses_across_nodes: str = "error"  # a Ulysses group spanning two nodes: error (refuse the mesh) or warn
-    layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
-    # attention kernel: auto (per device and case) or cudnn, flash_attn3, flash_attn, torch_cuda_flash,
-    # torch_cpu_flash, reference (first choice; cases it cannot do fall back)
-    attention_kernel: str = "auto"
-    activation_checkpointing: str = "none"  # none, full (every decoder layer) or selective (every ac_every-th)
-    ac_every: int = 2  # selective: checkpoint layers 0, ac_every, 2·ac_every, ...
-    activation_offload: bool = False  # checkpointed layers keep their input in host memory (needs checkpointing)
-    mlp_chunk_tokens: int = 0  # MLP over this many tokens at a time, each chunk recomputed in backward; 0 = off
-    # FSDP2's CPU offload: sharded fp32 parameters, gradients and AdamW states in (pinned) host memory, the optimizer
-    # step on the CPU; the device holds only the gathered parameters and the activations
-    cpu_offload: bool = False
-    param_dtype: str = "auto"  # compute dtype of the FSDP all-gathered params; auto = bfloat16 on CUDA, float32 on CPU
-    reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
-    # pp > 1: a step's rows (data.batch_size x train.grad_accum) are the micro-batches of one schedule run
-    # GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV
-    pp_schedule: str = "1F1B"
-    pp_stages_per_rank: int = 1  # 1 (GPipe, 1F1B), >= 2 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), 2 (V)
-    pp_split_points: list[str] = field(default_factory=list)  # first layer of each later stage; [] = balanced
+EVAL_TASKS = ("passkey", "perplexity")
 
 
 @dataclass
@@ -58,6 +32,12 @@ class OptimConfig:
     warmup_steps: int = 10  # linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1  # the cosine ends at lr · min_lr_ratio at the last step
     max_grad_norm: float | None = 1.0  # None = no clipping (the norm is still reported)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas={self.betas} must be two numbers, e.g. [0.9, 0.95]")
 
 
 @dataclass
@@ -80,6 +60,19 @@ class TrainConfig:
     val_every: int = 0  # score data.val_sources every this many steps, and at the end; 0 = only at the end
     val_rows: int = 8  # packed rows of data.val_sources scored each time (the same rows every time)
 
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "loss_chunk_tokens", "val_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"train.timeout_s={self.timeout_s} must be > 0 (seconds a collective may wait)")
+        if self.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.nonfinite={self.nonfinite!r} must be stop or skip")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"train.device={self.device!r} must be auto, cuda or cpu")
+        if self.val_every < 0:
+            raise ValueError(f"train.val_every={self.val_every} must be >= 0 (0 = only at the end)")
+
 
 @dataclass
 class CheckpointConfig:
@@ -93,6 +86,12 @@ class CheckpointConfig:
     # the base model with the adapters merged into <run_dir>/hf
     export_merged: bool = True
 
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep={self.keep} must be >= 1")
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0 = only at the end)")
+
 
 @dataclass
 class LoggingConfig:
@@ -104,10 +103,17 @@ class LoggingConfig:
     wandb_project: str = "lctrain"  # the W&B project name
     plot: bool = True  # write <run_dir>/loss.png at the end
 
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"logging.every={self.every} must be >= 1")
+        if self.wandb not in ("disabled", "offline", "online"):
+            raise ValueError(f"logging.wandb={self.wandb!r} must be disabled, offline or online")
+
 
 @dataclass
 class EvalConfig:
-    """``python -m lctrain eval``: passkey retrieval and perplexity of model.path on the job's mesh."""
+    """``python -m lctrain eval``: passkey retrieval and perplexity of model.path on the job's mesh. Whether the mesh
+    cuts the lengths whole is ``lctrain.eval.evaluator.check_eval``'s."""
 
     tasks: list[str] = field(default_factory=lambda: ["passkey", "perplexity"])  # passkey and/or perplexity
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # passkey sample lengths (tokens)
@@ -118,6 +124,18 @@ class EvalConfig:
     perplexity_lengths: list[int] = field(default_factory=list)  # row lengths for perplexity; [] = eval.lengths
     perplexity_rows: int = 4  # packed rows of data.* documents per perplexity length
     out_dir: str | None = None  # where the results go; None = <train.run_dir>/eval
+
+    def __post_init__(self) -> None:
+        unknown = [task for task in self.tasks if task not in EVAL_TASKS]
+        if unknown or not self.tasks:
+            raise ValueError(f"eval.tasks={self.tasks} must be a non-empty list of {EVAL_TASKS}")
+        if "passkey" in self.tasks and (not self.lengths or not self.depths):
+            raise ValueError(f"eval.lengths={self.lengths} and eval.depths={self.depths} must not be empty for passkey")
+        if any(not 0.0 <= depth <= 1.0 for depth in self.depths):
+            raise ValueError(f"eval.depths={self.depths} must be fractions in [0, 1] (0 = start of the haystack)")
+        for name in ("samples", "digits", "perplexity_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
 
 
 OBJECTIVES = ("lm", "dpo")

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lctrain.data.config import TRAIN_ON
 from lctrain.data.packing import Document
 
 ROLES = ("system", "user", "assistant", "tool")
-TRAIN_ON = ("assistant", "last_assistant", "all")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 _FORMAT_HELP = (
     'give each record "messages": [{"role": ..., "content": ...}, ...] or a "prompt" and a "completion" (docs/data.md)'

@@ -1,194 +1,32 @@
-"""The streaming packed loader: dp-sharded sources -> tokenize (texts) or render and mask (conversations) -> draw by
-weight -> pack -> micro-batches -> context-parallel shard.
+"""The streaming packed loader: each source's items (by kind: ``lctrain.data.kinds``) for this dp rank -> encoded
+into documents -> drawn by weight -> packed into rows -> micro-batches -> this rank's context-parallel part.
 
 Resuming is exact. The state is, per dp rank: for each source its ``epoch`` and ``document`` (the items of that
 epoch consumed: ``lctrain.data.mixture``) and the counts of records it skipped; the mixture's ``draws``; and the
 ``offset`` (tokens of the next document already emitted; the positions of a partly emitted document continue from
-it). All plain ints and lists, so json or torch.save it; with one source it keeps the flat form it had before
-mixtures (``epoch``, ``document``, ``offset``), so older checkpoints resume. ``load_state_dict`` re-opens each
-source's seeded stream of its epoch, skips ``document`` items without tokenizing them, and the packer drops the
-first ``offset`` tokens of the first document. Cost: reading and decoding (and shuffle-buffering) the skipped
-documents of the current epoch (all ranks' documents when dp ranks split a dataset by document rather than by
-file), which is far cheaper than tokenizing them (the default corpus, 1758 files, re-reads in 0.16 s on 2 CPU
-cores), plus tokenizing one batch.
+it). All plain ints and lists, so json or torch.save it; with one source it is flat (``epoch``, ``document``,
+``offset``). ``load_state_dict`` re-opens each source's seeded stream of its epoch, skips ``document`` items without
+encoding them, and the packer drops the first ``offset`` tokens of the first document. Cost: reading and decoding
+(and shuffle-buffering) the skipped documents of the current epoch (all ranks' documents when dp ranks split a
+dataset by document rather than by file), far less than encoding them (docs/benchmarks.md, "Data loader"), plus
+encoding one batch.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
 
 from lctrain.attention import SequencePlace
-from lctrain.data.chat import TRAIN_ON, ChatEncoder, parse_conversation
-from lctrain.data.mixture import Encoded, Item, Mixture, SourceStream
-from lctrain.data.packing import Document, PackedRow, Packer
-from lctrain.data.sources import DATA_FORMATS, DocumentSource, embedded_files, resolve_paths
-from lctrain.data.tokenizer import load_tokenizer, tokenize_documents
+from lctrain.data.config import DataConfig, data_sources
+from lctrain.data.kinds import open_source, read_chat_template
+from lctrain.data.mixture import Mixture, SourceStream
+from lctrain.data.packing import PackedRow, Packer
+from lctrain.data.tokenizer import load_tokenizer
 from lctrain.rules import check_sequence_length
-
-logger = logging.getLogger("lctrain")
-
-OVERLONG = ("drop", "truncate", "error")
-
-
-@dataclass
-class SourceConfig:
-    """One source of ``data.sources`` (a mixture) or ``data.val_sources`` (held-out data). Set ``paths`` or
-    ``dataset``; with neither, the embedded corpus of its format and ``split``."""
-
-    name: str = ""  # names the source in the metrics (loss/<name>) and errors; required, unique
-    paths: list[str] = field(default_factory=list)  # local jsonl/json, parquet or txt files; globs allowed
-    dataset: str | None = None  # a hub dataset name (needs network)
-    dataset_config: str | None = None  # the hub dataset's configuration name
-    split: str = "train"  # the hub dataset's split; for the embedded corpus: train or validation
-    weight: float = 1.0  # share of the documents drawn (relative to the other sources' weights), > 0
-    format: str | None = None  # text, chat or auto; None = data.format
-    text_field: str | None = None  # the field holding a text document; None = data.text_field
-
-
-@dataclass
-class DataConfig:
-    """What to read and how to pack it. Set ``paths`` or ``dataset``, or ``sources`` (a mixture); with none, the
-    embedded default corpus."""
-
-    seq_len: int = 4096  # tokens per packed row (global, before context-parallel sharding)
-    batch_size: int = 1  # rows per micro-batch
-    paths: list[str] = field(default_factory=list)  # local jsonl/json, parquet or txt files; globs allowed
-    dataset: str | None = None  # a hub dataset name (needs network)
-    dataset_config: str | None = None  # the hub dataset's configuration name, if it has several
-    split: str = "train"  # the hub dataset's split
-    text_field: str = "text"  # the field of each record that holds the document text
-    tokenizer: str | None = None  # a local tokenizer directory; None = model.path's (the trainer) or the embedded one
-    shuffle_buffer: int = 0  # documents in the shuffle buffer; 0 = no shuffling
-    seed: int = 0  # shuffle seed
-    truncate: bool = False  # drop the rest of a document that does not fit in its row, instead of continuing it
-    format: str = "auto"  # text, chat (conversations) or auto (chat when a source's first record has messages)
-    chat_template: str | None = None  # a Jinja chat template file; None = the tokenizer's own
-    train_on: str = "assistant"  # chat tokens with loss: assistant (every assistant turn), last_assistant or all
-    overlong: str = "drop"  # a conversation longer than seq_len: drop (counted in the log), truncate or error
-    sources: list[SourceConfig] = field(default_factory=list)  # a mixture, drawn by weight; [] = paths/dataset
-    val_sources: list[SourceConfig] = field(default_factory=list)  # held-out data scored every train.val_every steps
-
-
-def data_sources(config: DataConfig) -> list[SourceConfig]:
-    """The sources of the training data, each with its format and text field: ``data.sources``, or the one source
-    of ``data.paths`` / ``data.dataset`` (named ``data``)."""
-    sources = config.sources or [
-        SourceConfig("data", list(config.paths), config.dataset, config.dataset_config, config.split)
-    ]
-    return [_filled(source, config) for source in sources]
-
-
-def _filled(source: SourceConfig, config: DataConfig) -> SourceConfig:
-    return replace(
-        source,
-        format=source.format or config.format,
-        text_field=source.text_field or config.text_field,
-    )
-
-
-def check_data_config(config: DataConfig) -> None:
-    """The data settings on their own (no file is read): one ``ValueError`` naming the setting and the fix."""
-    for name, value, allowed in (
-        ("data.format", config.format, DATA_FORMATS),
-        ("data.train_on", config.train_on, TRAIN_ON),
-        ("data.overlong", config.overlong, OVERLONG),
-    ):
-        if value not in allowed:
-            raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
-    if config.sources and (config.paths or config.dataset):
-        raise ValueError(
-            "data.sources and data.paths (or data.dataset) are both set: list every source in data.sources "
-            "(data.paths is the one-source form)"
-        )
-    for setting, sources in (("data.sources", config.sources), ("data.val_sources", config.val_sources)):
-        names = [source.name for source in sources]
-        for index, source in enumerate(sources):
-            where = f"{setting}[{index}]"
-            if not source.name:
-                raise ValueError(f"{where} has no name: give each source a name (it names its metrics, loss/<name>)")
-            if names.count(source.name) > 1:
-                raise ValueError(f"{setting} has two sources named {source.name!r}: give each a name of its own")
-            if source.paths and source.dataset:
-                raise ValueError(f"{where} ({source.name}) sets paths and dataset: set one")
-            if source.format is not None and source.format not in DATA_FORMATS:
-                raise ValueError(f"{where}.format={source.format!r} must be one of {', '.join(DATA_FORMATS)}")
-            if not source.weight > 0:
-                raise ValueError(
-                    f"{where}.weight={source.weight} ({source.name}) must be > 0: weights are shares of the documents "
-                    f"drawn; leave a source out instead"
-                )
-
-
-def _files(source: SourceConfig) -> set[str]:
-    """The files a source reads (the embedded corpus's too), for the check that validation is held out."""
-    if source.dataset:
-        return set()
-    if source.paths:
-        return {str(Path(p).resolve()) for p in resolve_paths(source.paths)}
-    return set(embedded_files(source.format == "chat", source.split))
-
-
-def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Every data setting checked against the data, before any process group: the settings, every source (and
-    validation source) opened, the first record of every chat source rendered with the template, and no
-    validation file that is also a training file. ``ValueError`` / ``FileNotFoundError`` naming the setting."""
-    check_data_config(config)
-    template = _template(config)
-    train = data_sources(config)
-    val = [_filled(source, config) for source in config.val_sources]
-    for index, source in enumerate(train + val):
-        opened = _open_source(source, config)
-        if opened.format == "chat":
-            encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, source=index)
-            record, where = next(opened.records(0))
-            encoder.encode([parse_conversation(record, where)])
-    for source in val:
-        for other in train:
-            same_hub = source.dataset and (source.dataset, source.dataset_config, source.split) == (
-                other.dataset,
-                other.dataset_config,
-                other.split,
-            )
-            shared = sorted(_files(source) & _files(other))
-            if shared or same_hub:
-                what = shared[0] if shared else f"dataset={source.dataset!r} split {source.split!r}"
-                raise ValueError(
-                    f"data.val_sources {source.name!r}: {what} is also training data ({other.name!r}); validate on "
-                    f"held-out files (the embedded corpus: split validation)"
-                )
-
-
-def _template(config: DataConfig) -> str | None:
-    if config.chat_template is None:
-        return None
-    path = Path(config.chat_template)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.chat_template={config.chat_template!r}: no such file (a Jinja chat template)")
-    return path.read_text()
-
-
-def _open_source(source: SourceConfig, config: DataConfig, dp_rank: int = 0, dp_size: int = 1) -> DocumentSource:
-    return DocumentSource(
-        paths=source.paths,
-        dataset=source.dataset,
-        dataset_config=source.dataset_config,
-        split=source.split,
-        text_field=source.text_field,
-        format=source.format,
-        shuffle_buffer=config.shuffle_buffer,
-        seed=config.seed,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-    )
 
 
 class PackedLoader:
@@ -220,23 +58,18 @@ class PackedLoader:
         check_sequence_length(
             config.seq_len, layout=place.layout, ring=place.ring_size, ulysses=place.ulysses_size, setting="seq_len"
         )
-        if config.batch_size < 1:
-            raise ValueError(f"batch_size={config.batch_size} must be >= 1")
-        check_data_config(config)
         self.config = config
         self.dp_rank, self.dp_size, self.place = dp_rank, dp_size, place
         self.tokenizer = load_tokenizer(config.tokenizer)
         self._configs = data_sources(config)
         self.names = [source.name for source in self._configs]
-        self._sources = [_open_source(source, config, dp_rank, dp_size) for source in self._configs]
-        template = _template(config)
-        self._encoders = [
-            ChatEncoder(self.tokenizer, template=template, train_on=config.train_on, source=index)
-            if source.format == "chat"
-            else None
-            for index, source in enumerate(self._sources)
+        template = read_chat_template(config)
+        self._sources = [
+            open_source(
+                source, config, self.tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size
+            )
+            for index, source in enumerate(self._configs)
         ]
-        self._reported_overlong = False
         self._state: dict[str, Any] = {
             "dp_rank": dp_rank,
             "dp_size": dp_size,
@@ -245,48 +78,12 @@ class PackedLoader:
             "sources": [{"epoch": 0, "document": 0, "overlong": 0, "untrained": 0} for _ in self._sources],
         }
 
-    def _items(self, index: int, epoch: int) -> Iterator[Item]:
-        source = self._sources[index]
-        return source.records(epoch) if source.format == "chat" else source.texts(epoch)
-
-    def _encode_texts(self, index: int, texts: list[str]) -> list[Encoded]:
-        return [Document(tokens, source=index) for tokens in tokenize_documents(self.tokenizer, texts)]
-
-    def _encode_chats(self, index: int, records: list[tuple[str, str]]) -> list[Encoded]:
-        """Conversations -> documents; a conversation longer than a row is dropped, cut or an error
-        (``data.overlong``), one without a trained token skipped."""
-        seq_len, overlong = self.config.seq_len, self.config.overlong
-        conversations = [parse_conversation(record, where) for record, where in records]
-        encoded: list[Encoded] = []
-        for conversation, document in zip(conversations, self._encoders[index].encode(conversations)):
-            if len(document) > seq_len:
-                if overlong == "error":
-                    raise ValueError(
-                        f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
-                        f"data.seq_len={seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-                    )
-                if overlong == "drop":
-                    if not self._reported_overlong:
-                        logger.info(
-                            "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
-                            "(data.overlong=drop; the count is logged at the end)",
-                            conversation.where,
-                            len(document),
-                            seq_len,
-                        )
-                        self._reported_overlong = True
-                    encoded.append("overlong")
-                    continue
-                document = replace(document, tokens=document.tokens[:seq_len], trained=document.trained[:seq_len])
-            encoded.append(document if document.trained.any() else "untrained")
-        return encoded
-
     def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor]]]:
         state = self._state
         streams = [
             SourceStream(
-                partial(self._items, index),
-                partial(self._encode_chats if source.format == "chat" else self._encode_texts, index),
+                source.items,
+                source.encode,
                 description=source.description,
                 dp_rank=self.dp_rank,
                 dp_size=self.dp_size,
@@ -294,7 +91,7 @@ class PackedLoader:
                 document=position["document"],
                 skipped={reason: position[reason] for reason in ("overlong", "untrained")},
             )
-            for index, (source, position) in enumerate(zip(self._sources, state["sources"]))
+            for source, position in zip(self._sources, state["sources"])
         ]
         weights = [source.weight for source in self._configs]
         documents = Mixture(streams, weights, seed=self.config.seed, dp_rank=self.dp_rank, draws=state["draws"])
@@ -339,8 +136,8 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts (after the last batch yielded); plain ints and lists, so json or torch.save
-        it. One source: ``epoch``, ``document``, ``offset`` and the skipped counts (the format from before
-        mixtures, plus the counts); several: ``draws``, ``offset`` and one such position per source."""
+        it. One source: ``epoch``, ``document``, ``offset`` and the skipped counts (flat); several: ``draws``,
+        ``offset`` and one such position per source."""
         state = self._state
         if len(self._sources) == 1:
             position = state["sources"][0]

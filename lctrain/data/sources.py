@@ -25,11 +25,11 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from lctrain.data.chat import is_chat_record
+from lctrain.data.config import DATA_FORMATS
 from lctrain.data.stdlib_chat import stdlib_conversations
 
 # File suffix -> the `datasets` builder that reads it. txt files are read whole (one document per file).
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-DATA_FORMATS = ("auto", "text", "chat")
 EMBEDDED_SPLITS = ("train", "validation")
 HELD_OUT_EVERY = 50  # the embedded corpora's validation split: files 49, 99, 149, ... of the sorted list
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}

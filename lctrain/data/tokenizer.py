@@ -2,8 +2,8 @@
 
 The default is a byte-level BPE (vocab 8192, special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>`` and ChatML's
 ``<|im_start|>`` ``<|im_end|>``) trained with the ``tokenizers`` library on every 4th file of the Python standard
-library (sorted; the first ~3 MB), which takes a few seconds, is deterministic and downloads nothing. It carries a
-ChatML chat template (``CHAT_TEMPLATE``: ``<|im_start|>role\n ... <|im_end|>\n`` per message after ``<|bos|>``, the
+library (sorted; the first ~3 MB), deterministically and without downloading anything. It carries a ChatML chat
+template (``CHAT_TEMPLATE``: ``<|im_start|>role\n ... <|im_end|>\n`` per message after ``<|bos|>``, the
 assistant's turns marked with ``{% generation %}``), so an export of a model trained with it holds its template. It
 is saved under ``<cache>/tokenizers/<name>``, where ``<cache>`` is the ``cache_dir`` argument, else
 ``$LCTRAIN_CACHE``, else ``~/.cache/lctrain``.
@@ -63,7 +63,7 @@ def _training_texts() -> Iterator[str]:
 
 
 def train_default_tokenizer() -> PreTrainedTokenizerFast:
-    """Train the default byte-level BPE (a few seconds); the same result on every call."""
+    """Train the default byte-level BPE; the same result on every call."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

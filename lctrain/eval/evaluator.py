@@ -38,32 +38,20 @@ from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.runtime import resolve_device
 from lctrain.train.validate import dp_turns, score_rows
 
 logger = logging.getLogger("lctrain")
 
-TASKS = ("passkey", "perplexity")
-
 
 def check_eval(cfg: JobConfig) -> None:
-    """One clear error for a bad ``eval.*`` setting: known tasks, lengths the mesh can shard whole, depths in
-    [0, 1], positive counts."""
-    ev, dims = cfg.eval, ParallelDims.from_config(cfg.parallel)
-    unknown = [task for task in ev.tasks if task not in TASKS]
-    if unknown or not ev.tasks:
-        raise ValueError(f"eval.tasks={ev.tasks} must be a non-empty list of {TASKS}")
-    for name, lengths in (("eval.lengths", ev.lengths), ("eval.perplexity_lengths", ev.perplexity_lengths)):
+    """The eval lengths against the mesh: each one cut whole over the context-parallel ranks (``EvalConfig``
+    checks its own settings)."""
+    dims = cfg.parallel.dims()
+    for name, lengths in (("eval.lengths", cfg.eval.lengths), ("eval.perplexity_lengths", cfg.eval.perplexity_lengths)):
         for length in lengths:
             dims.check_sequence_length(length, setting=name)
-    if "passkey" in ev.tasks and (not ev.lengths or not ev.depths):
-        raise ValueError(f"eval.lengths={ev.lengths} and eval.depths={ev.depths} must not be empty for passkey")
-    if any(not 0.0 <= depth <= 1.0 for depth in ev.depths):
-        raise ValueError(f"eval.depths={ev.depths} must be fractions in [0, 1] (0 = start of the haystack)")
-    for name in ("samples", "digits", "perplexity_rows"):
-        if getattr(ev, name) < 1:
-            raise ValueError(f"eval.{name}={getattr(ev, name)} must be >= 1")
 
 
 def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
@@ -107,7 +95,7 @@ class Evaluator:
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
 
         # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = cfg.parallel.dims()
         self.mesh = self.dims.build_mesh(self.device.type)
         self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()

@@ -1,28 +1,25 @@
 """Hugging Face Llama-style models: the ``model`` config section, build empty, load weights shard by shard, export; USP
-attention patching; LoRA adapters (``lctrain.models.lora``)."""
+attention patching; LoRA adapters (``lctrain.models.lora``).
 
-from lctrain.models.config import LoraConfig, ModelConfig, RopeScalingConfig
-from lctrain.models.hf import (
-    build_empty_model,
-    export_hf,
-    materialize,
-    model_config,
-    random_init_source,
-    safetensors_source,
-    set_rope,
+The names below are imported from their modules when first used (``lctrain.lazy``): ``lctrain.models.config``, the
+``model`` section of a job's config, imports without torch or transformers.
+"""
+
+from lctrain.lazy import lazy_exports
+
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "config": ("LoraConfig", "ModelConfig", "RopeScalingConfig"),
+        "hf": (
+            "build_empty_model",
+            "export_hf",
+            "materialize",
+            "model_config",
+            "random_init_source",
+            "safetensors_source",
+            "set_rope",
+        ),
+        "patch": ("patch_attention",),
+    },
 )
-from lctrain.models.patch import patch_attention
-
-__all__ = [
-    "LoraConfig",
-    "ModelConfig",
-    "RopeScalingConfig",
-    "build_empty_model",
-    "export_hf",
-    "materialize",
-    "model_config",
-    "patch_attention",
-    "random_init_source",
-    "safetensors_source",
-    "set_rope",
-]

@@ -1,10 +1,14 @@
 """What model a job trains: a local Hugging Face checkpoint, or a fresh one built from sizes, the RoPE scaling
 and sliding window written into its config (``lctrain.models.hf.model_config``), and the LoRA adapters trained on
-it (``lctrain.models.lora``). The ``model`` section of ``lctrain.config.JobConfig``."""
+it (``lctrain.models.lora``). The ``model`` section of ``lctrain.config.JobConfig``; each dataclass checks its own
+fields when it is made (what needs the model's config is ``lctrain.config.check_model_job``'s). Importing this
+module loads neither torch nor transformers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from lctrain.models.families import ROPE_SCALING_TYPES, check_family, model_source
 
 
 @dataclass
@@ -17,6 +21,22 @@ class RopeScalingConfig:
     original_max_position_embeddings: int | None = None  # yarn, llama3: the context the checkpoint was trained at
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.type is None:
+            return
+        if self.type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"model.rope_scaling.type={self.type!r} must be one of {ROPE_SCALING_TYPES} (or null)")
+        if self.factor < 1:
+            raise ValueError(
+                f"model.rope_scaling.factor={self.factor} must be >= 1: the new context over the one the "
+                f"checkpoint was trained at (e.g. 16 for 8K -> 128K)"
+            )
+        if self.type in ("yarn", "llama3") and self.original_max_position_embeddings is None:
+            raise ValueError(
+                f"model.rope_scaling.type={self.type} needs model.rope_scaling.original_max_position_embeddings: "
+                f"set it to the context the checkpoint was trained at (e.g. 8192)"
+            )
 
 
 @dataclass
@@ -31,6 +51,21 @@ class LoraConfig:
     # modules trained in full beside the adapters (peft's modules_to_save, matched by name suffix: norm = every
     # RMSNorm), e.g. [embed_tokens, norm] as LongLoRA trains for long context; [] = adapters only
     trainable: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(
+                f"model.lora.rank={self.rank} must be >= 1 (the adapters' rank), or 0 for full fine-tuning"
+            )
+        if self.rank == 0:
+            return
+        if not self.alpha > 0:
+            raise ValueError(
+                f"model.lora.alpha={self.alpha} must be > 0: the adapters' output is scaled by alpha / rank (e.g. "
+                f"alpha = 2 x rank = {2 * self.rank})"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
 
 
 @dataclass
@@ -57,3 +92,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # share the input embedding with the LM head (random init)
     init_std: float = 0.02  # random init: normal(0, init_std) for linear and embedding weights
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; rank 0 = full fine-tuning
+
+    def __post_init__(self) -> None:
+        if self.path is None:  # a checkpoint's own model type is checked when its config is read
+            check_family(self.family, model_source(None, self.family))

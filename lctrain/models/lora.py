@@ -114,18 +114,10 @@ def _module_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:
 def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source: str) -> None:
     """Refuse ``model.lora`` settings peft or lctrain cannot train exactly on this model (``config``, with the job's
     ``model.*`` settings) and ``parallel`` (the job's ``parallel`` section); ``source`` names the model. One
-    ``ValueError`` naming the setting and the fix, before any process group."""
-    if isinstance(lora.rank, bool) or lora.rank < 0:
-        raise ValueError(f"model.lora.rank={lora.rank} must be >= 1 (the adapters' rank), or 0 for full fine-tuning")
+    ``ValueError`` naming the setting and the fix, before any process group. ``LoraConfig`` checks its own
+    fields."""
     if lora.rank == 0:
         return
-    if not lora.alpha > 0:
-        raise ValueError(
-            f"model.lora.alpha={lora.alpha} must be > 0: the adapters' output is scaled by alpha / rank (e.g. "
-            f"alpha = 2 x rank = {2 * lora.rank})"
-        )
-    if not 0 <= lora.dropout < 1:
-        raise ValueError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     if lora.dropout and (parallel.activation_checkpointing != "none" or parallel.mlp_chunk_tokens):
         setting = (
             f"parallel.activation_checkpointing={parallel.activation_checkpointing}"

@@ -1,5 +1,5 @@
 """The parallel layout of a job, in one object: the degrees of the 4D mesh (pipeline × data × ring × Ulysses) and
-the sequence layout, made from ``parallel.*`` (``ParallelDims.from_config``) and checked when made.
+the sequence layout, made from ``parallel.*`` (``ParallelConfig.dims()``) and checked when made.
 
 Axes, outermost to innermost: ``pp``, ``dp``, ``ring``, ``ulysses``. Ulysses is innermost so a Ulysses group is
 made of adjacent ranks (one node, fast all-to-all); the ring spans nodes. Flattened sub-meshes:
@@ -23,7 +23,6 @@ from lctrain.rules import check_layout, check_sequence_length, check_ulysses_ins
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lctrain.config.schema import ParallelConfig
 
 AXES = ("pp", "dp", "ring", "ulysses")
 FLATTENED = {"cp": ("ring", "ulysses"), "dp_cp": ("dp", "ring", "ulysses")}
@@ -45,11 +44,6 @@ class ParallelDims:
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
         check_layout(self.layout, setting="parallel.layout")
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig) -> ParallelDims:
-        """The degrees and layout of ``parallel.*``."""
-        return cls(parallel.pp, parallel.dp, parallel.ring, parallel.ulysses, layout=parallel.layout)
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,7 @@ from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
@@ -41,19 +41,6 @@ from lctrain.train.stages import check_stages, pending_stages, stage_configs
 from lctrain.train.validate import Validator
 
 logger = logging.getLogger("lctrain")
-
-
-def check_validation(cfg: JobConfig) -> None:
-    """The validation settings: one ``ValueError`` naming the setting and the fix."""
-    if cfg.train.val_every < 0:
-        raise ValueError(f"train.val_every={cfg.train.val_every} must be >= 0 (0 = only at the end)")
-    if cfg.train.val_rows < 1:
-        raise ValueError(f"train.val_rows={cfg.train.val_rows} must be >= 1")
-    if cfg.data.val_sources and cfg.parallel.pp > 1:
-        raise ValueError(
-            f"data.val_sources with parallel.pp={cfg.parallel.pp}: validation runs without a pipeline; leave "
-            f"data.val_sources empty and score the export with `lctrain eval` (tasks=[perplexity])"
-        )
 
 
 class Trainer:
@@ -71,7 +58,7 @@ class Trainer:
 
         # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
         par = cfg.parallel
-        self.dims = ParallelDims.from_config(par)
+        self.dims = par.dims()
         self.mesh = self.dims.build_mesh(self.device.type)
         self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)  # this rank's (ring, ulysses) part
         self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
@@ -81,7 +68,6 @@ class Trainer:
         # 3. data: this rank's dp shard of the rows, cut to its place; the validation rows (every rank the same rows)
         data, dp_rank = dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)), self.mesh.get_local_rank("dp")
         self.loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
-        check_validation(cfg)
         self.validator = Validator(
             data,
             cfg.train,
@@ -407,7 +393,6 @@ def check(cfg: JobConfig, world_size: int) -> None:
     else:
         tokenizer = prepare_model(cfg, world_size).tokenizer
     for job in stage_configs(cfg):
-        check_validation(job)
         check_data(job.data, tokenizer)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,6 +196,23 @@ def test_bad_job_names_setting_and_fix(case: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "overrides,world_size,expected",
+    [
+        (["train.val_every=-1"], 1, "train.val_every=-1 must be >= 0 (0 = only at the end)"),
+        (["train.val_rows=0"], 1, "train.val_rows=0 must be >= 1"),
+        (
+            ["parallel.pp=2", "data.batch_size=2", "data.val_sources=[{name: v, split: validation}]"],
+            2,
+            "data.val_sources with parallel.pp=2: validation runs without a pipeline",
+        ),
+    ],
+)
+def test_bad_validation_settings_name_the_setting(overrides: list[str], world_size: int, expected: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check(overrides, world_size)
+
+
+@pytest.mark.parametrize(
     "overrides,world_size",
     [
         ([], 1),
@@ -288,6 +307,26 @@ def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
     (missing / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(FileNotFoundError, match=re.escape(f"model.path={str(missing)!r} has no *.safetensors")):
         safetensors_source(missing)
+
+
+_LOAD_AND_CHECK = """
+import sys
+from lctrain.config import check_job, load_config
+cfg = load_config(["recipe=tiny_cpu"])
+m = cfg.model
+check_job(cfg, 4, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers,
+          tied_embeddings=m.tie_word_embeddings, vocab_size=8192)
+print(sorted(name for name in ("torch", "transformers", "datasets", "peft") if name in sys.modules))
+"""
+
+
+def test_loading_and_checking_a_config_imports_no_torch() -> None:
+    """Each section checks its own fields without torch, transformers or datasets (``lctrain.data.config``,
+    ``lctrain.models.config``), so a bad setting is named before any of them loads."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_CHECK], capture_output=True, text=True, timeout=120, cwd=REPO, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_recipes_exist() -> None:

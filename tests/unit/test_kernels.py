@@ -479,17 +479,17 @@ def test_a_named_kernel_that_cannot_run_is_refused(platform, choice: str, messag
 
 
 def test_config_refuses_an_unknown_kernel_and_lists_the_choices() -> None:
+    from lctrain.attention.kernels import KERNELS
     from lctrain.config.checks import check_job
-    from lctrain.config.schema import JobConfig
+    from lctrain.config.schema import JobConfig, ParallelConfig
+    from lctrain.rules import KERNEL_CHOICES
 
-    cfg = JobConfig()
-    cfg.parallel.attention_kernel = "flash2"
-    sizes = dict(num_heads=8, num_kv_heads=4, num_layers=4, tied_embeddings=False, vocab_size=100)
+    assert KERNEL_CHOICES == ("auto", *KERNELS)  # the config's choices name every kernel, in the resolver's order
     with pytest.raises(ValueError) as error:
-        check_job(cfg, 1, **sizes)
+        ParallelConfig(attention_kernel="flash2")
     assert "parallel.attention_kernel='flash2' must be one of auto, cudnn, flash_attn3, flash_attn" in str(error.value)
-    cfg.parallel.attention_kernel = "cudnn"  # valid here; whether it can run is decided on the device
-    check_job(cfg, 1, **sizes)
+    cfg = JobConfig(parallel=ParallelConfig(attention_kernel="cudnn"))  # valid; whether it runs is the device's
+    check_job(cfg, 1, num_heads=8, num_kv_heads=4, num_layers=4, tied_embeddings=False, vocab_size=100)
 
 
 @pytest.mark.parametrize("attend", ["ring_attention", "ulysses_attention", "usp_attention"])

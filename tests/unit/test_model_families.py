@@ -228,8 +228,8 @@ REFUSED = {
 def test_what_lctrain_cannot_run_exactly_is_refused_with_the_reason(case: str, tmp_path: Path) -> None:
     fields, overrides, world_size, expected = REFUSED[case]
     model = ["model=hf", f"model.path={checkpoint(tmp_path, fields)}"] if fields is not None else []
-    cfg = job([*model, *overrides])
-    with pytest.raises(ValueError) as error:  # model_config refuses unknown types before reading any field
+    with pytest.raises(ValueError) as error:  # the config refuses a family, model_config a checkpoint's type
+        cfg = job([*model, *overrides])
         check_model_job(cfg, world_size, model_config(cfg.model, VOCAB), VOCAB)
     for text in expected:
         assert text in str(error.value), f"{text!r} not in {str(error.value)!r}"

@@ -1,5 +1,6 @@
-"""The patched attention on one process: its refusals, the sliding window reaching it from the layer, shared prefixes, the registered
-implementation it selects (the parity on several ranks: tests/distributed/test_model_parity.py)."""
+"""The patched attention on one process: its refusals, the sliding window reaching it from the layer, shared
+prefixes, the registered implementation it selects (the parity on several ranks:
+tests/distributed/test_model_parity.py)."""
 
 import copy
 

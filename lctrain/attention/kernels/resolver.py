@@ -18,9 +18,9 @@ from lctrain.attention.kernels.flash_attn3 import FLASH_ATTN3
 from lctrain.attention.kernels.reference import REFERENCE
 from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH
 from lctrain.attention.kernels.torch_cuda import TORCH_CUDA_FLASH, torch_flash_has_window
+from lctrain.rules import KERNEL_CHOICES, check_kernel_choice
 
 KERNELS = {k.name: k for k in (CUDNN, FLASH_ATTN3, FLASH_ATTN, TORCH_CUDA_FLASH, TORCH_CPU_FLASH, REFERENCE)}
-KERNEL_CHOICES = ("auto", *KERNELS)
 # auto's order per device type (others: the reference). On CUDA cuDNN first, the fastest measured; flash-attn 3
 # and 2 take what it cannot do (windows, document groups, head_dim > 128), then PyTorch's own flash kernels
 # (docs/parallelism.md, "Attention kernels", says why, with the measurements in docs/benchmarks.md).
@@ -28,15 +28,6 @@ ORDERS = {
     "cuda": ("cudnn", "flash_attn3", "flash_attn", "torch_cuda_flash", "reference"),
     "cpu": ("torch_cpu_flash", "reference"),
 }
-
-
-def check_kernel_choice(choice: str, *, setting: str = "kernel") -> None:
-    """``choice`` is ``auto`` or a kernel name; ``setting`` is how the caller's user spells it."""
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(
-            f"{setting}={choice!r} must be one of {', '.join(KERNEL_CHOICES)} (auto picks per device and case; a "
-            f"name is tried first: docs/parallelism.md, 'Attention kernels')"
-        )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -1,0 +1,134 @@
+"""One class per kind of source: what its items are (``items(epoch)``, read by a ``DocumentSource``) and how a batch
+of them becomes documents (``encode``), so that the loader mixes, packs and shards documents of any kind alike.
+
+- ``TextSource``: an item is a text, tokenized whole into one document ``[BOS, *tokens, EOS]``.
+- ``ChatSource``: an item is a chat record, rendered through the chat template with its trained-token mask
+  (``ChatEncoder``); a conversation longer than a row is dropped, cut or an error (``data.overlong``), and one
+  without a trained token gives no document.
+
+``encode`` gives one ``Encoded`` per item: a ``Document``, or the reason the item gives none
+(``lctrain.data.mixture.SKIP_REASONS``), which the stream counts in the data state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from lctrain.data.chat import ChatEncoder, parse_conversation
+from lctrain.data.config import DataConfig, SourceConfig
+from lctrain.data.mixture import Encoded
+from lctrain.data.packing import Document
+from lctrain.data.sources import DocumentSource
+from lctrain.data.tokenizer import tokenize_documents
+
+logger = logging.getLogger("lctrain")
+
+
+class TextSource:
+    """Text documents; each becomes one document of source ``index``."""
+
+    def __init__(self, documents: DocumentSource, tokenizer: PreTrainedTokenizerBase, index: int):
+        self.documents, self.tokenizer, self.index = documents, tokenizer, index
+        self.description = documents.description
+
+    def items(self, epoch: int) -> Iterator[str]:
+        return self.documents.texts(epoch)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        return [Document(tokens, source=self.index) for tokens in tokenize_documents(self.tokenizer, texts)]
+
+    def check(self) -> None:
+        """Nothing beyond opening: the source checked its text field when it was opened."""
+
+
+class ChatSource:
+    """Chat records; each conversation becomes one document (never split over rows) of ``seq_len`` tokens at most,
+    by ``overlong`` (``data.overlong``): ``drop`` (logged once, counted), ``truncate`` or ``error``."""
+
+    def __init__(self, documents: DocumentSource, encoder: ChatEncoder, *, seq_len: int, overlong: str):
+        self.documents, self.encoder = documents, encoder
+        self.seq_len, self.overlong = seq_len, overlong
+        self.description = documents.description
+        self._reported_overlong = False
+
+    def items(self, epoch: int) -> Iterator[tuple[str, str]]:
+        return self.documents.records(epoch)
+
+    def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
+        conversations = [parse_conversation(record, where) for record, where in records]
+        encoded: list[Encoded] = []
+        for conversation, document in zip(conversations, self.encoder.encode(conversations)):
+            if len(document) > self.seq_len:
+                if self.overlong == "error":
+                    raise ValueError(
+                        f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
+                        f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
+                    )
+                if self.overlong == "drop":
+                    if not self._reported_overlong:
+                        logger.info(
+                            "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
+                            "(data.overlong=drop; the count is logged at the end)",
+                            conversation.where,
+                            len(document),
+                            self.seq_len,
+                        )
+                        self._reported_overlong = True
+                    encoded.append("overlong")
+                    continue
+                document = replace(
+                    document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
+                )
+            encoded.append(document if document.trained.any() else "untrained")
+        return encoded
+
+    def check(self) -> None:
+        """The first record rendered with the template: a bad record or template fails before any process group."""
+        record, where = next(self.items(0))
+        self.encoder.encode([parse_conversation(record, where)])
+
+
+def read_chat_template(config: DataConfig) -> str | None:
+    """The text of ``data.chat_template``'s file; None = the tokenizer's own template."""
+    if config.chat_template is None:
+        return None
+    path = Path(config.chat_template)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.chat_template={config.chat_template!r}: no such file (a Jinja chat template)")
+    return path.read_text()
+
+
+def open_source(
+    source: SourceConfig,
+    config: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    index: int,
+    template: str | None,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> TextSource | ChatSource:
+    """``source`` (its format and text field filled: ``lctrain.data.config.filled_source``) opened for dp rank
+    ``dp_rank`` of ``dp_size`` as the class of its kind (``format=auto``: the kind of its first record); its
+    documents are of source ``index``, chat rendered with ``template`` (``read_chat_template``)."""
+    documents = DocumentSource(
+        paths=source.paths,
+        dataset=source.dataset,
+        dataset_config=source.dataset_config,
+        split=source.split,
+        text_field=source.text_field,
+        format=source.format,
+        shuffle_buffer=config.shuffle_buffer,
+        seed=config.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
+    if documents.format == "chat":
+        encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, source=index)
+        return ChatSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
+    return TextSource(documents, tokenizer, index)
