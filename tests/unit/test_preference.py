@@ -169,23 +169,11 @@ DPO_RECIPES = ["llama31_8b_instruct_dpo_lora_128k", "llama31_8b_instruct_dpo_128
 def test_dpo_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Each DPO recipe's header names the planner command behind its memory figure (with its reference model), the
     command gives that figure, and the recipe trains what it plans (LoRA rank, reference, mesh, length)."""
-    import json
-    import re
-    import shlex
+    from tests.helpers.recipes import planned_recipe
 
-    from lctrain.config import RECIPE_DIR
-    from lctrain.planner import main as plan
-
-    lines = (RECIPE_DIR / f"{recipe}.yaml").read_text().splitlines()
-    header = "".join(line[2:] + " " for line in lines if line[:2] == "# ")
-    predicted = float(re.search(r"Predicted \(not measured\) memory per GPU: ([\d.]+) GiB", header).group(1))
-    command = shlex.split(re.search(r"`python -m lctrain plan ([^`]+)`", header).group(1))
-    plan([*command, "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert round(report["recommended"]["memory_gib"]["total"], 1) == predicted
+    predicted, args, planned = planned_recipe(recipe, capsys)
+    assert planned == predicted
     cfg = load_config([f"recipe={recipe}"])
-    values = [None if later.startswith("--") else later for later in [*command[1:], "--"]]
-    args = {flag: value for flag, value in zip(command, values) if flag.startswith("--")}  # flags: None
     assert ("--offload" in args) == cfg.parallel.activation_offload
     assert cfg.objective.name == "dpo" and cfg.objective.reference == "initial"
     assert args["--reference"] == ("adapters" if cfg.model.lora.rank else "copy")
