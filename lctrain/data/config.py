@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 DATA_FORMATS = ("auto", "text", "chat")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 OVERLONG = ("drop", "truncate", "error")
+DIVERGENT_TURNS = ("expand", "last_turn", "error")
+UNREACHABLE_TURNS = ("error", "skip")
 
 
 @dataclass
@@ -47,6 +49,10 @@ class DataConfig:
     chat_template: str | None = None  # a Jinja chat template file; None = the tokenizer's own
     train_on: str = "assistant"  # chat tokens with loss: assistant (every assistant turn), last_assistant or all
     overlong: str = "drop"  # a conversation longer than seq_len: drop (counted in the log), truncate or error
+    # a conversation whose whole rendering is not what the model sees at inference for a trained turn: expand (one
+    # document per such turn, counted), last_turn (only the last trained turn) or error
+    divergent_turns: str = "expand"
+    unreachable_turns: str = "error"  # a turn no generation prompt leads to (reasoning templates): error or skip
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture, drawn by weight; [] = paths/dataset
     val_sources: list[SourceConfig] = field(default_factory=list)  # held-out data scored every train.val_every steps
 
@@ -55,6 +61,8 @@ class DataConfig:
             ("data.format", self.format, DATA_FORMATS),
             ("data.train_on", self.train_on, TRAIN_ON),
             ("data.overlong", self.overlong, OVERLONG),
+            ("data.divergent_turns", self.divergent_turns, DIVERGENT_TURNS),
+            ("data.unreachable_turns", self.unreachable_turns, UNREACHABLE_TURNS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
