@@ -2,7 +2,8 @@
 costs, on 4 CPU ranks (ring 2 x Ulysses 2): step time and per-rank peak memory growth of a DPO step.
 
     python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
-    python -m benchmarks.bench_preference --completion 64 --ratios 16 --longest 65536
+    python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
+    python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
 
 Every job is ``jobs.bench_job("cpu")`` (the tiny recipe's model and tokenizer, fp32) with ``objective.name=dpo``.
 One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
@@ -21,8 +22,9 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
   copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
   the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
   time and memory as above.
-- ``--longest N``: prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy reference), each in
-  a group of its own, until a step does not finish: the longest pair that trained, with its step time and growth.
+- ``--longest N`` (instead of the above): prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy
+  reference), each in a group of its own, until a step does not finish: the longest pair that trained, with its step
+  time and growth.
 """
 
 from __future__ import annotations
@@ -213,16 +215,17 @@ def main() -> None:
     parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt:completion ratios")
     parser.add_argument("--completion", type=int, default=32, help="tokens of each answer")
     parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
-    parser.add_argument("--longest", type=int, default=0, help="search the longest prompt up to this (0: skip)")
+    parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
     print(f"\n{RANKS} ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
-    sharing(args)
-    references(args)
     if args.longest:
         longest(args)
+        return
+    sharing(args)
+    references(args)
 
 
 if __name__ == "__main__":
