@@ -91,6 +91,17 @@ class Trainer:
             stage_loss=lambda hidden, weight, labels: self.objective.loss_sum(hidden, weight, labels),
         )
         self.model, num_params = built.model, built.num_params
+        self.hidden_states = None if built.stages else FinalHiddenStates(self.model)
+        self.objective = build_objective(
+            cfg,
+            self.loader.names,
+            prepared=prepared,
+            mesh=self.mesh,
+            device=self.device,
+            model=self.model,
+            hidden_states=self.hidden_states,
+            rows=lambda: self._run_rows(data, dp_rank),
+        )
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         if built.stages:
             self.schedule = build_schedule(
@@ -101,18 +112,6 @@ class Trainer:
                 device=self.device,
                 loss_fn=self.objective.share,
             )
-        else:
-            self.hidden_states = FinalHiddenStates(self.model)
-        self.objective = build_objective(
-            cfg,
-            self.loader.names,
-            prepared=prepared,
-            mesh=self.mesh,
-            device=self.device,
-            model=self.model,
-            hidden_states=None if built.stages else self.hidden_states,
-            rows=lambda: self._run_rows(data, dp_rank),
-        )
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
