@@ -22,6 +22,8 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
         experts = (
             f" ({_count(model.active_params)} active: {model.experts_per_token} of {model.experts} experts per token)"
         )
+    if work.reference != "none":
+        dtype += ", a reference model's forward" + (" and frozen copy" if work.reference == "copy" else "")
     return (
         f"{model.name}: {_count(model.num_params)} parameters{experts}, {model.layers} layers, {model.heads}/"
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "

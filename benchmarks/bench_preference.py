@@ -1,0 +1,232 @@
+"""Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
+costs, on 4 CPU ranks (ring 2 x Ulysses 2): step time and per-rank peak memory growth of a DPO step.
+
+    python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
+    python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
+    python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
+
+Every job is ``jobs.bench_job("cpu")`` (the tiny recipe's model and tokenizer, fp32) with ``objective.name=dpo``.
+One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
+packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
+shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
+
+- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA), so that
+  drift in the machine's load hits both alike; each step is ``Trainer.forward_backward`` (the reference pass, the
+  policy's forward and backward; the optimizer step is the same for both), timed on every rank after one warm-up
+  step, the median over ``--steps`` of the slowest rank. Memory, the largest over ranks, measured with glibc
+  returning freed buffers (``memory.malloc_env``): the activations (the resident set when the row's forward and
+  loss return, less the one before the step: what the forward keeps for the backward), and the step's peak growth
+  (``memory.StepPeak``: activations, the backward's working set and the gradients, the same gradients on both
+  sides).
+- Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
+  copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
+  the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
+  time and memory as above.
+- ``--longest N`` (instead of the above): prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy
+  reference), each in a group of its own, until a step does not finish: the longest pair that trained, with its step
+  time and growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import memory
+from benchmarks.jobs import bench_job
+from benchmarks.report import command, commit, machine_line, table
+
+MIB = 2**20
+RANKS = 4
+MESH = ("parallel.ring=2", "parallel.ulysses=2")
+
+
+def pair_length(prompt: int, completion: int, shared: bool) -> int:
+    """The row length of one pair, rounded up to 8 (2 x ring x Ulysses)."""
+    tokens = prompt + 2 * completion + 1 if shared else 2 * (prompt + completion)
+    return -(-tokens // 8) * 8
+
+
+def job(seq: int, *changes: str) -> list[str]:
+    return bench_job("cpu", *MESH, f"data.seq_len={seq}", "objective.name=dpo", *changes)
+
+
+def one_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(seed)
+    return tuple([rng.randrange(1, 250) for _ in range(n)] for n in (prompt, completion, completion))  # type: ignore[return-value]
+
+
+def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: str) -> dict[str, Any]:
+    """On each rank: every side's trainer (built in turn, the resident set it adds recorded), then their steps in
+    turn (ABBA), each timed and its peak growth measured."""
+    import torch.distributed as dist
+
+    from lctrain.config import load_config
+    from lctrain.train.reference import ReferenceCache
+    from lctrain.train.trainer import Trainer
+    from testbed.pairs import pack_pairs, shard_rows
+
+    names = list(specs)
+    order = [name for index in range(warmup + steps) for name in (names if index % 2 == 0 else names[::-1])]
+
+    def batch(name: str, seed: int) -> dict:
+        spec, trainer = specs[name], trainers[name]
+        pair = one_pair(spec["prompt"], spec["completion"], seed)
+        return shard_rows([pack_pairs([pair], trainer.cfg.data.seq_len, shared=spec["shared"])], trainer.place)
+
+    trainers = {}
+    for index, (name, spec) in enumerate(specs.items()):
+        trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
+        if spec.get("precompute"):  # the reference's log-probs of every step's pair, then the model dropped
+            cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
+            trainers[name].objective.precompute_reference([batch(name, s) for s in range(warmup + steps)], cache)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    growth: dict[str, list[int]] = {name: [] for name in names}
+    kept: dict[str, list[int]] = {name: [] for name in names}
+    for trainer in trainers.values():
+        trainer.forward_loss = _recording_rss(trainer.forward_loss)
+    for index, name in enumerate(order):
+        trainer, micro_batch = trainers[name], batch(name, index // len(names))
+        dist.barrier()
+        with memory.StepPeak(trainer.device) as peak:
+            started = time.perf_counter()
+            trainer.forward_backward([micro_batch])
+            elapsed = time.perf_counter() - started
+        trainer.optimizer.zero_grad(set_to_none=True)
+        if index >= warmup * len(names):
+            times[name].append(elapsed)
+            growth[name].append(peak.growth)
+            kept[name].append(trainer.forward_loss.rss - peak.before)
+    return {"times": times, "growth": growth, "kept": kept}
+
+
+def _recording_rss(forward_loss: Any) -> Any:
+    """``Trainer.forward_loss`` noting the resident set when it returns: what the forward keeps for the backward."""
+
+    def recorded(*args: Any) -> Any:
+        result = forward_loss(*args)
+        recorded.rss = memory.proc_bytes("VmRSS")
+        return result
+
+    return recorded
+
+
+def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    """Each side's median step time of the slowest rank, largest step growth and held memory over the ranks."""
+    import tempfile
+
+    from lctrain.testing import run_distributed
+
+    with tempfile.TemporaryDirectory(prefix="bench_preference_") as run_dir, memory.malloc_env(for_memory=True):
+        per_rank = run_distributed(measure, RANKS, specs, warmup, steps, run_dir)
+    result = {}
+    for name in specs:
+        slowest = [max(rank["times"][name][step] for rank in per_rank) for step in range(steps)]
+        result[name] = {
+            "time": statistics.median(slowest),
+            "growth": max(max(rank["growth"][name]) for rank in per_rank),
+            "kept": max(max(rank["kept"][name]) for rank in per_rank),
+        }
+    return result
+
+
+def sharing(args: argparse.Namespace) -> None:
+    rows = []
+    for ratio in args.ratios:
+        prompt = ratio * args.completion
+        specs = {
+            side: {
+                "job": job(pair_length(prompt, args.completion, side == "shared")),
+                "prompt": prompt,
+                "completion": args.completion,
+                "shared": side == "shared",
+            }
+            for side in ("shared", "unshared")
+        }
+        result = run(specs, args.warmup, args.steps)
+        shared, unshared = result["shared"], result["unshared"]
+        rows.append(
+            [
+                f"{ratio}:1",
+                f"{prompt:,} + 2 x {args.completion}",
+                f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
+                f"{shared['time'] / unshared['time']:.2f}",
+                f"{shared['kept'] / MIB:,.1f} / {unshared['kept'] / MIB:,.1f} MiB",
+                f"{shared['kept'] / unshared['kept']:.2f}",
+                f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
+                f"{shared['growth'] / unshared['growth']:.2f}",
+            ]
+        )
+        print(f"  {rows[-1]}", flush=True)
+    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "activations", "ratio"]
+    header += ["step peak growth", "ratio"]
+    print("\n" + table(header, rows))
+
+
+def references(args: argparse.Namespace) -> None:
+    prompt = args.reference_ratio * args.completion
+    seq = pair_length(prompt, args.completion, True)
+    base = {"prompt": prompt, "completion": args.completion, "shared": True}
+    lora = ("model.lora.rank=16", "model.lora.alpha=32")
+    specs = {
+        "full: none (simpo)": {**base, "job": job(seq, "objective.loss_type=[simpo]")},
+        "full: frozen copy": {**base, "job": job(seq)},
+        "full: precomputed": {**base, "job": job(seq), "precompute": True},
+        "LoRA: none (simpo)": {**base, "job": job(seq, *lora, "objective.loss_type=[simpo]")},
+        "LoRA: base, adapters off": {**base, "job": job(seq, *lora)},
+    }
+    result = run(specs, args.warmup, args.steps)
+    rows = [
+        [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
+        for name, r in result.items()
+    ]
+    print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared; sigmoid unless said)\n")
+    print(table(["reference", "step", "activations", "step peak growth"], rows))
+
+
+def longest(args: argparse.Namespace) -> None:
+    prompt, found = 4096, None
+    while prompt <= args.longest:
+        seq = pair_length(prompt, args.completion, True)
+        spec = {"job": job(seq), "prompt": prompt, "completion": args.completion, "shared": True}
+        try:
+            result = run({"shared": spec}, 0, 1)["shared"]
+        except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
+            print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
+            break
+        found = (prompt, result)
+        print(f"  prompt {prompt:,}: {result['time']:.1f} s, growth {result['growth'] / MIB:,.0f} MiB", flush=True)
+        prompt *= 2
+    if found:
+        prompt, result = found
+        print(
+            f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
+            f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
+            f"step growth {result['growth'] / MIB:,.0f} MiB per rank"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt:completion ratios")
+    parser.add_argument("--completion", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
+    parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
+    args = parser.parse_args()
+    print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
+    print(f"\n{RANKS} ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
+    if args.longest:
+        longest(args)
+        return
+    sharing(args)
+    references(args)
+
+
+if __name__ == "__main__":
+    main()
