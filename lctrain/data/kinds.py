@@ -5,8 +5,11 @@ of them becomes documents (``encode``), so that the loader mixes, packs and shar
 - ``ChatSource``: an item is a chat record, rendered through the chat template with its trained-token mask
   (``ChatEncoder``); a conversation longer than a row is dropped, cut or an error (``data.overlong``), and one
   without a trained token gives no document.
+- ``PairSource``: an item is a preference record (``lctrain.data.pairs``), encoded into one ``Pair``, a unit of
+  documents never split across rows; a pair longer than a row is dropped, has its prompt cut from its start, or is
+  an error (``data.overlong``).
 
-``encode`` gives one ``Encoded`` per item: a ``Document``, or the reason the item gives none
+``encode`` gives one ``Encoded`` per item: a ``Document`` (or ``Pair``), or the reason the item gives none
 (``lctrain.data.mixture.SKIP_REASONS``), which the stream counts in the data state.
 """
 
@@ -22,7 +25,8 @@ from transformers import PreTrainedTokenizerBase
 from lctrain.data.chat import ChatEncoder, parse_conversation
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
-from lctrain.data.packing import Document
+from lctrain.data.packing import Document, Pair
+from lctrain.data.pairs import PairEncoder, parse_pair
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import tokenize_documents
 
@@ -93,6 +97,56 @@ class ChatSource:
         self.encoder.encode([parse_conversation(record, where)])
 
 
+class PairSource:
+    """Preference records; each pair becomes one ``Pair`` (its documents never split over rows) of ``seq_len`` tokens
+    at most, by ``overlong`` (``data.overlong``): ``drop`` (logged once, counted), ``truncate`` (the prompt cut from
+    its start, keeping at least its last token; a pair whose answers alone do not fit is dropped) or ``error``."""
+
+    def __init__(self, documents: DocumentSource, encoder: PairEncoder, *, seq_len: int, overlong: str):
+        self.documents, self.encoder = documents, encoder
+        self.seq_len, self.overlong = seq_len, overlong
+        self.description = documents.description
+        self._reported_overlong = False
+
+    def items(self, epoch: int) -> Iterator[tuple[str, str]]:
+        return self.documents.records(epoch)
+
+    def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
+        parsed = [parse_pair(record, where) for record, where in records]
+        return [self._fitted(record.where, pair) for record, pair in zip(parsed, self.encoder.encode(parsed))]
+
+    def _fitted(self, where: str, pair: Pair) -> Encoded:
+        if len(pair) <= self.seq_len:
+            return pair
+        if self.overlong == "error":
+            raise ValueError(
+                f"{where}: a preference pair of {len(pair)} tokens (its layout: data.share_prompt) is longer than "
+                f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
+            )
+        if self.overlong == "truncate":
+            answers = len(pair.chosen) + len(pair.rejected)
+            # the prompt's length that fits: shared (P + 1 + C + R) or repeated (2P + C + R)
+            keep = self.seq_len - 1 - answers if pair.shared else (self.seq_len - answers) // 2
+            if keep >= 1:
+                return replace(pair, prompt=pair.prompt[len(pair.prompt) - keep :])
+        if not self._reported_overlong:
+            logger.info(
+                "%s: a preference pair of %d tokens is longer than data.seq_len=%d and is dropped "
+                "(data.overlong=%s; the count is logged at the end)",
+                where,
+                len(pair),
+                self.seq_len,
+                self.overlong,
+            )
+            self._reported_overlong = True
+        return "overlong"
+
+    def check(self) -> None:
+        """The first record encoded: a bad record or template fails before any process group."""
+        record, where = next(self.items(0))
+        self.encoder.encode([parse_pair(record, where)])
+
+
 def read_chat_template(config: DataConfig) -> str | None:
     """The text of ``data.chat_template``'s file; None = the tokenizer's own template."""
     if config.chat_template is None:
@@ -112,10 +166,11 @@ def open_source(
     template: str | None,
     dp_rank: int = 0,
     dp_size: int = 1,
-) -> TextSource | ChatSource:
+) -> TextSource | ChatSource | PairSource:
     """``source`` (its format and text field filled: ``lctrain.data.config.filled_source``) opened for dp rank
     ``dp_rank`` of ``dp_size`` as the class of its kind (``format=auto``: the kind of its first record); its
-    documents are of source ``index``, chat rendered with ``template`` (``read_chat_template``)."""
+    documents are of source ``index``, chat (and conversational pairs) rendered with ``template``
+    (``read_chat_template``)."""
     documents = DocumentSource(
         paths=source.paths,
         dataset=source.dataset,
@@ -131,4 +186,7 @@ def open_source(
     if documents.format == "chat":
         encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, source=index)
         return ChatSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
+    if documents.format == "preference":
+        encoder = PairEncoder(tokenizer, template=template, shared=config.share_prompt, source=index)
+        return PairSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
     return TextSource(documents, tokenizer, index)

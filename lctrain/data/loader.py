@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lctrain.attention import SequencePlace
 from lctrain.data.config import DataConfig, data_sources
-from lctrain.data.kinds import open_source, read_chat_template
+from lctrain.data.kinds import PairSource, open_source, read_chat_template
 from lctrain.data.mixture import Mixture, SourceStream
 from lctrain.data.packing import PackedRow, Packer
 from lctrain.data.tokenizer import load_tokenizer
@@ -38,6 +38,15 @@ class PackedLoader:
       each row (``place.shard`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
     - ``sources``: ``[B, S / (R·U)]`` int16, the source index of each token (``names`` names them), sharded alike.
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
+
+    When a source holds preference pairs (``lctrain.data.kinds.PairSource``), also:
+
+    - ``completions``: ``[B, S / (R·U)]`` int64, sharded alike: the completion of each trained token of a pair
+      (``2k`` pair k's chosen, ``2k + 1`` its rejected, numbered within the row), -1 elsewhere.
+    - ``doc_prefix``: a list of B int64 tensors ``[k_b]``, each document's shared prefix (a document index of the
+      global row, -1 for none).
+    - ``pair_counts``: a list of B ints, the whole pairs of each row; ``pair_ids``: a list of B int64 tensors
+      ``[pair_counts[b]]``, their identities (``lctrain.data.pairs.pair_id``).
 
     Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. ``place`` is
     the rank's part of each row (``SequencePlace``, which carries the layout; None = whole rows). Rank coordinates
@@ -70,6 +79,7 @@ class PackedLoader:
             )
             for index, source in enumerate(self._configs)
         ]
+        self.pairs = any(isinstance(source, PairSource) for source in self._sources)
         self._state: dict[str, Any] = {
             "dp_rank": dp_rank,
             "dp_size": dp_size,
@@ -78,7 +88,7 @@ class PackedLoader:
             "sources": [{"epoch": 0, "document": 0, "overlong": 0, "untrained": 0} for _ in self._sources],
         }
 
-    def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor]]]:
+    def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor] | list[int]]]:
         state = self._state
         streams = [
             SourceStream(
@@ -117,18 +127,22 @@ class PackedLoader:
             }
             yield batch
 
-    def _shard(self, rows: list[PackedRow]) -> dict[str, Tensor | list[Tensor]]:
-        batch: dict[str, Tensor | list[Tensor]] = {}
-        for key in ("input_ids", "labels", "position_ids", "sources"):
+    def _shard(self, rows: list[PackedRow]) -> dict[str, Tensor | list[Tensor] | list[int]]:
+        batch: dict[str, Tensor | list[Tensor] | list[int]] = {}
+        for key in ("input_ids", "labels", "position_ids", "sources", *(("completions",) if self.pairs else ())):
             full = torch.stack([getattr(row, key) for row in rows])  # [B, S]
             # [B, S] -> [B, S/(R·U)]
             batch[key] = self.place.shard(full, dim=1).contiguous()
         batch["cu_seqlens"] = [row.cu_seqlens for row in rows]
+        if self.pairs:
+            batch["doc_prefix"] = [row.doc_prefix for row in rows]
+            batch["pair_counts"] = [len(row.pair_ids) for row in rows]
+            batch["pair_ids"] = [row.pair_ids for row in rows]
         return batch
 
     def skipped(self) -> dict[str, dict[str, int]]:
-        """Per source name, the records skipped so far by this dp rank: ``overlong`` (dropped, longer than a row)
-        and ``untrained`` (no trained token)."""
+        """Per source name, the records skipped so far by this dp rank: ``overlong`` (dropped, longer than a row:
+        conversations and pairs) and ``untrained`` (no trained token)."""
         return {
             name: {reason: position[reason] for reason in ("overlong", "untrained")}
             for name, position in zip(self.names, self._state["sources"])

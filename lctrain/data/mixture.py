@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, islice
 from typing import Any
 
-from lctrain.data.packing import Document
+from lctrain.data.packing import Document, Pair
 
 # One encoder call takes up to this many items or characters (whichever comes first): enough for the tokenizer's
 # threads to share, few enough to bound the memory of the token lists (~40 bytes per token).
@@ -40,8 +40,8 @@ def uniform(seed: int, dp_rank: int, draw: int) -> float:
     return (_splitmix64(_splitmix64(_splitmix64(seed) ^ dp_rank) ^ draw) >> 11) / (1 << 53)
 
 
-Item = Any  # a text (str), or a chat record and where it is: (JSON text, "file:line")
-Encoded = Document | str  # a document, or the reason (SKIP_REASONS) the item gives none
+Item = Any  # a text (str), or a chat or preference record and where it is: (JSON text, "file:line")
+Encoded = Document | Pair | str  # a document (a pair: one unit of documents), or the reason (SKIP_REASONS) for none
 
 
 def _size(item: Item) -> int:
@@ -127,7 +127,7 @@ class SourceStream:
                 self.epoch, self.document, self._documents, self._batches = self.epoch + 1, 0, 0, None
             encoded = self._buffer.popleft()
             self.document += 1
-            if isinstance(encoded, Document):
+            if isinstance(encoded, (Document, Pair)):
                 self._documents += 1
                 return encoded
             self.skipped[encoded] += 1
