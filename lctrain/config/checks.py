@@ -61,6 +61,11 @@ def check_job(
             tied_embeddings=tied_embeddings,
         )
     check_rope(cfg, dims.cp, max_position_embeddings, rope_type)
+    if cfg.objective.name == "dpo" and par.pp > 1:
+        raise ValueError(
+            f"objective.name=dpo with parallel.pp={par.pp}: the preference loss runs without a pipeline; set "
+            f"parallel.pp=1 and spread the pairs' length over parallel.ring and parallel.ulysses"
+        )
     if par.cpu_offload and train.device == "cpu":
         logger.warning(
             "parallel.cpu_offload=true with train.device=cpu: the parameters and optimizer states are in host memory "

@@ -138,6 +138,73 @@ class EvalConfig:
                 raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
 
 
+OBJECTIVES = ("lm", "dpo")
+# TRL's names; the reference-free ones need no reference model
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo", "sft")
+REFERENCES = ("initial", "path", "none")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step minimizes: the language-modelling loss (``lm``) or a preference loss on packed pairs (``dpo``:
+    the ``loss_type`` terms, weighted, as TRL's ``DPOConfig``); docs/preference.md has the formulas."""
+
+    name: str = "lm"  # lm (token-mean cross-entropy of the trained tokens) or dpo (preference pairs)
+    # dpo: the loss terms, summed with loss_weights: sigmoid, ipo, hinge, robust, simpo, orpo, sft
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    loss_weights: list[float] = field(default_factory=list)  # one per loss_type; [] = 1.0 each
+    beta: float = 0.1  # dpo: the KL temperature (ipo: its tau; simpo and orpo: their beta, as TRL's)
+    label_smoothing: float = 0.0  # robust: the assumed rate of flipped labels, in [0, 0.5)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # the reference model of the losses that need one: initial (the initial policy: with LoRA the base with the
+    # adapters disabled, else a frozen copy sharded like the policy), path (a Hugging Face directory,
+    # reference_path) or none (only with reference-free losses: simpo, orpo, sft)
+    reference: str = "initial"
+    reference_path: str | None = None  # reference=path: the Hugging Face model directory
+    # compute the reference's log-probs of every pair the run trains and validates on in one pass before training,
+    # keep them with the run (<run_dir>/reference_logps/), and drop the reference model
+    precompute_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in OBJECTIVES:
+            raise ValueError(f"objective.name={self.name!r} must be one of {', '.join(OBJECTIVES)}")
+        if self.name == "lm":
+            return
+        unknown = [loss for loss in self.loss_type if loss not in PREFERENCE_LOSSES]
+        if unknown or not self.loss_type or len(set(self.loss_type)) < len(self.loss_type):
+            raise ValueError(
+                f"objective.loss_type={list(self.loss_type)}: give distinct terms among {', '.join(PREFERENCE_LOSSES)}"
+            )
+        if self.loss_weights and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                f"objective.loss_weights={list(self.loss_weights)}: give one weight per objective.loss_type "
+                f"({len(self.loss_type)}), or [] for 1.0 each"
+            )
+        if not self.beta > 0:
+            raise ValueError(f"objective.beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"objective.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"objective.reference={self.reference!r} must be one of {', '.join(REFERENCES)}")
+        if (self.reference == "path") != (self.reference_path is not None):
+            raise ValueError(
+                f"objective.reference={self.reference} with objective.reference_path={self.reference_path}: set "
+                f"both (reference=path and a Hugging Face directory) or neither"
+            )
+        if self.reference == "none" and self.needs_reference:
+            raise ValueError(
+                f"objective.loss_type={list(self.loss_type)} with objective.reference=none: "
+                f"{', '.join(loss for loss in self.loss_type if loss not in REFERENCE_FREE_LOSSES)} compare with a "
+                f"reference model; set objective.reference=initial or use only {', '.join(REFERENCE_FREE_LOSSES)}"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        """A term compares the policy with a reference model (the reference-free terms alone build none)."""
+        return self.name == "dpo" and any(loss not in REFERENCE_FREE_LOSSES for loss in self.loss_type)
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -148,3 +215,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)

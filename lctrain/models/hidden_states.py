@@ -26,14 +26,18 @@ class FinalHiddenStates:
     def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._hidden = output.last_hidden_state
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def __call__(
+        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, doc_prefix: Tensor | None = None
+    ) -> Tensor:
         """``input_ids``, ``position_ids`` ``[B, S_local]`` on the model's device: this rank's shard, with global
-        positions (RoPE is right on every shard); ``cu_seqlens`` the document bounds of the global row (the
-        attention plans its blocks from them on the host)."""
+        positions (RoPE is right on every shard); ``cu_seqlens`` the document bounds of the global row and
+        ``doc_prefix`` each document's shared prefix (-1: none; None: no document has one), on the host: the
+        attention plans its blocks from them."""
         self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             cu_seq_lens_q=cu_seqlens,
+            doc_prefix=doc_prefix,
             logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),  # no host-to-device copy
         )
         hidden, self._hidden = self._hidden, None

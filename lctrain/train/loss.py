@@ -152,3 +152,61 @@ def _chunked(
     labels = labels.reshape(-1)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, needs_grad, groups, num_groups)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int) -> Tensor:
+        """hidden ``[T, H]``, weight ``[V, H]``, labels ``[T]`` (all valid) -> fp32 ``[T]``: each label's log-prob."""
+        logprobs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        tensor_cores = _tensor_cores(hidden, weight)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk = hidden[rows]
+            logits = _mm_fp32(chunk, weight.t()) if tensor_cores else (chunk @ weight.t()).float()  # [chunk, V]
+            logprobs[rows] = logits.gather(1, labels[rows, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk_tokens = chunk_tokens
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor) -> tuple[Tensor | None, ...]:
+        """Each chunk's logits again (the gradient of a token's log-prob depends on its own weight, known only now):
+        d logp_t / d logits_t = one-hot - softmax, scaled by the token's incoming gradient."""
+        hidden, weight, labels = ctx.saved_tensors
+        tensor_cores = _tensor_cores(hidden, weight)
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            chunk, targets = hidden[rows], labels[rows, None]
+            logits = _mm_fp32(chunk, weight.t()) if tensor_cores else (chunk @ weight.t()).float()
+            grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_().neg_()  # -softmax
+            grad_logits.scatter_add_(1, targets, torch.ones_like(targets, dtype=grad_logits.dtype))
+            grad_logits.mul_(grad_logprobs[rows, None].float())
+            if tensor_cores:
+                grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
+            if grad_weight is not None and tensor_cores:
+                _addmm_fp32_(grad_weight, grad_logits.t(), chunk)
+            elif grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+
+
+def chunked_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int = 1024) -> Tensor:
+    """The log-prob of each label under ``logits = hidden @ weight.T``: hidden ``[T, H]``, weight ``[vocab, H]``,
+    labels ``[T]`` (every one a token id, none ``IGNORE_INDEX``) -> fp32 ``[T]``, differentiable in hidden and weight
+    with a gradient per token (the preference losses weight each completion's tokens differently).
+
+    ``chunk_tokens`` logits at a time, forward and backward (the backward computes each chunk's logits again: the
+    tokens' weights are only known then); the matmuls run as in ``chunked_cross_entropy``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [T, H] and labels {tuple(labels.shape)} [T]")
+    return _ChunkedTokenLogprobs.apply(hidden, weight, labels, chunk_tokens)

@@ -1,5 +1,6 @@
 """Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
-plot at the end (and, when the run validates, a validation plot: ``val_loss.png``). Also the peak FLOP/s and memory
+plot at the end (and, when the run validates, a validation plot: ``val_loss.png``; for preference pairs, the reward
+margin and accuracy: ``rewards.png``). Also the peak FLOP/s and memory
 the line reports (FLOPs per token: ``lctrain.flops``)."""
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ class MetricsLogger:
             self.wandb_run.finish()
         if self.cfg.plot:
             plot_loss(self.path, self.run_dir / "loss.png")
-            if any(record.get("val_loss") is not None for record in _read_jsonl(self.path)):
+            records = _read_jsonl(self.path)
+            if any(record.get("val_loss") is not None for record in records):
                 plot_validation(self.path, self.run_dir / "val_loss.png")
+            if any(record.get("rewards/margins") is not None for record in records):
+                plot_rewards(self.path, self.run_dir / "rewards.png")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -119,6 +123,29 @@ def plot_loss(metrics_path: Path, out: Path) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(metrics_path.parent.name)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_rewards(metrics_path: Path, out: Path) -> None:
+    """A preference run's ``rewards/margins`` and ``rewards/accuracies`` against step, from ``metrics.jsonl``, as a
+    PNG (two panels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in _read_jsonl(metrics_path) if r.get("rewards/margins") is not None]
+    steps = [r["step"] for r in records]
+    fig, panels = plt.subplots(1, 2, figsize=(11, 4))
+    for panel, name in zip(panels, ("rewards/margins", "rewards/accuracies")):
+        panel.plot(steps, [r[name] for r in records], label=name)
+        panel.set_xlabel("step")
+        panel.set_ylabel(name)
+        panel.grid(alpha=0.3)
+    panels[1].axhline(0.5, color="grey", linestyle="--", linewidth=1)  # chance
+    fig.suptitle(metrics_path.parent.name)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -5,11 +5,14 @@ The trainer calls an objective through one narrow interface, in this order every
 1. ``step_counts(micro_batches)``: counts taken on the host from this rank's micro-batches of the step, moved to the
    device and summed over the objective's group in one all-reduce. ``counts[0]`` is what the step's loss is a mean
    over; 0 means nothing to train (the trainer then skips the update).
+   An objective may also compute there, before any forward of the policy in the step, what its rows need (the
+   preference objective's reference log-probs).
 2. ``loss(hidden, weight, row, counts)`` for each row: ``hidden`` ``[1, S_local, H]`` (this rank's part of the row),
    ``weight`` the LM head ``[vocab, H]``, ``row`` the row's fields named in ``fields`` (``[1, S_local]``, on the
-   device). Returns this rank's differentiable share of the step's loss, which the trainer back-propagates, and
-   detached fp64 sums for the report. The shares add up over the rows and every rank to the step's loss (FSDP sums
-   the gradients over dp_cp); the trainer sums the report sums the same way.
+   device; a field the batch holds as a per-row host list, such as ``pair_counts``, as that row's item). Returns
+   this rank's differentiable share of the step's loss, which the trainer back-propagates, and detached fp64 sums
+   for the report. The shares add up over the rows and every rank to the step's loss (FSDP sums the gradients over
+   dp_cp); the trainer sums the report sums the same way.
 3. ``report(counts, sums)``: the step's counts and summed report sums, read back to the host, as metrics.
 
 Whatever an objective needs beyond the LM head's inputs stays inside it: its own fields of a row, its own reductions
@@ -23,8 +26,9 @@ each micro-batch's target being the step's token count; the last stage reports t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +36,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.data.packing import IGNORE_INDEX
+from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.parallel.dims import flat_mesh
 from lctrain.train.loss import chunked_cross_entropy, chunked_cross_entropy_by_group
+from lctrain.train.preference import PreferenceLoss
+from lctrain.train.reference import ReferenceCache, build_reference
 
 Batch = dict[str, Any]
 
@@ -107,3 +115,48 @@ class TokenMeanLoss:
             result[f"loss/{name}"] = sums[index] / count if count and sums else None
             result[f"tokens/{name}"] = int(count)
         return result
+
+
+def build_objective(
+    cfg: Any,
+    sources: Sequence[str],
+    *,
+    prepared: Any,
+    mesh: Any,
+    device: torch.device,
+    model: torch.nn.Module,
+    hidden_states: FinalHiddenStates | None,
+    rows: Callable[[], Iterable[Batch]] | None = None,
+) -> TokenMeanLoss | PreferenceLoss:
+    """The objective of ``cfg.objective.name`` (``cfg``: the ``JobConfig``): ``TokenMeanLoss``, or ``PreferenceLoss``
+    with its reference model (``preference.build_reference``: ``prepared``, the built policy ``model`` and its
+    ``hidden_states`` forward; None with a pipeline, which runs the LM objective only) on the job's ``mesh``, over
+    the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of ``rows()`` (every
+    micro-batch of this rank's run and the validation rows) from ``<run_dir>/reference_logps/dp<rank>.pt``, computed
+    and saved there first when it is not there yet."""
+    dp_cp = flat_mesh(mesh, "dp_cp").get_group()
+    chunk_tokens = cfg.train.loss_chunk_tokens
+    if cfg.objective.name == "lm":
+        return TokenMeanLoss(sources, group=dp_cp, device=device, chunk_tokens=chunk_tokens)
+    assert hidden_states is not None, "the preference objective runs without a pipeline (check_job)"
+    cp = cfg.parallel.ring * cfg.parallel.ulysses
+    objective = PreferenceLoss(
+        cfg.objective,
+        sources,
+        group=dp_cp,
+        cp_group=flat_mesh(mesh, "cp").get_group() if cp > 1 else None,
+        device=device,
+        chunk_tokens=chunk_tokens,
+        reference=build_reference(cfg, prepared, mesh, device, model, hidden_states),
+    )
+    if cfg.objective.precompute_reference and objective.reference is not None:
+        assert rows is not None, "precomputing the reference needs the run's rows"
+        path = Path(cfg.train.run_dir) / "reference_logps" / f"dp{mesh.get_local_rank('dp')}.pt"
+        source = cfg.objective.reference_path or cfg.model.path or f"the random init of seed {cfg.train.seed}"
+        identity = f"objective.reference={cfg.objective.reference} ({source})"
+        cache = ReferenceCache.load(path, identity)
+        if cache is None:
+            objective.precompute_reference(rows(), ReferenceCache(path, identity))
+        else:
+            objective.use_cache(cache)
+    return objective

@@ -7,6 +7,8 @@ Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``rec
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 import time
@@ -23,7 +25,7 @@ from lctrain.attention import SequencePlace
 from lctrain.build import build_model, prepare_model, tokenizer_path
 from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
-from lctrain.data import PackedLoader, check_data, load_tokenizer
+from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.families import layer_windows
@@ -33,7 +35,7 @@ from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
-from lctrain.train.objective import Batch, StepTotals, TokenMeanLoss
+from lctrain.train.objective import Batch, StepTotals, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from lctrain.train.stages import check_stages, pending_stages, stage_configs
 from lctrain.train.validate import Validator
@@ -76,11 +78,9 @@ class Trainer:
             device=self.device,
         )
 
-        # 4. the objective, then the model (lctrain.build). With pp > 1 the schedule runs this rank's stage modules,
-        # and self.model is their parts under Hugging Face names, for the optimizer, clipping, checkpoints and export.
-        self.objective = TokenMeanLoss(
-            self.loader.names, group=self.dp_cp_group, device=self.device, chunk_tokens=cfg.train.loss_chunk_tokens
-        )
+        # 4. the model (lctrain.build), then the objective (with its reference model, if it needs one). With pp > 1
+        # the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face names, for the
+        # optimizer, clipping, checkpoints and export.
         built = build_model(
             prepared,
             self.mesh,
@@ -88,7 +88,7 @@ class Trainer:
             parallel=par,
             lora=cfg.model.lora,
             training=True,
-            stage_loss=self.objective.loss_sum,
+            stage_loss=lambda hidden, weight, labels: self.objective.loss_sum(hidden, weight, labels),
         )
         self.model, num_params = built.model, built.num_params
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
@@ -103,6 +103,16 @@ class Trainer:
             )
         else:
             self.hidden_states = FinalHiddenStates(self.model)
+        self.objective = build_objective(
+            cfg,
+            self.loader.names,
+            prepared=prepared,
+            mesh=self.mesh,
+            device=self.device,
+            model=self.model,
+            hidden_states=None if built.stages else self.hidden_states,
+            rows=lambda: self._run_rows(data, dp_rank),
+        )
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -129,6 +139,13 @@ class Trainer:
             cfg.data.seq_len,
             self.device,
         )
+
+    def _run_rows(self, data: DataConfig, dp_rank: int) -> Iterator[Batch]:
+        """Every micro-batch this rank's run trains on, from the start (a loader of its own), then the validation
+        rows: what a precomputed reference covers."""
+        micro_batches = self.cfg.train.steps * self.cfg.train.grad_accum
+        loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
+        return itertools.chain(itertools.islice(iter(loader), micro_batches), self.validator.rows)
 
     def _resume(self) -> None:
         """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another
@@ -185,8 +202,13 @@ class Trainer:
             self._to_device(batch["input_ids"][rows]),
             self._to_device(batch["position_ids"][rows]),
             batch["cu_seqlens"][row],  # on the host: the attention plans its blocks from it
+            batch["doc_prefix"][row] if "doc_prefix" in batch else None,  # shared prefixes (preference pairs)
         )
-        fields = {key: self._to_device(batch[key][rows]) for key in self.objective.fields}
+        # per-token fields [1, S_local] on the device; per-row host lists (a row's pair count) as they are
+        fields = {
+            key: batch[key][row] if isinstance(batch[key], list) else self._to_device(batch[key][rows])
+            for key in self.objective.fields
+        }
         # the LM head was all-gathered by the root's forward and is kept for its backward
         return self.objective.loss(hidden, self.model.lm_head.weight, fields, counts)
 
@@ -214,12 +236,16 @@ class Trainer:
         each row's share (0 off the last stage) and no report sums."""
         rows = {key: torch.cat([b[key] for b in micro_batches]) for key in ("input_ids", "position_ids", "labels")}
         bounds = [row_bounds for batch in micro_batches for row_bounds in batch["cu_seqlens"]]
+        pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True, padding_value=-1)
+        # shared prefixes (rows of preference pairs), cut to each row's documents by the stage
+        prefixes = [prefix for batch in micro_batches for prefix in batch.get("doc_prefix", [])]
         losses: list[Tensor] = []
         self.schedule.step(
             self._to_device(rows["input_ids"]),
             position_ids=self._to_device(rows["position_ids"]),
-            cu_seqlens=torch.nn.utils.rnn.pad_sequence(bounds, batch_first=True, padding_value=-1),
+            cu_seqlens=pad(bounds),
             labels=self._to_device(rows["labels"]),
+            **({"doc_prefix": pad(prefixes)} if prefixes else {}),
             target=counts[:1].expand(len(bounds)),  # each row's loss_fn: its token sum / the step's trained tokens
             losses=losses,
             return_outputs=False,
@@ -302,7 +328,7 @@ class Trainer:
                     "mfu": mfu,
                     "peak_mem_gib": peak_memory_gib(self.device),
                     "step_time_s": elapsed,
-                    **(self.validator.validate(self.hidden_states) if validation else {}),
+                    **(self.validator.validate(self.hidden_states, self.objective) if validation else {}),
                 },
             )
             if line is not None:

@@ -127,11 +127,14 @@ class Validator:
         """After optimizer step ``step``: every ``train.val_every`` steps (0: never) and at the last step."""
         return bool(self.rows) and (step == self.steps or (self.every > 0 and step % self.every == 0))
 
-    def validate(self, hidden_states: FinalHiddenStates) -> dict[str, Any]:
+    def validate(self, hidden_states: FinalHiddenStates, objective: Any) -> dict[str, Any]:
         """The rows scored through ``hidden_states`` (the training model's forward) without gradients: ``val_loss``
         (the token mean), ``val_tokens``, ``val_loss_by_position`` (``"a-b"``: the mean loss of the tokens predicted
         at document positions [a, b); None where there is none) and, with several validation sources,
-        ``val_loss/<name>``. Reads the sums back to the host."""
+        ``val_loss/<name>``. Rows of preference pairs are scored by the job's ``objective`` instead
+        (``PreferenceLoss.validate``: the pair metrics). Reads the sums back to the host."""
+        if "pair_counts" in self.rows[0]:
+            return objective.validate(self.rows, hidden_states, dp_rank=self.dp_rank, dp=self.dp)
         buckets = len(self.edges) - 1
         totals = score_rows(
             hidden_states,

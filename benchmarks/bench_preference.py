@@ -1,0 +1,199 @@
+"""Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
+costs, on 4 CPU ranks (ring 2 x Ulysses 2): step time and per-rank peak memory growth of a DPO step.
+
+    python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
+    python -m benchmarks.bench_preference --completion 64 --ratios 16 --longest 65536
+
+Every job is ``jobs.bench_job("cpu")`` (the tiny recipe's model and tokenizer, fp32) with ``objective.name=dpo``.
+One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
+packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
+shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
+
+- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA), so that
+  drift in the machine's load hits both alike; each step is ``Trainer.forward_backward`` (the reference pass, the
+  policy's forward and backward; the optimizer step is the same for both), timed on every rank after one warm-up
+  step, the median over ``--steps`` of the slowest rank. Memory: each rank's resident-set growth during the step
+  (``memory.StepPeak``: activations, the chunked loss and the gradients, the same gradients on both sides), the
+  largest over ranks, measured with glibc returning freed buffers (``memory.malloc_env``).
+- Reference options at ``--reference-ratio`` (shared): reference-free (``simpo``), LoRA's base with its adapters
+  disabled (``model.lora.rank=16``), and full fine-tuning's frozen copy of the initial weights: step time, step
+  growth, and what the built trainer holds (the resident set after building less before).
+- ``--longest N``: prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy reference), each in
+  a group of its own, until a step does not finish: the longest pair that trained, with its step time and growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from benchmarks import memory
+from benchmarks.jobs import bench_job
+from benchmarks.report import command, commit, machine_line, table
+
+MIB = 2**20
+RANKS = 4
+MESH = ("parallel.ring=2", "parallel.ulysses=2")
+
+
+def pair_length(prompt: int, completion: int, shared: bool) -> int:
+    """The row length of one pair, rounded up to 8 (2 x ring x Ulysses)."""
+    tokens = prompt + 2 * completion + 1 if shared else 2 * (prompt + completion)
+    return -(-tokens // 8) * 8
+
+
+def job(seq: int, *changes: str) -> list[str]:
+    return bench_job("cpu", *MESH, f"data.seq_len={seq}", "objective.name=dpo", *changes)
+
+
+def one_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(seed)
+    return tuple([rng.randrange(1, 250) for _ in range(n)] for n in (prompt, completion, completion))  # type: ignore[return-value]
+
+
+def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: str) -> dict[str, Any]:
+    """On each rank: every side's trainer (built in turn, the resident set it adds recorded), then their steps in
+    turn (ABBA), each timed and its peak growth measured."""
+    import torch.distributed as dist
+
+    from lctrain.config import load_config
+    from lctrain.train.trainer import Trainer
+    from testbed.pairs import pack_pairs, shard_rows
+
+    trainers, held = {}, {}
+    for index, (name, spec) in enumerate(specs.items()):
+        before = memory.reset_peak()
+        trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
+        held[name] = memory.reset_peak() - before
+    names = list(specs)
+    order = [name for index in range(warmup + steps) for name in (names if index % 2 == 0 else names[::-1])]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    growth: dict[str, list[int]] = {name: [] for name in names}
+    for index, name in enumerate(order):
+        spec, trainer = specs[name], trainers[name]
+        pair = one_pair(spec["prompt"], spec["completion"], index // len(names))
+        row = pack_pairs([pair], trainer.cfg.data.seq_len, shared=spec["shared"])
+        batch = shard_rows([row], trainer.place)
+        dist.barrier()
+        with memory.StepPeak(trainer.device) as peak:
+            started = time.perf_counter()
+            trainer.forward_backward([batch])
+            elapsed = time.perf_counter() - started
+        trainer.optimizer.zero_grad(set_to_none=True)
+        if index >= warmup * len(names):
+            times[name].append(elapsed)
+            growth[name].append(peak.growth)
+    return {"times": times, "growth": growth, "held": held}
+
+
+def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    """Each side's median step time of the slowest rank, largest step growth and held memory over the ranks."""
+    import tempfile
+
+    from lctrain.testing import run_distributed
+
+    with tempfile.TemporaryDirectory(prefix="bench_preference_") as run_dir, memory.malloc_env(for_memory=True):
+        per_rank = run_distributed(measure, RANKS, specs, warmup, steps, run_dir)
+    result = {}
+    for name in specs:
+        slowest = [max(rank["times"][name][step] for rank in per_rank) for step in range(steps)]
+        result[name] = {
+            "time": statistics.median(slowest),
+            "growth": max(max(rank["growth"][name]) for rank in per_rank),
+            "held": max(rank["held"][name] for rank in per_rank),
+        }
+    return result
+
+
+def sharing(args: argparse.Namespace) -> None:
+    rows = []
+    for ratio in args.ratios:
+        prompt = ratio * args.completion
+        specs = {
+            side: {
+                "job": job(pair_length(prompt, args.completion, side == "shared")),
+                "prompt": prompt,
+                "completion": args.completion,
+                "shared": side == "shared",
+            }
+            for side in ("shared", "unshared")
+        }
+        result = run(specs, args.warmup, args.steps)
+        shared, unshared = result["shared"], result["unshared"]
+        rows.append(
+            [
+                f"{ratio}:1",
+                f"{prompt:,} + 2 x {args.completion}",
+                f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
+                f"{shared['time'] / unshared['time']:.2f}",
+                f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
+                f"{shared['growth'] / unshared['growth']:.2f}",
+            ]
+        )
+        print(f"  {rows[-1]}", flush=True)
+    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step growth", "ratio"]
+    print("\n" + table(header, rows))
+
+
+def references(args: argparse.Namespace) -> None:
+    prompt = args.reference_ratio * args.completion
+    seq = pair_length(prompt, args.completion, True)
+    base = {"prompt": prompt, "completion": args.completion, "shared": True}
+    specs = {
+        "none (simpo)": {**base, "job": job(seq, "objective.loss_type=[simpo]")},
+        "LoRA base, adapters off": {**base, "job": job(seq, "model.lora.rank=16", "model.lora.alpha=32")},
+        "frozen copy (full)": {**base, "job": job(seq)},
+    }
+    result = run(specs, args.warmup, args.steps)
+    rows = [
+        [name, f"{r['time']:.3f} s", f"{r['growth'] / MIB:,.0f} MiB", f"{r['held'] / MIB:,.0f} MiB"]
+        for name, r in result.items()
+    ]
+    print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared)\n")
+    print(table(["reference", "step", "step growth", "trainer holds"], rows))
+
+
+def longest(args: argparse.Namespace) -> None:
+    prompt, found = 4096, None
+    while prompt <= args.longest:
+        seq = pair_length(prompt, args.completion, True)
+        spec = {"job": job(seq), "prompt": prompt, "completion": args.completion, "shared": True}
+        try:
+            result = run({"shared": spec}, 0, 1)["shared"]
+        except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
+            print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
+            break
+        found = (prompt, result)
+        print(f"  prompt {prompt:,}: {result['time']:.1f} s, growth {result['growth'] / MIB:,.0f} MiB", flush=True)
+        prompt *= 2
+    if found:
+        prompt, result = found
+        print(
+            f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
+            f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
+            f"step growth {result['growth'] / MIB:,.0f} MiB per rank"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt:completion ratios")
+    parser.add_argument("--completion", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
+    parser.add_argument("--longest", type=int, default=0, help="search the longest prompt up to this (0: skip)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
+    args = parser.parse_args()
+    print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
+    print(f"\n{RANKS} ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
+    sharing(args)
+    references(args)
+    if args.longest:
+        longest(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The reference model of the preference losses (``objective.reference``) and its precomputed log-probs
+(``objective.precompute_reference``).
+
+- ``initial`` with LoRA: the policy itself with its adapters disabled for the reference pass (no second copy);
+- ``initial`` without LoRA: a frozen copy of the initial weights, built like the policy (``lctrain.build``: the same
+  patched attention, mesh, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without gradients or optimizer
+  state;
+- ``path``: the weights of a Hugging Face directory, built the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lctrain.models.hidden_states import FinalHiddenStates
+
+
+class Reference:
+    """The reference model's forward: ``hidden_states`` through the reference weights while ``active()`` holds (the
+    policy's own forward with its adapters disabled, or a frozen model of its own)."""
+
+    def __init__(
+        self, hidden_states: FinalHiddenStates, active: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    ):
+        self.hidden_states, self.active = hidden_states, active
+
+    @property
+    def weight(self) -> Tensor:
+        return self.hidden_states.model.lm_head.weight
+
+
+class ReferenceCache:
+    """The reference's log-probs of the pairs a run trains and validates on (``objective.precompute_reference``), by
+    pair id (the rows' ``pair_ids``): computed in one pass before training, saved with the run (one file per dp rank:
+    the pairs of its rows), looked up at each step. ``identity`` names the reference they come from; a file of another
+    reference, or a pair not in the file, is refused."""
+
+    def __init__(self, path: Path, identity: str, logps: dict[int, tuple[float, float]] | None = None):
+        self.path, self.identity = path, identity
+        self.logps: dict[int, tuple[float, float]] = logps or {}
+
+    @classmethod
+    def load(cls, path: Path, identity: str) -> ReferenceCache | None:
+        """The cache saved at ``path``, or None when there is none."""
+        if not path.is_file():
+            return None
+        saved = torch.load(path, weights_only=True)
+        if saved["identity"] != identity:
+            raise ValueError(
+                f"{path} holds the reference log-probs of {saved['identity']}, not of this job's reference "
+                f"({identity}): delete it to compute them again (objective.precompute_reference=true)"
+            )
+        return cls(path, identity, saved["logps"])
+
+    def add(self, pair_ids: Tensor, logps: Tensor) -> None:
+        """A row's pairs ``[K]`` and their reference log-probs ``[2K]`` (chosen, rejected, chosen, ...)."""
+        for pair, chosen, rejected in zip(pair_ids.tolist(), logps[0::2].tolist(), logps[1::2].tolist()):
+            self.logps[pair] = (chosen, rejected)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".partial")
+        torch.save({"identity": self.identity, "logps": self.logps}, partial)
+        partial.replace(self.path)  # never a half-written cache
+
+    def lookup(self, pair_ids: Tensor, device: torch.device) -> Tensor:
+        """The reference log-probs ``[2K]`` (chosen, rejected, chosen, ...) of a row's ``pair_ids`` ``[K]``."""
+        missing = [pair for pair in pair_ids.tolist() if pair not in self.logps]
+        if missing:
+            raise ValueError(
+                f"pair {missing[0]} has no reference log-probs in {self.path}, which was computed for other data: "
+                f"delete it to compute them again (objective.precompute_reference=true)"
+            )
+        logps = torch.tensor([self.logps[pair] for pair in pair_ids.tolist()], dtype=torch.float64)
+        return logps.reshape(-1).to(device)
+
+
+def adapters_disabled(model: torch.nn.Module) -> Callable[[], AbstractContextManager]:
+    """A context factory: inside, every peft adapter of ``model`` (LoRA layers and trained copies) is off, so the
+    model computes its frozen base (the reference of a LoRA job, without a second copy of the weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+
+    # the flag the layers' forward reads: peft's enable_adapters(False) would also clear the adapters' requires_grad,
+    # which FSDP2 reads once, at the first forward (when that is the reference's, the adapters would never train)
+    @contextlib.contextmanager
+    def disabled() -> Iterator[None]:
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
+
+    return disabled
+
+
+def build_reference(
+    cfg: Any, prepared: Any, mesh: Any, device: torch.device, policy: torch.nn.Module, hidden: FinalHiddenStates
+) -> Reference | None:
+    """The reference model of the job (``cfg``: its ``JobConfig``; ``prepared``: its ``lctrain.build.PreparedModel``;
+    ``policy`` and ``hidden``: the trained model and its forward), or None when no loss needs one.
+
+    ``objective.reference``: ``initial`` with LoRA is the policy itself with its adapters disabled; ``initial``
+    without LoRA a frozen copy of the initial weights, and ``path`` a Hugging Face directory's weights, built like
+    the policy (the same attention, mesh, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without
+    gradients or optimizer state."""
+    from lctrain.build import build_model  # the build imports the trainer's modules
+    from lctrain.models import LoraConfig, safetensors_source
+
+    objective = cfg.objective
+    if not objective.needs_reference:
+        return None
+    if objective.reference == "initial" and cfg.model.lora.rank:
+        return Reference(hidden, adapters_disabled(policy))
+    if objective.reference == "path":
+        prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path))
+    model = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False).model
+    model.requires_grad_(False)
+    return Reference(FinalHiddenStates(model))
