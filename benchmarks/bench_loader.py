@@ -2,7 +2,7 @@
 text and for conversations.
 
     python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
-        [--chat-rows 300] [--long-conversations 4] [--default-job-steps 12]
+        [--chat-rows 300] [--long-conversations 4] [--expanded-conversations 1] [--default-job-steps 12]
 
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
@@ -16,7 +16,10 @@ short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_
 made from the library's files as they are read), and long ones, 200-turn conversations of ~126K tokens in a jsonl
 file at 131,072-token rows, each through the embedded tokenizer's template with ``{% generation %}`` marks
 (``return_assistant_tokens_mask``) and through the same template without them (prefixes and offsets, the path of
-Llama, Qwen and Mistral templates). Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
+Llama, Qwen and Mistral templates); and the same long conversations through that template with an EOS after the last
+message (as Phi-3.5's writes it), so each is rendered once per assistant turn (``data.divergent_turns=expand``: 100
+documents of up to ~126K tokens): rendered, tokenized and packed (``ChatEncoder`` and ``Packer``, one process), every
+conversation of the file through. Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
 ulysses 2, 1024-token rows) consumes, measured here as the median step of ``--default-job-steps`` training steps of
 it on a spawned gloo group.
 """
@@ -41,8 +44,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.report import command, machine_line
 from lctrain.attention import SequencePlace
-from lctrain.data import DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir
-from lctrain.data.packing import IGNORE_INDEX
+from lctrain.data import ChatEncoder, DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir, load_tokenizer
+from lctrain.data.chat import parse_conversation
+from lctrain.data.packing import IGNORE_INDEX, Document, Packer
 from lctrain.data.tokenizer import CHAT_TEMPLATE
 from lctrain.testing import run_distributed
 from testbed.jobs import tiny_job
@@ -108,6 +112,21 @@ def loader_rates(config: DataConfig, place: SequencePlace, rows: int) -> tuple[f
     return rows / seconds, rows * config.seq_len / seconds
 
 
+def expanded_rates(path: Path, template: str, tokenizer_dir: Path) -> tuple[float, float, int]:
+    """Global rows/s and tokens/s of rendering (once per turn), tokenizing and packing every conversation of ``path``
+    into ``LONG_SEQ_LEN`` rows, and the number of documents they became."""
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    start = time.perf_counter()
+    lines = path.read_text().splitlines()
+    encoded = ChatEncoder(tokenizer, template=template).encode(
+        [parse_conversation(line, f"{path}:{number}") for number, line in enumerate(lines, start=1)]
+    )
+    documents = [part for item in encoded for part in item if isinstance(part, Document)]
+    rows = sum(1 for _ in Packer(iter(documents), LONG_SEQ_LEN, pad_id=tokenizer.pad_token_id)) + 1  # + the last
+    seconds = time.perf_counter() - start
+    return rows / seconds, rows * LONG_SEQ_LEN / seconds, len(documents)
+
+
 def default_job_steps(steps: int) -> list[float] | None:
     """The seconds of each training step of the default job (``recipe=tiny_cpu``, no validation) on this rank; rank
     0 returns them."""
@@ -157,6 +176,14 @@ def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: 
         for name, config, rows in cases:
             rows_per_s, tokens_per_s = loader_rates(config, place, rows)
             lines.append(f"{name:58} {rows_per_s:9.2f} {tokens_per_s:11,.0f} {tokens_per_s / job_tokens:9.1f}x")
+        expanded_file = Path(scratch) / "expanded.jsonl"
+        write_long_conversations(expanded_file, args.expanded_conversations, seed=1)
+        prompt = "{{- '<|im_start|>assistant\\n' -}}"
+        eos_after_last = plain.read_text().replace(prompt, prompt + "{%- else -%}{{- eos_token -}}")
+        assert eos_after_last.count("eos_token") == 1
+        rows_per_s, tokens_per_s, documents = expanded_rates(expanded_file, eos_after_last, tokenizer_dir)
+        name = f"{long_name}, expanded ({documents} documents)"
+        lines.append(f"{name:58} {rows_per_s:9.2f} {tokens_per_s:11,.0f} {tokens_per_s / job_tokens:9.1f}x")
     return lines
 
 
@@ -172,6 +199,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the training step runs (the loader runs on CPU)")
     parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
     parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
+    parser.add_argument(
+        "--expanded-conversations", type=int, default=1, help="~126K-token conversations rendered once per turn"
+    )
     parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
     start_line = machine_line()

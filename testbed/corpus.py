@@ -102,4 +102,43 @@ def write_pair_corpus(path: Path, pairs: int = 60, *, seed: int = 2) -> Path:
                 else:
                     record = {"chosen": messages + answers[0], "rejected": messages + answers[1]}
             f.write(json.dumps(record) + "\n")
+
+
+# A chat template that drops the reasoning of the assistant turns before the last user message (as Qwen3's does):
+# every multi-turn conversation with reasoning is rendered once per earlier turn (lctrain.data.chat_turns).
+REASONING_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+    "{%- if m['role'] == 'assistant' and '</think>' in m['content'] and loop.index0 < ns.last_user -%}"
+    "{{- m['content'].split('</think>')[-1].lstrip('\\n') -}}"
+    "{%- else -%}{{- m['content'] -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4) -> Path:
+    """Write ``conversations`` jsonl chat records of one to three user / assistant exchanges, each answer with its
+    reasoning (``<think>\\n...\\n</think>\\n\\n`` before it), a few tokens a turn, to ``path``; returns ``path``.
+    Through ``REASONING_TEMPLATE`` a conversation of k exchanges is k documents of at most ~60 tokens; the first has
+    two."""
+    text = Path(textwrap.__file__).read_text()
+    rng = random.Random(seed)
+
+    def excerpt() -> str:
+        start = rng.randrange(len(text) - 12)
+        return text[start : start + rng.randint(3, 12)].strip() or "x"
+
+    with path.open("w") as f:
+        for index in range(conversations):
+            messages = []
+            for _ in range(2 if index == 0 else rng.randint(1, 3)):
+                messages.append({"role": "user", "content": excerpt()})
+                messages.append({"role": "assistant", "content": f"<think>\n{excerpt()}\n</think>\n\n{excerpt()}"})
+            f.write(json.dumps({"messages": messages}) + "\n")
     return path

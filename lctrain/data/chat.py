@@ -6,18 +6,17 @@ as TRL takes it: two lists of messages (the prompt's turns are context only, the
 strings (plain text, no template: ``[BOS] prompt completion [EOS]``, the completion and EOS trained).
 
 Which tokens are trained (``data.train_on``): ``assistant`` (every assistant turn), ``last_assistant`` (the last
-one) or ``all``. An assistant turn's trained tokens are its content and the end-of-turn tokens the template writes
-after it; everything else gets no loss. They are found from the template itself, never by searching the rendered
-text for the message (the same sentence may appear in several turns):
-
-- a template that marks the assistant's tokens with ``{% generation %}`` ... ``{% endgeneration %}`` (the embedded
-  tokenizer's does): ``apply_chat_template(..., return_assistant_tokens_mask=True)``, whose mask is one run of
-  tokens per assistant turn;
-- any other template (Llama 3, Qwen, Mistral ship none): the conversation is rendered once whole and once per
-  prefix around each trained turn; turn k's characters run from the end of ``messages[:k]`` rendered with the
-  generation prompt (the assistant header) to the end of ``messages[:k + 1]``, trailing whitespace left out
-  (ChatML's newline after ``<|im_end|>``). The whole conversation is tokenized once, and those character ranges
-  become token ranges through the offsets: the cost grows with the conversation's length, not turns x length.
+one) or ``all``. A trained turn's tokens are what the model writes at inference after the turn's history rendered
+with the generation prompt: its content and the end-of-turn tokens the template writes after it, never the header
+the prompt supplies (``lctrain.data.chat_turns`` finds that text from renderings of the conversation's prefixes,
+never by searching the rendered text for the message: the same sentence may appear in several turns). When the
+whole conversation's rendering holds every trained turn so (most templates), it is the one document, tokenized once,
+and each turn's character range becomes a token range through the offsets: the cost grows with the conversation's
+length, not turns x length. A template that marks the assistant's tokens with ``{% generation %}`` ...
+``{% endgeneration %}`` (the embedded tokenizer's does) has each marked span trimmed to that text (a mark around
+the role header leaves the header out). Otherwise the conversation is divergent and becomes one document per
+divergent turn (``data.divergent_turns``), and a turn no generation prompt leads to is refused or skipped
+(``data.unreachable_turns``).
 
 A token is trained when its characters overlap a trained range (as ``return_assistant_tokens_mask`` decides), and
 ``trained[i]`` of a ``Document`` says whether token i is a target. Errors name the record (``file:line``) and the
@@ -27,19 +26,25 @@ fix, on one line.
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
+from lctrain.data.chat_turns import DEFAULT_TURNS, DIVERGENT, TrainedText, TurnSettings, plan_turns
 from lctrain.data.config import TRAIN_ON
 from lctrain.data.packing import Document
 
+logger = logging.getLogger("lctrain")
+
 ROLES = ("system", "user", "assistant", "tool")
+TOKENIZE_CHARACTERS = 4_000_000  # one tokenizer call: enough to share its threads, bounds its lists' memory
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 _FORMAT_HELP = (
     'give each record "messages": [{"role": ..., "content": ...}, ...] or a "prompt" and a "completion" (docs/data.md)'
@@ -137,19 +142,12 @@ def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     return mask
 
 
-def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` runs of ones in a 0/1 list."""
-    flags = np.asarray(mask, dtype=np.int8)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], flags, [0]])))
-    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-
-
 class ChatEncoder:
     """Conversations of one source -> ``Document`` s (tokens, trained mask, ``source``, never split across rows).
 
     ``template``: the chat template text (``data.chat_template``'s file), None = the tokenizer's own; a tokenizer
     without one and no template is an error, raised here (before any process group, where the trainer checks the
-    data)."""
+    data). ``turns``: what to do with divergent conversations and unreachable turns (``lctrain.data.chat_turns``)."""
 
     def __init__(
         self,
@@ -157,6 +155,7 @@ class ChatEncoder:
         *,
         template: str | None = None,
         train_on: str = "assistant",
+        turns: TurnSettings = DEFAULT_TURNS,
         source: int = 0,
     ):
         if train_on not in TRAIN_ON:
@@ -172,113 +171,111 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.train_on = train_on
+        self.turns = turns
         self.source = source
         self.marked = has_generation_marks(template)
+        self._reported_divergent = False
 
-    def _render(self, conversation: Conversation, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def _render(
+        self, conversation: Conversation, messages: list[dict[str, Any]], generation_prompt: bool, marks: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The text and (``marks``) its ``{% generation %}`` character spans, else []."""
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+            texts, runs = render_jinja_template(
+                [messages],
+                chat_template=self.template,
+                add_generation_prompt=generation_prompt,
+                return_assistant_tokens_mask=marks,
+                **self.tokenizer.special_tokens_map,
             )
         except Exception as error:  # jinja2's errors, and whatever a template raises (raise_exception)
             raise ValueError(
                 f"{conversation.where}: the chat template ({self.template_name}) raised "
                 f"{type(error).__name__}: {error}; fix the record or the template"
             ) from None
+        return texts[0], runs[0] if marks else []
 
     def _trained_turns(self, conversation: Conversation) -> list[int]:
         messages = conversation.messages
         turns = [k for k in range(conversation.trained_from, len(messages)) if messages[k]["role"] == "assistant"]
         return turns[-1:] if self.train_on == "last_assistant" else turns
 
-    def _marked(self, conversation: Conversation) -> Document:
-        """Through ``return_assistant_tokens_mask``: one render and one tokenization."""
-        try:
-            out = self.tokenizer.apply_chat_template(
-                conversation.messages,
-                chat_template=self.template,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
-            )
-        except Exception as error:
-            raise ValueError(
-                f"{conversation.where}: the chat template ({self.template_name}) raised "
-                f"{type(error).__name__}: {error}; fix the record or the template"
-            ) from None
-        ids, mask = out["input_ids"], out["assistant_masks"]
-        if self.train_on == "all":
-            return self._document(ids, np.ones(len(ids), dtype=bool))
-        assistant = [k for k, m in enumerate(conversation.messages) if m["role"] == "assistant"]
-        turns = self._trained_turns(conversation)
-        if turns == assistant:
-            return self._document(ids, np.asarray(mask, dtype=bool))
-        runs = _runs(mask)
-        if len(runs) != len(assistant):
-            raise ValueError(
-                f"{conversation.where}: the chat template's {{% generation %}} blocks mark {len(runs)} spans for "
-                f"{len(assistant)} assistant turns; mark each assistant turn once ({self.template_name})"
-            )
-        spans = [runs[assistant.index(k)] for k in turns]
-        trained = np.zeros(len(ids), dtype=bool)
-        for a, b in spans:
-            trained[a:b] = True
-        return self._document(ids, trained)
-
-    def _prefix_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]] | None]:
-        """The rendered conversation and the character spans of its trained turns (None = every token)."""
+    def _plan(self, conversation: Conversation) -> list[TrainedText | str]:
+        """The texts that train the conversation, with the counts among them (``plan_turns``)."""
         messages = conversation.messages
-        full = self._render(conversation, messages, False)
         if self.train_on == "all":
-            return full, None
-        spans = []
-        for k in self._trained_turns(conversation):
-            start = len(self._prefix(conversation, full, messages[:k], True)) if k else 0
-            end = len(self._prefix(conversation, full, messages[: k + 1], False))
-            while end > start and full[end - 1].isspace():
-                end -= 1
-            spans.append((start, end))
-        return full, spans
+            return [TrainedText(self._render(conversation, messages, False)[0], None)]
+        turns = self._trained_turns(conversation)
+        (whole, marked), runs = self._render(conversation, messages, False, marks=self.marked), None
+        if self.marked:
+            assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+            if len(marked) != len(assistant):
+                raise ValueError(
+                    f"{conversation.where}: the chat template's {{% generation %}} blocks mark {len(marked)} spans "
+                    f"for {len(assistant)} assistant turns; mark each assistant turn once ({self.template_name})"
+                )
+            runs = [marked[assistant.index(k)] for k in turns]
 
-    def _prefix(self, conversation: Conversation, full: str, messages: list, generation_prompt: bool) -> str:
-        rendered = self._render(conversation, messages, generation_prompt)
-        if not full.startswith(rendered):
-            raise ValueError(
-                f"{conversation.where}: the chat template renders the first {len(messages)} messages"
-                f"{' with the generation prompt' if generation_prompt else ''} differently from the start of the "
-                f"whole conversation, so the assistant's tokens cannot be found by prefixes; use a template that "
-                f"marks them with {{% generation %}} (data.chat_template)"
-            )
-        return rendered
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return self._render(conversation, messages, generation_prompt)[0]
 
-    def encode(self, conversations: Sequence[Conversation]) -> list[Document]:
-        """One ``Document`` per conversation (its ``trained`` mask may be all False: the caller skips it). The
-        texts rendered here are tokenized in one call."""
-        documents: list[Document | None] = [None] * len(conversations)
-        texts, pending = [], []  # the texts to tokenize; (index, trained spans, framed by BOS/EOS) of each
-        for index, conversation in enumerate(conversations):
-            if conversation.messages is None:  # a plain-text prompt/completion pair
-                text = conversation.prompt + conversation.completion
-                spans = None if self.train_on == "all" else [(len(conversation.prompt), len(text))]
-                texts.append(text)
-                pending.append((index, spans, True))
-            elif self.marked:
-                documents[index] = self._marked(conversation)
-            else:
-                text, spans = self._prefix_spans(conversation)
-                texts.append(text)
-                pending.append((index, spans, False))
-        if texts:
-            encoded = self.tokenizer(
-                texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
+        plan = plan_turns(render, messages, turns, self.turns, where=conversation.where, whole=whole, runs=runs)
+        if DIVERGENT in plan and not self._reported_divergent:
+            logger.info(
+                "%s: the whole conversation is not what the model sees at inference for every trained turn; it "
+                "becomes %d documents (data.divergent_turns=%s; the count is logged at the end)",
+                conversation.where,
+                sum(isinstance(part, TrainedText) for part in plan),
+                self.turns.divergent,
             )
-            for (index, spans, framed), ids, offsets in zip(pending, encoded["input_ids"], encoded["offset_mapping"]):
-                offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-                trained = np.ones(len(ids), dtype=bool) if spans is None else token_mask(offsets, spans)
-                if framed:  # [BOS] prompt completion [EOS]: the EOS ends the completion
+            self._reported_divergent = True
+        return plan
+
+    def encode(self, conversations: Sequence[Conversation]) -> list[Document | list[Document | str]]:
+        """One ``Document`` per conversation (its ``trained`` mask may be all False: the caller skips it), or, for a
+        divergent one or one with a turn left out, a list of documents and counts (``DIVERGENT``, ``UNREACHABLE``).
+        The texts rendered here are tokenized together (``_tokenized``)."""
+        plans: list[list[TrainedText | str]] = []
+        for conversation in conversations:
+            if conversation.messages is not None:
+                plans.append(self._plan(conversation))
+                continue
+            # a plain-text prompt/completion pair: framed by BOS and EOS below, the EOS ends the completion
+            text = conversation.prompt + conversation.completion
+            spans = None if self.train_on == "all" else ((len(conversation.prompt), len(text)),)
+            plans.append([TrainedText(text, spans)])
+        tokenized = self._tokenized([part.text for plan in plans for part in plan if isinstance(part, TrainedText)])
+        documents: list[Document | list[Document | str]] = []
+        for conversation, plan in zip(conversations, plans):
+            parts: list[Document | str] = []
+            for part in plan:
+                if not isinstance(part, TrainedText):
+                    parts.append(part)
+                    continue
+                ids, offsets = next(tokenized)
+                trained = np.ones(len(ids), dtype=bool) if part.spans is None else token_mask(offsets, part.spans)
+                if conversation.messages is None:
                     ids = [self.tokenizer.bos_token_id, *ids, self.tokenizer.eos_token_id]
                     trained = np.concatenate([[False], trained, [True]])
-                documents[index] = self._document(ids, trained)
+                parts.append(self._document(ids, trained))
+            documents.append(parts[0] if len(parts) == 1 else parts)
         return documents
+
+    def _tokenized(self, texts: list[str]) -> Iterator[tuple[list[int], np.ndarray]]:
+        """Each text's token ids and character offsets ``[n, 2]``, in tokenizer calls of up to
+        ``TOKENIZE_CHARACTERS`` characters (a conversation rendered once per turn is turns x its length)."""
+        start = 0
+        while start < len(texts):
+            stop, characters = start, 0
+            while stop < len(texts) and (stop == start or characters + len(texts[stop]) <= TOKENIZE_CHARACTERS):
+                characters += len(texts[stop])
+                stop += 1
+            encoded = self.tokenizer(
+                texts[start:stop], add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
+            )
+            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"]):
+                yield ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+            start = stop
 
     def _document(self, ids: Sequence[int], trained: np.ndarray) -> Document:
         trained = torch.from_numpy(np.ascontiguousarray(trained, dtype=bool))

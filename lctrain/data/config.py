@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 DATA_FORMATS = ("auto", "text", "chat", "preference")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 OVERLONG = ("drop", "truncate", "error")
+DIVERGENT_TURNS = ("expand", "last_turn", "error")
+UNREACHABLE_TURNS = ("error", "skip")
 
 
 @dataclass
@@ -54,6 +56,10 @@ class DataConfig:
     # preference pairs: the prompt packed once, each answer seeing it as a shared prefix; false = two plain
     # documents [prompt, chosen] and [prompt, rejected] (the same loss, the prompt computed twice)
     share_prompt: bool = True
+    # a conversation whose whole rendering is not what the model sees at inference for a trained turn: expand (one
+    # document per such turn, counted), last_turn (only the last trained turn) or error
+    divergent_turns: str = "expand"
+    unreachable_turns: str = "error"  # a turn no generation prompt leads to (reasoning templates): error or skip
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture, drawn by weight; [] = paths/dataset
     val_sources: list[SourceConfig] = field(default_factory=list)  # held-out data scored every train.val_every steps
 
@@ -62,6 +68,8 @@ class DataConfig:
             ("data.format", self.format, DATA_FORMATS),
             ("data.train_on", self.train_on, TRAIN_ON),
             ("data.overlong", self.overlong, OVERLONG),
+            ("data.divergent_turns", self.divergent_turns, DIVERGENT_TURNS),
+            ("data.unreachable_turns", self.unreachable_turns, UNREACHABLE_TURNS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")

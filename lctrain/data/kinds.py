@@ -3,14 +3,16 @@ of them becomes documents (``encode``), so that the loader mixes, packs and shar
 
 - ``TextSource``: an item is a text, tokenized whole into one document ``[BOS, *tokens, EOS]``.
 - ``ChatSource``: an item is a chat record, rendered through the chat template with its trained-token mask
-  (``ChatEncoder``); a conversation longer than a row is dropped, cut or an error (``data.overlong``), and one
-  without a trained token gives no document.
+  (``ChatEncoder``); a conversation whose whole rendering is not what the model sees at inference becomes one
+  document per trained turn (``lctrain.data.chat_turns``); each document longer than a row is dropped, cut or an
+  error (``data.overlong``), and one without a trained token is skipped.
 - ``PairSource``: an item is a preference record (``lctrain.data.pairs``), encoded into one ``Pair``, a unit of
   documents never split across rows; a pair longer than a row is dropped, has its prompt cut from its start, or is
   an error (``data.overlong``).
 
-``encode`` gives one ``Encoded`` per item: a ``Document`` (or ``Pair``), or the reason the item gives none
-(``lctrain.data.mixture.SKIP_REASONS``), which the stream counts in the data state.
+``encode`` gives one ``Encoded`` per item: a ``Document`` (or ``Pair``), the reason the item gives none
+(``lctrain.data.mixture.SKIP_REASONS``), or a conversation's parts (documents and such reasons, with the counts
+``divergent`` and ``unreachable``), which the stream counts in the data state.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from lctrain.data.chat import ChatEncoder, parse_conversation
+from lctrain.data.chat import ChatEncoder, Conversation, parse_conversation
+from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
 from lctrain.data.packing import Document, Pair
@@ -51,8 +54,9 @@ class TextSource:
 
 
 class ChatSource:
-    """Chat records; each conversation becomes one document (never split over rows) of ``seq_len`` tokens at most,
-    by ``overlong`` (``data.overlong``): ``drop`` (logged once, counted), ``truncate`` or ``error``."""
+    """Chat records; each conversation becomes one document (never split over rows), or one per trained turn
+    (``data.divergent_turns``), each of ``seq_len`` tokens at most by ``overlong`` (``data.overlong``): ``drop``
+    (logged once, counted), ``truncate`` or ``error``."""
 
     def __init__(self, documents: DocumentSource, encoder: ChatEncoder, *, seq_len: int, overlong: str):
         self.documents, self.encoder = documents, encoder
@@ -66,30 +70,36 @@ class ChatSource:
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
         conversations = [parse_conversation(record, where) for record, where in records]
         encoded: list[Encoded] = []
-        for conversation, document in zip(conversations, self.encoder.encode(conversations)):
-            if len(document) > self.seq_len:
-                if self.overlong == "error":
-                    raise ValueError(
-                        f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
-                        f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-                    )
-                if self.overlong == "drop":
-                    if not self._reported_overlong:
-                        logger.info(
-                            "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
-                            "(data.overlong=drop; the count is logged at the end)",
-                            conversation.where,
-                            len(document),
-                            self.seq_len,
-                        )
-                        self._reported_overlong = True
-                    encoded.append("overlong")
-                    continue
-                document = replace(
-                    document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
-                )
-            encoded.append(document if document.trained.any() else "untrained")
+        for conversation, parts in zip(conversations, self.encoder.encode(conversations)):
+            if isinstance(parts, list):
+                encoded.append([self._fitted(conversation, p) if isinstance(p, Document) else p for p in parts])
+            else:
+                encoded.append(self._fitted(conversation, parts))
         return encoded
+
+    def _fitted(self, conversation: Conversation, document: Document) -> Encoded:
+        """A conversation's document, or why it gives none."""
+        if len(document) > self.seq_len:
+            if self.overlong == "error":
+                raise ValueError(
+                    f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
+                    f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
+                )
+            if self.overlong == "drop":
+                if not self._reported_overlong:
+                    logger.info(
+                        "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
+                        "(data.overlong=drop; the count is logged at the end)",
+                        conversation.where,
+                        len(document),
+                        self.seq_len,
+                    )
+                    self._reported_overlong = True
+                return "overlong"
+            document = replace(
+                document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
+            )
+        return document if document.trained.any() else "untrained"
 
     def check(self) -> None:
         """The first record rendered with the template: a bad record or template fails before any process group."""
@@ -184,7 +194,8 @@ def open_source(
         dp_size=dp_size,
     )
     if documents.format == "chat":
-        encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, source=index)
+        turns = TurnSettings(config.divergent_turns, config.unreachable_turns)
+        encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, turns=turns, source=index)
         return ChatSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
     if documents.format == "preference":
         encoder = PairEncoder(tokenizer, template=template, shared=config.share_prompt, source=index)

@@ -1,8 +1,9 @@
 """The streaming packed loader: each source's items (by kind: ``lctrain.data.kinds``) for this dp rank -> encoded
 into documents -> drawn by weight -> packed into rows -> micro-batches -> this rank's context-parallel part.
 
-Resuming is exact. The state is, per dp rank: for each source its ``epoch`` and ``document`` (the items of that
-epoch consumed: ``lctrain.data.mixture``) and the counts of records it skipped; the mixture's ``draws``; and the
+Resuming is exact. The state is, per dp rank: for each source its ``epoch``, ``document`` and ``part`` (the items
+of that epoch consumed, and the documents of the next one, a conversation rendered per turn: ``lctrain.data.mixture``)
+and its counts (records skipped, conversations rendered per turn, turns left out); the mixture's ``draws``; and the
 ``offset`` (tokens of the next document already emitted; the positions of a partly emitted document continue from
 it). All plain ints and lists, so json or torch.save it; with one source it is flat (``epoch``, ``document``,
 ``offset``). ``load_state_dict`` re-opens each source's seeded stream of its epoch, skips ``document`` items without
@@ -23,7 +24,7 @@ from torch import Tensor
 from lctrain.attention import SequencePlace
 from lctrain.data.config import DataConfig, data_sources
 from lctrain.data.kinds import PairSource, open_source, read_chat_template
-from lctrain.data.mixture import Mixture, SourceStream
+from lctrain.data.mixture import COUNTS, Mixture, SourceStream
 from lctrain.data.packing import PackedRow, Packer
 from lctrain.data.tokenizer import load_tokenizer
 from lctrain.rules import check_sequence_length
@@ -85,7 +86,7 @@ class PackedLoader:
             "dp_size": dp_size,
             "draws": 0,
             "offset": 0,
-            "sources": [{"epoch": 0, "document": 0, "overlong": 0, "untrained": 0} for _ in self._sources],
+            "sources": [{"epoch": 0, "document": 0, "part": 0, **dict.fromkeys(COUNTS, 0)} for _ in self._sources],
         }
 
     def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor] | list[int]]]:
@@ -99,7 +100,8 @@ class PackedLoader:
                 dp_size=self.dp_size,
                 epoch=position["epoch"],
                 document=position["document"],
-                skipped={reason: position[reason] for reason in ("overlong", "untrained")},
+                part=position["part"],
+                skipped={reason: position[reason] for reason in COUNTS},
             )
             for source, position in zip(self._sources, state["sources"])
         ]
@@ -117,11 +119,7 @@ class PackedLoader:
                 "draws": documents.draws - in_progress,
                 "offset": rows.offset,
                 "sources": [
-                    {
-                        "epoch": stream.epoch,
-                        "document": stream.document - (in_progress and index == documents.last),
-                        **stream.skipped,
-                    }
+                    {**stream.position(in_progress and index == documents.last), **stream.skipped}
                     for index, stream in enumerate(streams)
                 ],
             }
@@ -141,16 +139,17 @@ class PackedLoader:
         return batch
 
     def skipped(self) -> dict[str, dict[str, int]]:
-        """Per source name, the records skipped so far by this dp rank: ``overlong`` (dropped, longer than a row:
-        conversations and pairs) and ``untrained`` (no trained token)."""
+        """Per source name, the counts so far of this dp rank: records skipped, ``overlong`` (dropped, longer than
+        a row: conversations and pairs) and ``untrained`` (no trained token); ``divergent`` conversations (rendered
+        per turn) and ``unreachable`` turns left out (``lctrain.data.chat_turns``)."""
         return {
-            name: {reason: position[reason] for reason in ("overlong", "untrained")}
+            name: {reason: position[reason] for reason in COUNTS}
             for name, position in zip(self.names, self._state["sources"])
         }
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts (after the last batch yielded); plain ints and lists, so json or torch.save
-        it. One source: ``epoch``, ``document``, ``offset`` and the skipped counts (flat); several: ``draws``,
+        it. One source: ``epoch``, ``document``, ``part``, ``offset`` and the counts (flat); several: ``draws``,
         ``offset`` and one such position per source."""
         state = self._state
         if len(self._sources) == 1:
@@ -177,7 +176,7 @@ class PackedLoader:
             "draws": int(state.get("draws", 0)),
             "offset": int(state["offset"]),
             "sources": [
-                {key: int(position.get(key, 0)) for key in ("epoch", "document", "overlong", "untrained")}
+                {key: int(position.get(key, 0)) for key in ("epoch", "document", "part", *COUNTS)}
                 for position in positions
             ],
         }

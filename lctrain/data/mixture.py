@@ -1,13 +1,15 @@
 """Documents of several sources, drawn by weight with a seeded sampler, resumable exactly.
 
 Each source's documents come from a ``SourceStream``: its raw items (texts or chat records) for one dp rank, epoch
-after epoch, encoded a batch at a time into ``Document`` s. Its position is two numbers, the ``epoch`` and the
+after epoch, encoded a batch at a time into ``Document`` s. Its position is three numbers, the ``epoch``, the
 ``document``: the items of that epoch consumed (documents handed out, and records skipped: a conversation longer
-than a row that is dropped, or one without a trained token). A ``Mixture`` hands out the documents of its streams:
-draw k takes the next document of source ``i`` with probability ``weights[i] / sum(weights)``, from a uniform number
-that is a hash of (seed, dp rank, k) alone. So the sampler's whole state is ``draws``, the number of draws made,
-and a resumed mixture draws exactly what the uninterrupted one would have. Weights are shares of documents (as in
-``datasets.interleave_datasets``), not of tokens. A source that runs out starts its next epoch on its own.
+than a row that is dropped, or one without a trained token), and the ``part``: the parts of the next item consumed
+(a conversation rendered once per turn is one item of several documents). A ``Mixture`` hands out the documents of
+its streams: draw k takes the next document of source ``i`` with probability ``weights[i] / sum(weights)``, from a
+uniform number that is a hash of (seed, dp rank, k) alone. So the sampler's whole state is ``draws``, the number of
+draws made, and a resumed mixture draws exactly what the uninterrupted one would have. Weights are shares of
+documents (as in ``datasets.interleave_datasets``), not of tokens.
+A source that runs out starts its next epoch on its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from lctrain.data.packing import Document, Pair
 ENCODE_ITEMS = 64
 ENCODE_CHARACTERS = 4_000_000
 SKIP_REASONS = ("overlong", "untrained")  # why an item gives no document: longer than a row (dropped), no target
+# what a stream counts: the skipped items, conversations rendered once per turn, turns no generation prompt leads to
+COUNTS = (*SKIP_REASONS, "divergent", "unreachable")
 _MASK = (1 << 64) - 1
 
 
@@ -41,7 +45,9 @@ def uniform(seed: int, dp_rank: int, draw: int) -> float:
 
 
 Item = Any  # a text (str), or a chat or preference record and where it is: (JSON text, "file:line")
-Encoded = Document | Pair | str  # a document (a pair: one unit of documents), or the reason (SKIP_REASONS) for none
+# a document (a pair: one unit of documents), the reason (SKIP_REASONS) the item gives none, or its parts:
+# documents and counts (COUNTS)
+Encoded = Document | Pair | str | list[Document | str]
 
 
 def _size(item: Item) -> int:
@@ -62,7 +68,7 @@ def _batches(items: Iterator[Item]) -> Iterator[list[Item]]:
 
 class SourceStream:
     """The documents of one source for one dp rank, epoch after epoch, starting after ``document`` items of
-    ``epoch``; ``skipped`` counts the items that gave no document, by reason.
+    ``epoch`` and ``part`` parts of the next; ``skipped`` holds the ``COUNTS``.
 
     ``items(epoch)`` gives the source's raw items of an epoch (the same on every call), ``encode(batch)`` one
     ``Encoded`` per item. ``epoch`` and ``document`` always locate the next item to hand out. The next epoch starts
@@ -79,12 +85,14 @@ class SourceStream:
         dp_size: int = 1,
         epoch: int = 0,
         document: int = 0,
+        part: int = 0,
         skipped: dict[str, int] | None = None,
     ):
         self.items, self.encode, self.description = items, encode, description
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.epoch, self.document = epoch, document
-        self.skipped = {reason: 0 for reason in SKIP_REASONS} | dict(skipped or {})
+        self.epoch, self.document, self.part = epoch, document, part
+        self.skipped = {reason: 0 for reason in COUNTS} | dict(skipped or {})
+        self.last: tuple[int, int] = (document, part)  # (document, part) of the last document handed out
         self._batches: Iterator[list[Item]] | None = None
         self._buffer: deque[Encoded] = deque()
         self._documents = document  # documents handed out this epoch (a resumed epoch counts the ones before)
@@ -125,12 +133,24 @@ class SourceStream:
                         f"data.overlong=drop): fix the data or those settings"
                     )
                 self.epoch, self.document, self._documents, self._batches = self.epoch + 1, 0, 0, None
-            encoded = self._buffer.popleft()
-            self.document += 1
+            encoded = self._buffer[0]
+            position = (self.document, self.part)
+            if isinstance(encoded, list):
+                encoded = encoded[self.part]
+                self.part += 1
+            if not isinstance(self._buffer[0], list) or self.part == len(self._buffer[0]):
+                self._buffer.popleft()
+                self.document, self.part = self.document + 1, 0
             if isinstance(encoded, (Document, Pair)):
                 self._documents += 1
+                self.last = position
                 return encoded
             self.skipped[encoded] += 1
+
+    def position(self, rewind: bool) -> dict[str, int]:
+        """``epoch``, ``document`` and ``part`` of the next document, or (``rewind``) of the last one handed out."""
+        document, part = self.last if rewind else (self.document, self.part)
+        return {"epoch": self.epoch, "document": document, "part": part}
 
 
 class Mixture:

@@ -7,7 +7,9 @@ A record holds ``chosen`` and ``rejected``, and the ``prompt`` they answer:
 - conversational: ``prompt`` a list of messages, ``chosen`` and ``rejected`` lists of messages (usually one assistant
   message), rendered with the chat template: the prompt is the prompt's messages rendered with the generation prompt,
   an answer what the template writes after it for the answer's messages, end-of-turn included and trailing
-  whitespace left out (the rule of inference that chat turns are trained by, ``lctrain.data.chat``);
+  whitespace left out: the rule of inference that chat turns are trained by (``lctrain.data.chat_turns``: an
+  answer of one message is found where the template writes it as the last turn, even when the template writes
+  the prompt's messages otherwise then);
 - implicit prompt: ``{"chosen": [messages], "rejected": [messages]}``, two whole conversations; the prompt is their
   longest common prefix of messages, the answers what follows it.
 
@@ -29,6 +31,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.chat import _messages
+from lctrain.data.chat_turns import UnreachableTurn, inference_turn
 from lctrain.data.packing import Pair
 
 ANSWERS = ("chosen", "rejected")
@@ -159,17 +162,27 @@ class PairEncoder:
         """The prompt's and the answers' texts, each tokenized on its own."""
         if not record.conversational:
             return record.prompt, record.chosen, record.rejected
-        prompt = self._render(record, record.prompt, True)
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return self._render(record, messages, generation_prompt)
+
+        prompt = render(record.prompt, True)
         answers = []
         for name, answer in zip(ANSWERS, (record.chosen, record.rejected)):
-            whole = self._render(record, record.prompt + answer, False)
-            if not whole.startswith(prompt):
+            try:
+                if len(answer) == 1:  # one message: where the template writes it as the conversation's last turn
+                    answers.append(inference_turn(render, record.prompt + answer, len(record.prompt)).completion)
+                    continue
+                whole = render(record.prompt + answer, False)
+                if not whole.startswith(prompt):
+                    raise UnreachableTurn(f"the prompt with the generation prompt is not the start of {name!r}")
+                answers.append(whole[len(prompt) :].rstrip())
+            except UnreachableTurn as error:
                 raise ValueError(
                     f"{record.where}: the chat template does not write {name!r} after the prompt rendered with the "
-                    f"generation prompt, so its tokens cannot be found as at inference; use a template that writes "
-                    f"each answer after its generation prompt (data.chat_template)"
-                )
-            answers.append(whole[len(prompt) :].rstrip())
+                    f"generation prompt ({error}), so its tokens cannot be found as at inference; use a template "
+                    f"that writes each answer after its generation prompt (data.chat_template)"
+                ) from None
         return prompt, *answers
 
     def encode(self, records: Sequence[PairRecord]) -> list[Pair]:

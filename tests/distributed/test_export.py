@@ -2,7 +2,7 @@
 trained lctrain model computes.
 
 One spawned gloo group of 2 ranks trains two small jobs for 3 steps each on a small jsonl corpus
-(``tests/helpers/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with
+(``testbed/corpus.py``), parameters FSDP-sharded over both ranks, and exports ``hf/``: ``parallel.ring=2`` with
 untied embeddings and no activation checkpointing, and ``parallel.ulysses=2`` with tied embeddings and full activation
 checkpointing (wrapped parameter names, one shared tensor) with Llama 3.2's ``llama3`` RoPE type. After
 ``trainer.train()`` each rank runs the trained, still sharded lctrain model (USP attention) on its zigzag shard of a

@@ -1,7 +1,7 @@
 """A NaN/inf loss or gradient never trains silently on: ``train.nonfinite=stop`` raises before the update (the last
 checkpoint stays intact and loads), ``skip`` drops that step's update, logs a warning and goes on.
 
-One spawned gloo rank (FSDP over a group of one), a tiny model on ``tests/helpers/corpus.py``, three faults at step 2:
+One spawned gloo rank (FSDP over a group of one), a tiny model on ``testbed/corpus.py``, three faults at step 2:
 each row's loss share scaled by NaN (every gradient NaN), by inf, and a finite loss with one gradient element set to NaN
 after the backward. Checked for each: with ``stop``, a ``FloatingPointError`` naming the step and the setting,
 parameters equal to those after step 1, the step-1 checkpoint complete, and a new ``Trainer`` resuming from it with

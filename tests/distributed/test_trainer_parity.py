@@ -19,7 +19,7 @@ Observed on CPU (torch 2.13, 1 thread per process): first-step losses within 1.1
 within 8e-5 relative.
 
 Conversations, mixtures and validation (``CHAT_JOBS``, in the group of world 4: one spawn per world size).
-Three jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
+Four jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
 
 - ``chat``: conversations (``write_chat_corpus``: only the assistant's tokens are trained; some conversations are
   dropped, longer than a row, some skipped, without an assistant turn), ring 2 × ulysses 2;
@@ -27,7 +27,10 @@ Three jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/re
   the end on two held-out sources, conversations and text documents: 3 rows, so one dp rank scores 2 and the other
   1 (and a forward it drops);
 - ``mixture``: ``data.sources`` of those conversations (weight 0.6) and text documents (0.4), ring 2 × ulysses 2,
-  4 rows a step.
+  4 rows a step;
+- ``expanded``: multi-turn conversations with reasoning through a template that drops the reasoning of earlier
+  turns (``write_reasoning_chats``), so each is rendered once per turn (``data.divergent_turns=expand``), ring 2 ×
+  ulysses 2, 2 rows a step.
 
 The first row of the conversations holds no trained token in its first and last quarter: ring rank 0's shard of it
 has only masked labels (checked here), so that rank's loss sum is 0 and the step's is still exact. Compared with
@@ -56,7 +59,7 @@ from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.testing import run_distributed
 from lctrain.train.validate import position_buckets
-from testbed.corpus import write_chat_corpus, write_corpus
+from testbed.corpus import REASONING_TEMPLATE, write_chat_corpus, write_corpus, write_reasoning_chats
 from tests.helpers.reference_training import (
     SEQ_LEN,
     assert_curve_matches,
@@ -143,6 +146,8 @@ def chat_data(workdir: str, case: str) -> tuple[str, ...]:
             f"data.sources=[{{name:chat,paths:[{chat}],weight:0.6}},{{name:text,paths:[{workdir}/corpus.jsonl],"
             f"weight:0.4}}]",
         )
+    if case == "expanded":
+        return (f"data.paths=[{workdir}/reasoning.jsonl]", f"data.chat_template={workdir}/reasoning.jinja")
     return (f"data.paths=[{chat}]",)
 
 
@@ -150,6 +155,7 @@ CHAT_JOBS = {  # case -> (parallel overrides, data.batch_size, train.grad_accum)
     "chat": (["parallel.ring=2", "parallel.ulysses=2"], 1, 1),
     "chat_dp2": (["parallel.dp=2", "parallel.ring=2"], 1, 2),
     "mixture": (["parallel.ring=2", "parallel.ulysses=2"], 4, 1),  # 4 rows a step: both sources in the first
+    "expanded": (["parallel.ring=2", "parallel.ulysses=2"], 2, 1),
 }
 
 
@@ -179,6 +185,8 @@ def write_chat_data(root: Path) -> None:
     write_chat_corpus(root / "chat.jsonl")
     write_chat_corpus(root / "val_chat.jsonl", 30, seed=2)
     write_corpus(root / "val_text.jsonl", 20)
+    write_reasoning_chats(root / "reasoning.jsonl")
+    (root / "reasoning.jinja").write_text(REASONING_TEMPLATE)
 
 
 @pytest.fixture
@@ -207,6 +215,14 @@ def test_ring_rank_zero_holds_only_masked_labels_in_the_first_row(results: dict,
         assert (shard["labels"] == IGNORE_INDEX).all(), case
         whole = next(iter(PackedLoader(cfg.data)))
         assert (whole["labels"] != IGNORE_INDEX).any(), case  # the row itself trains some tokens
+
+
+def test_expanded_conversations_reach_the_trained_rows(results: dict, parity_workdir: str) -> None:
+    loader = PackedLoader(chat_job(parity_workdir, "expanded").data)
+    batches = iter(loader)
+    for _ in range(CHAT_STEPS):  # the batches the job trains on
+        next(batches)
+    assert loader.skipped()["data"]["divergent"] > 0
 
 
 @pytest.mark.parametrize("case", list(CHAT_JOBS))

@@ -1,7 +1,7 @@
 """A training job one of whose ranks is killed with SIGKILL stops cleanly, and relaunched with
 ``checkpoint.resume=auto`` it continues exactly where its last checkpoint left it.
 
-Three real ``torchrun`` launches on a small jsonl corpus (``tests/helpers/corpus.py``), world 2 as ``parallel.dp=2``
+Three real ``torchrun`` launches on a small jsonl corpus (``testbed/corpus.py``), world 2 as ``parallel.dp=2``
 (two data-parallel ranks, each with its own data loader position, FSDP-sharded parameters and optimizer state),
 ``train.grad_accum=2``, 20 steps, a checkpoint every 10 steps:
 

@@ -18,6 +18,7 @@ import torch
 
 from lctrain.data import ChatEncoder, load_tokenizer, parse_conversation
 from lctrain.data.chat import token_mask
+from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.tokenizer import CHAT_TEMPLATE
 
 PLAIN_CHATML = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -77,8 +78,8 @@ def expected(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], li
     return encoded["input_ids"], mask.tolist(), "".join(s for s, trained in segments if trained)
 
 
-def encode(tokenizer, template: str | None, record: dict, train_on: str = "assistant"):  # noqa: ANN001, ANN201
-    encoder = ChatEncoder(tokenizer, template=template, train_on=train_on)
+def encode(tokenizer, template: str | None, record: dict, train_on: str = "assistant", **turns: str):  # noqa: ANN001, ANN201
+    encoder = ChatEncoder(tokenizer, template=template, train_on=train_on, turns=TurnSettings(**turns))
     return encoder, encoder.encode([parse_conversation(json.dumps(record), "test.jsonl:1")])[0]
 
 
@@ -179,9 +180,9 @@ def test_bad_templates_name_the_record_and_the_fix(tokenizer, tokenizer_dir) -> 
     with pytest.raises(ValueError, match=r"test.jsonl:1: the chat template \(data.chat_template\) raised .*no system"):
         encode(tokenizer, raising, record)
     last_differs = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}[end]{% endif %}{% endfor %}"
-    with pytest.raises(ValueError, match="renders the first 2 messages with the generation prompt differently") as e:
-        encode(tokenizer, last_differs, record)
-    assert "{% generation %}" in str(e.value)
+    with pytest.raises(ValueError, match=r"test.jsonl:1: messages\[2\] \(assistant\) is not written in the whole") as e:
+        encode(tokenizer, last_differs, record, divergent="error")
+    assert "data.divergent_turns=expand" in str(e.value) and "\n" not in str(e.value)
     bare = load_tokenizer(str(tokenizer_dir))
     bare.chat_template = None
     with pytest.raises(ValueError, match="has no chat template: set data.chat_template"):

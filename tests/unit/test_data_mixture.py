@@ -90,7 +90,8 @@ def test_mixture_rows_hold_both_sources_with_their_labels(files: Path, tokenizer
     assert set(state) == {"dp_rank", "dp_size", "draws", "offset", "sources"} and len(state["sources"]) == 2
     chat = loader.state_dict()["sources"][0]
     assert chat["overlong"] + chat["untrained"] > 0  # write_chat_corpus has both kinds
-    assert loader.skipped()["chat"] == {"overlong": chat["overlong"], "untrained": chat["untrained"]}
+    counts = {"overlong": chat["overlong"], "untrained": chat["untrained"], "divergent": 0, "unreachable": 0}
+    assert loader.skipped()["chat"] == counts
 
 
 def test_resume_mid_mixture_is_exact(files: Path, tokenizer_dir: Path) -> None:
@@ -135,7 +136,7 @@ def test_states_of_another_data_layout_are_refused(files: Path, tokenizer_dir: P
         single.load_state_dict(mixture.state_dict())
     old = {"dp_rank": 0, "dp_size": 1, "epoch": 0, "document": 3, "offset": 5}  # the format from before mixtures
     single.load_state_dict(old)
-    assert single.state_dict() == {**old, "overlong": 0, "untrained": 0}
+    assert single.state_dict() == {**old, "part": 0, "overlong": 0, "untrained": 0, "divergent": 0, "unreachable": 0}
 
 
 def test_chat_sources_in_every_file_format_and_auto(files: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -169,7 +170,7 @@ def test_conversations_longer_than_a_row(files: Path, tmp_path: Path, tokenizer_
     config = DataConfig(seq_len=40, paths=[str(path)], tokenizer=str(tokenizer_dir))
     dropped = PackedLoader(config)
     row = next(iter(dropped))  # short, short: the long one dropped, the silent one skipped
-    assert dropped.skipped()["data"] == {"overlong": 1, "untrained": 1}
+    assert dropped.skipped()["data"] == {"overlong": 1, "untrained": 1, "divergent": 0, "unreachable": 0}
     encoder = ChatEncoder(load_tokenizer(str(tokenizer_dir)))
     lengths = [len(d) for d in encoder.encode([parse_conversation(r, "x") for r in (short, long)])]
     assert lengths[0] < 20 < 40 < lengths[1]
@@ -207,6 +208,11 @@ BAD_DATA = {  # DataConfig changes, substrings of the message
     "format": ({"format": "csv"}, ["data.format='csv' must be one of auto, text, chat"]),
     "train_on": ({"train_on": "user"}, ["data.train_on='user' must be one of"]),
     "overlong": ({"overlong": "split"}, ["data.overlong='split' must be one of drop, truncate, error"]),
+    "divergent_turns": (
+        {"divergent_turns": "all"},
+        ["data.divergent_turns='all' must be one of expand, last_turn, error"],
+    ),
+    "unreachable_turns": ({"unreachable_turns": "drop"}, ["data.unreachable_turns='drop' must be one of error, skip"]),
     "no_name": ({"sources": [SourceConfig(paths=["x.jsonl"])]}, ["data.sources[0] has no name"]),
     "same_name": (
         {"sources": [SourceConfig("a", ["x.jsonl"]), SourceConfig("a", ["y.jsonl"])]},
