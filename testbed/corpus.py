@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,6 +37,19 @@ def corpus_overrides(path: Path) -> list[str]:
     return [f"data.paths=['{path}']"]
 
 
+def excerpts(rng: random.Random) -> Callable[[int, int], str]:
+    """``excerpt(low, high)``: a stripped excerpt of one standard-library file, ``low`` to ``high`` characters long
+    (``"x"`` for a blank one), drawn with ``rng``."""
+    text = Path(textwrap.__file__).read_text()
+
+    def excerpt(low: int, high: int) -> str:
+        length = rng.randint(low, high)
+        start = rng.randrange(len(text) - length)
+        return text[start : start + length].strip() or "x"
+
+    return excerpt
+
+
 def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) -> Path:
     """Write ``conversations`` jsonl chat records (``{"messages": [...]}``) made of excerpts of one standard-library
     file to ``path``; returns ``path``. One in four opens with a system prompt; they have one or two user / assistant
@@ -44,13 +58,8 @@ def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) ->
     than the rest of a 64-token row: the first row's first and last quarters hold only tokens without loss (its ring
     rank 0 of 2 has no trained token). One in ten has no assistant turn (nothing to train: skipped). ``seed`` picks
     the excerpts."""
-    text = Path(textwrap.__file__).read_text()
     rng = random.Random(seed)
-
-    def excerpt(low: int, high: int) -> str:
-        length = rng.randint(low, high)
-        start = rng.randrange(len(text) - length)
-        return text[start : start + length].strip() or "x"
+    excerpt = excerpts(rng)
 
     records = [[{"role": "user", "content": excerpt(110, 120)}, {"role": "assistant", "content": excerpt(10, 15)}]]
     records += [
@@ -77,13 +86,8 @@ def write_pair_corpus(path: Path, pairs: int = 60, *, seed: int = 2) -> Path:
     four prompts opening with a system prompt) and implicit-prompt (two whole conversations sharing their first
     messages). Prompts of ~3 to ~40 tokens and answers of ~1 to ~15, so a 64-token row packs one to three pairs and
     one in ten is longer than such a row (dropped). Returns ``path``."""
-    text = Path(textwrap.__file__).read_text()
     rng = random.Random(seed)
-
-    def excerpt(low: int, high: int) -> str:
-        length = rng.randint(low, high)
-        start = rng.randrange(len(text) - length)
-        return text[start : start + length].strip() or "x"
+    excerpt = excerpts(rng)
 
     with path.open("w") as f:
         for index in range(pairs):

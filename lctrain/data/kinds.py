@@ -53,12 +53,11 @@ class TextSource:
         """Nothing beyond opening: the source checked its text field when it was opened."""
 
 
-class ChatSource:
-    """Chat records; each conversation becomes one document (never split over rows), or one per trained turn
-    (``data.divergent_turns``), each of ``seq_len`` tokens at most by ``overlong`` (``data.overlong``): ``drop``
-    (logged once, counted), ``truncate`` or ``error``."""
+class RecordSource:
+    """What the sources of records (chat and preference) share: the records with where they are, and what happens to
+    an item longer than a row (``overlong``: ``data.overlong``)."""
 
-    def __init__(self, documents: DocumentSource, encoder: ChatEncoder, *, seq_len: int, overlong: str):
+    def __init__(self, documents: DocumentSource, encoder: ChatEncoder | PairEncoder, *, seq_len: int, overlong: str):
         self.documents, self.encoder = documents, encoder
         self.seq_len, self.overlong = seq_len, overlong
         self.description = documents.description
@@ -66,6 +65,35 @@ class ChatSource:
 
     def items(self, epoch: int) -> Iterator[tuple[str, str]]:
         return self.documents.records(epoch)
+
+    def _refuse_overlong(self, where: str, item: str) -> None:
+        """With ``data.overlong=error``, ``item`` (e.g. "a conversation of 9000 tokens") longer than a row is one
+        line naming it."""
+        if self.overlong == "error":
+            raise ValueError(
+                f"{where}: {item} is longer than data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or "
+                f"raise data.seq_len"
+            )
+
+    def _dropped(self, where: str, item: str) -> str:
+        """``item`` longer than a row, dropped: the first one logged; the reason it gives no document."""
+        if not self._reported_overlong:
+            logger.info(
+                "%s: %s is longer than data.seq_len=%d and is dropped (data.overlong=%s; the count is logged at the "
+                "end)",
+                where,
+                item,
+                self.seq_len,
+                self.overlong,
+            )
+            self._reported_overlong = True
+        return "overlong"
+
+
+class ChatSource(RecordSource):
+    """Chat records; each conversation becomes one document (never split over rows), or one per trained turn
+    (``data.divergent_turns``), each of ``seq_len`` tokens at most by ``overlong`` (``data.overlong``): ``drop``
+    (logged once, counted), ``truncate`` or ``error``."""
 
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
         conversations = [parse_conversation(record, where) for record, where in records]
@@ -80,22 +108,10 @@ class ChatSource:
     def _fitted(self, conversation: Conversation, document: Document) -> Encoded:
         """A conversation's document, or why it gives none."""
         if len(document) > self.seq_len:
-            if self.overlong == "error":
-                raise ValueError(
-                    f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
-                    f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-                )
+            item = f"a conversation of {len(document)} tokens"
+            self._refuse_overlong(conversation.where, item)
             if self.overlong == "drop":
-                if not self._reported_overlong:
-                    logger.info(
-                        "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
-                        "(data.overlong=drop; the count is logged at the end)",
-                        conversation.where,
-                        len(document),
-                        self.seq_len,
-                    )
-                    self._reported_overlong = True
-                return "overlong"
+                return self._dropped(conversation.where, item)
             document = replace(
                 document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
             )
@@ -107,19 +123,10 @@ class ChatSource:
         self.encoder.encode([parse_conversation(record, where)])
 
 
-class PairSource:
+class PairSource(RecordSource):
     """Preference records; each pair becomes one ``Pair`` (its documents never split over rows) of ``seq_len`` tokens
     at most, by ``overlong`` (``data.overlong``): ``drop`` (logged once, counted), ``truncate`` (the prompt cut from
     its start, keeping at least its last token; a pair whose answers alone do not fit is dropped) or ``error``."""
-
-    def __init__(self, documents: DocumentSource, encoder: PairEncoder, *, seq_len: int, overlong: str):
-        self.documents, self.encoder = documents, encoder
-        self.seq_len, self.overlong = seq_len, overlong
-        self.description = documents.description
-        self._reported_overlong = False
-
-    def items(self, epoch: int) -> Iterator[tuple[str, str]]:
-        return self.documents.records(epoch)
 
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
         parsed = [parse_pair(record, where) for record, where in records]
@@ -128,28 +135,15 @@ class PairSource:
     def _fitted(self, where: str, pair: Pair) -> Encoded:
         if len(pair) <= self.seq_len:
             return pair
-        if self.overlong == "error":
-            raise ValueError(
-                f"{where}: a preference pair of {len(pair)} tokens (its layout: data.share_prompt) is longer than "
-                f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-            )
+        item = f"a preference pair of {len(pair)} tokens (as data.share_prompt packs it)"
+        self._refuse_overlong(where, item)
         if self.overlong == "truncate":
             answers = len(pair.chosen) + len(pair.rejected)
             # the prompt's length that fits: shared (P + 1 + C + R) or repeated (2P + C + R)
             keep = self.seq_len - 1 - answers if pair.shared else (self.seq_len - answers) // 2
             if keep >= 1:
                 return replace(pair, prompt=pair.prompt[len(pair.prompt) - keep :])
-        if not self._reported_overlong:
-            logger.info(
-                "%s: a preference pair of %d tokens is longer than data.seq_len=%d and is dropped "
-                "(data.overlong=%s; the count is logged at the end)",
-                where,
-                len(pair),
-                self.seq_len,
-                self.overlong,
-            )
-            self._reported_overlong = True
-        return "overlong"
+        return self._dropped(where, item)
 
     def check(self) -> None:
         """The first record encoded: a bad record or template fails before any process group."""

@@ -22,7 +22,6 @@ place (``file:line``) hashed to an int64: the same in every epoch, on every mesh
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lctrain.data.chat import _messages
+from lctrain.data.chat import _messages, decoded_record
 from lctrain.data.chat_turns import UnreachableTurn, inference_turn
 from lctrain.data.packing import Pair
 
@@ -81,15 +80,7 @@ def _field(record: dict[str, Any], name: str, where: str) -> Any:
 def parse_pair(line: str | dict[str, Any], where: str) -> PairRecord:
     """A preference record (its JSON text, or the decoded object) checked and normalised; ``ValueError`` naming
     ``where`` and the fix otherwise."""
-    if isinstance(line, str):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not valid JSON ({error.msg}); write one JSON object per line") from None
-    else:
-        record = line
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: the record is a {type(record).__name__}, not an object; {_FORMAT_HELP}")
+    record = decoded_record(line, where, _FORMAT_HELP)
     chosen, rejected = (_field(record, name, where) for name in ANSWERS)
     if "prompt" not in record and isinstance(chosen, list) and isinstance(rejected, list):
         return _implicit(where, _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected"))
