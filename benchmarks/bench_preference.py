@@ -12,9 +12,11 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
 - Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA), so that
   drift in the machine's load hits both alike; each step is ``Trainer.forward_backward`` (the reference pass, the
   policy's forward and backward; the optimizer step is the same for both), timed on every rank after one warm-up
-  step, the median over ``--steps`` of the slowest rank. Memory: each rank's resident-set growth during the step
-  (``memory.StepPeak``: activations, the chunked loss and the gradients, the same gradients on both sides), the
-  largest over ranks, measured with glibc returning freed buffers (``memory.malloc_env``).
+  step, the median over ``--steps`` of the slowest rank. Memory, the largest over ranks, measured with glibc
+  returning freed buffers (``memory.malloc_env``): the activations (the resident set when the row's forward and
+  loss return, less the one before the step: what the forward keeps for the backward), and the step's peak growth
+  (``memory.StepPeak``: activations, the backward's working set and the gradients, the same gradients on both
+  sides).
 - Reference options at ``--reference-ratio`` (shared): reference-free (``simpo``), LoRA's base with its adapters
   disabled (``model.lora.rank=16``), and full fine-tuning's frozen copy of the initial weights: step time, step
   growth, and what the built trainer holds (the resident set after building less before).
@@ -72,6 +74,9 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
     order = [name for index in range(warmup + steps) for name in (names if index % 2 == 0 else names[::-1])]
     times: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
+    kept: dict[str, list[int]] = {name: [] for name in names}
+    for trainer in trainers.values():
+        trainer.forward_loss = _recording_rss(trainer.forward_loss)
     for index, name in enumerate(order):
         spec, trainer = specs[name], trainers[name]
         pair = one_pair(spec["prompt"], spec["completion"], index // len(names))
@@ -86,7 +91,19 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
         if index >= warmup * len(names):
             times[name].append(elapsed)
             growth[name].append(peak.growth)
-    return {"times": times, "growth": growth, "held": held}
+            kept[name].append(trainer.forward_loss.rss - peak.before)
+    return {"times": times, "growth": growth, "kept": kept, "held": held}
+
+
+def _recording_rss(forward_loss: Any) -> Any:
+    """``Trainer.forward_loss`` noting the resident set when it returns: what the forward keeps for the backward."""
+
+    def recorded(*args: Any) -> Any:
+        result = forward_loss(*args)
+        recorded.rss = memory.proc_bytes("VmRSS")
+        return result
+
+    return recorded
 
 
 def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, dict[str, float]]:
@@ -103,6 +120,7 @@ def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, 
         result[name] = {
             "time": statistics.median(slowest),
             "growth": max(max(rank["growth"][name]) for rank in per_rank),
+            "kept": max(max(rank["kept"][name]) for rank in per_rank),
             "held": max(rank["held"][name] for rank in per_rank),
         }
     return result
@@ -129,12 +147,15 @@ def sharing(args: argparse.Namespace) -> None:
                 f"{prompt:,} + 2 x {args.completion}",
                 f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
                 f"{shared['time'] / unshared['time']:.2f}",
+                f"{shared['kept'] / MIB:,.1f} / {unshared['kept'] / MIB:,.1f} MiB",
+                f"{shared['kept'] / unshared['kept']:.2f}",
                 f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
                 f"{shared['growth'] / unshared['growth']:.2f}",
             ]
         )
         print(f"  {rows[-1]}", flush=True)
-    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step growth", "ratio"]
+    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "activations", "ratio"]
+    header += ["step peak growth", "ratio"]
     print("\n" + table(header, rows))
 
 

@@ -101,6 +101,13 @@ def parser() -> argparse.ArgumentParser:
         default="",
         help="model.lora.trainable, comma-separated: modules trained in full (embed_tokens, norm, lm_head)",
     )
+    p.add_argument(
+        "--reference",
+        choices=("none", "adapters", "copy"),
+        default="none",
+        help="a preference objective's reference model: none (LM, reference-free or precomputed), adapters (LoRA's "
+        "base, adapters disabled: one more forward) or copy (a frozen copy or another model: its weights too)",
+    )
     p.add_argument("--top", type=int, default=12, help="feasible layouts shown (default 12)")
     p.add_argument("--all", action="store_true", help="also show the refused layouts and why")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -122,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     hw = replace(base, measured=tuple(f for f in base.measured if f not in overrides), **overrides)
     dtype = args.dtype or hw.dtype or ("bf16" if hw.device == "cuda" else "fp32")
     trainable = tuple(name for name in args.lora_trainable.split(",") if name)
+    if args.reference == "adapters" and not args.lora_rank:
+        raise SystemExit("lctrain plan: --reference adapters is LoRA's base: give --lora-rank (else --reference copy)")
     if args.lora_rank < 0 or (trainable and not args.lora_rank):
         raise SystemExit("lctrain plan: --lora-rank must be >= 1 for LoRA (0 = full fine-tuning, no --lora-trainable)")
     unknown = sorted(set(trainable) - {"embed_tokens", "norm", "lm_head"})
@@ -141,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cpu_offload=args.cpu_offload,
         lora_rank=args.lora_rank,
         lora_trainable=trainable,
+        reference=args.reference,
         mfu=args.mfu,
         link_efficiency=args.link_efficiency,
         headroom=args.headroom,

@@ -196,6 +196,11 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
             loss_fwd = max(logits + accumulator, head_grad) + 2 * tokens * h * e
             loss_bwd = vocab * h * e if head_trained else 0  # the head's unsharded gradient, until the reduce-scatter
         states = (trained * STATE_BYTES + frozen * e) / layout.dp_cp
+        if work.reference == "copy":  # the frozen reference: sharded in the compute dtype, its root kept gathered
+            live_states += stage_params * e / layout.dp_cp
+            states += stage_params * e / layout.dp_cp
+            gathered_fwd += root * e
+            gathered_bwd += root * e
         if work.cpu_offload and work.device == "cuda":  # sharded states and the optimizer step in host memory
             live_states = states = 0
         phases = {

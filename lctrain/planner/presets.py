@@ -243,6 +243,10 @@ class Workload:
     cpu_offload: bool = False  # parallel.cpu_offload (FSDP-sharded weights, gradients, AdamW states in host memory)
     lora_rank: int = 0  # model.lora.rank (adapters on every projection); 0 = full fine-tuning
     lora_trainable: tuple[str, ...] = ()  # model.lora.trainable: embed_tokens, norm, lm_head
+    # the preference objective's reference model (objective.*): none (LM, reference-free losses or precomputed
+    # log-probs), adapters (LoRA's base with the adapters disabled: one more forward) or copy (a frozen copy of the
+    # weights, or another model: its weights too)
+    reference: str = "none"
     mfu: float = 0.4  # achieved fraction of peak FLOP/s, for matmuls and attention alike
     link_efficiency: float = 0.8  # achieved fraction of the nominal link bandwidths
     headroom: float = 0.15  # fraction of device memory kept free (allocator fragmentation, CUDA context, NCCL)

@@ -17,6 +17,8 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     if work.lora_rank:
         trained = f" (+ {', '.join(work.lora_trainable)})" if work.lora_trainable else ""
         dtype += f", LoRA rank {work.lora_rank}{trained} on a frozen base"
+    if work.reference != "none":
+        dtype += ", a reference model's forward" + (" and frozen copy" if work.reference == "copy" else "")
     return (
         f"{model.name}: {_count(model.num_params)} parameters, {model.layers} layers, {model.heads}/"
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "

@@ -139,7 +139,9 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
     per_token = flops_per_token(model.num_params, model.layers, model.hidden, work.seq_len, model.windows)
     model_flops = rows * work.seq_len * per_token / (layout.pp * layout.cp)
-    compute = model_flops * (1 + recomputed / 3) / flops_rate(hw, work)  # a recomputed forward is 1/3 of the FLOPs
+    # a recomputed forward is 1/3 of the FLOPs, and so is the reference model's forward (preference losses)
+    forwards = recomputed + (work.reference != "none")
+    compute = model_flops * (1 + forwards / 3) / flops_rate(hw, work)
     ring_exposed = 0.0
     if layout.ring > 1:
         fwd = ring.exposed_fwd_s * (1 + recomputed)
@@ -154,6 +156,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     if layout.dp_cp > 1:
         stage_params = model.num_params / layout.pp
         gathers = 2 if layout.pp == 1 else 1  # resharded after forward: gathered again for the backward
+        gathers += work.reference != "none"  # the reference's forward gathers its weights (or the base's) once more
         volume = stage_params * (gathers * e + FP32) * (layout.dp_cp - 1) / layout.dp_cp
         inside = groups_inside_nodes(layout.dp_cp, work.gpus_per_node)
         bandwidth = link_bandwidth(hw, work, "intra_gbps" if inside else "inter_gbps")

@@ -45,6 +45,27 @@ def _addmm_fp32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
     torch.baddbmm(accumulator, a[None], b[None], out_dtype=torch.float32, out=accumulator)
 
 
+def _chunk_backward(
+    grad_logits: Tensor,
+    chunk: Tensor,
+    weight: Tensor,
+    rows: slice,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+    tensor_cores: bool,
+) -> None:
+    """From one chunk's fp32 ``grad_logits`` ``[chunk, V]``: its hidden states' gradient into ``grad_hidden[rows]``,
+    and the head's added to ``grad_weight`` (fp32, or the weight's dtype when wider); None: not wanted."""
+    if tensor_cores:
+        grad_logits = grad_logits.to(weight.dtype)  # bf16, as the other input of both matmuls
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
+    if grad_weight is not None and tensor_cores:
+        _addmm_fp32_(grad_weight, grad_logits.t(), chunk)
+    elif grad_weight is not None:
+        grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), chunk.to(grad_weight.dtype))
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -86,14 +107,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = logits.sub_(lse[:, None]).exp_()
             grad_logits.scatter_add_(1, targets, torch.full_like(lse[:, None], -1.0))
             grad_logits.mul_(valid[:, None])
-            if tensor_cores:
-                grad_logits = grad_logits.to(weight.dtype)  # bf16, as the other input of both matmuls
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
-            if grad_weight is not None and tensor_cores:
-                _addmm_fp32_(grad_weight, grad_logits.t(), chunk)
-            elif grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
+            _chunk_backward(grad_logits, chunk, weight, rows, grad_hidden, grad_weight, tensor_cores)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         ctx.mark_non_differentiable(group_sums)
         return total, group_sums
@@ -187,14 +201,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_().neg_()  # -softmax
             grad_logits.scatter_add_(1, targets, torch.ones_like(targets, dtype=grad_logits.dtype))
             grad_logits.mul_(grad_logprobs[rows, None].float())
-            if tensor_cores:
-                grad_logits = grad_logits.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
-            if grad_weight is not None and tensor_cores:
-                _addmm_fp32_(grad_weight, grad_logits.t(), chunk)
-            elif grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t().to(accumulate), chunk.to(accumulate))
+            _chunk_backward(grad_logits, chunk, weight, rows, grad_hidden, grad_weight, tensor_cores)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 

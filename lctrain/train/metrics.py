@@ -82,6 +82,8 @@ class MetricsLogger:
             f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e}"
             f" | tok/s {metrics['tokens_per_s']:.0f} | mfu {mfu} | mem {metrics['peak_mem_gib']:.2f} GiB"
         )
+        if metrics.get("rewards/margins") is not None:  # preference pairs: TRL's two headline metrics
+            line += f" | margin {metrics['rewards/margins']:.4f} | acc {metrics['rewards/accuracies']:.3f}"
         return line + (f" | val_loss {metrics['val_loss']:.4f}" if validated else "")
 
     def close(self) -> None:

@@ -129,7 +129,7 @@ def build_objective(
     rows: Callable[[], Iterable[Batch]] | None = None,
 ) -> TokenMeanLoss | PreferenceLoss:
     """The objective of ``cfg.objective.name`` (``cfg``: the ``JobConfig``): ``TokenMeanLoss``, or ``PreferenceLoss``
-    with its reference model (``preference.build_reference``: ``prepared``, the built policy ``model`` and its
+    with its reference model (``reference.build_reference``: ``prepared``, the built policy ``model`` and its
     ``hidden_states`` forward; None with a pipeline, which runs the LM objective only) on the job's ``mesh``, over
     the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of ``rows()`` (every
     micro-batch of this rank's run and the validation rows) from ``<run_dir>/reference_logps/dp<rank>.pt``, computed

@@ -148,23 +148,11 @@ def test_planner_counts_lora_states_by_hand() -> None:
 def test_lora_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Each LoRA recipe's header names the planner command behind its memory figure and marks it predicted; the
     command gives that figure, and the recipe trains what the command plans (rank, trainable modules, mesh)."""
-    import json
-    import re
-    import shlex
+    from tests.helpers.recipes import planned_recipe
 
-    from lctrain.config import RECIPE_DIR
-    from lctrain.planner import main as plan
-
-    header = "".join(
-        line[2:] + " " for line in (RECIPE_DIR / f"{recipe}.yaml").read_text().splitlines() if line[:2] == "# "
-    )
-    predicted = float(re.search(r"Predicted \(not measured\) memory per GPU: ([\d.]+) GiB", header).group(1))
-    command = shlex.split(re.search(r"`python -m lctrain plan ([^`]+)`", header).group(1))
-    plan([*command, "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert round(report["recommended"]["memory_gib"]["total"], 1) == predicted
+    predicted, args, planned = planned_recipe(recipe, capsys)
+    assert planned == predicted
     cfg = load_config([f"recipe={recipe}"])
-    args = dict(zip(command[::2], command[1::2]))
     assert args["--lora-rank"] == str(cfg.model.lora.rank)
     assert args["--lora-trainable"].split(",") == cfg.model.lora.trainable
     assert args["--mesh"] == f"1,{cfg.parallel.dp},{cfg.parallel.ring},{cfg.parallel.ulysses}"

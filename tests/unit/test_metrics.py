@@ -84,7 +84,9 @@ def test_preference_runs_plot_margin_and_accuracy(tmp_path: Path) -> None:
     base = {"grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": None, "peak_mem_gib": 0.1}
     metrics = MetricsLogger(LoggingConfig(), tmp_path, rank=0, resume_step=0, job_config={})
     for step in range(1, 5):
-        metrics.log(step, {**base, "loss": 0.7 - step / 20, "rewards/margins": step / 10, "rewards/accuracies": 0.5})
+        record = {**base, "loss": 0.7 - step / 20, "rewards/margins": step / 10, "rewards/accuracies": 0.5}
+        line = metrics.log(step, record)
+    assert line.endswith(" | margin 0.4000 | acc 0.500")
     metrics.close()
     assert (tmp_path / "rewards.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "val_loss.png").exists()

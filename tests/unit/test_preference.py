@@ -160,3 +160,23 @@ def test_precomputed_reference_gives_the_same_step_and_is_checked(world_of_one, 
     batch["pair_ids"] = [ids * 0 - 7 for ids in batch["pair_ids"]]
     with pytest.raises(ValueError, match="pair -7 has no reference log-probs in .*dp0.pt"):
         trainer.forward_backward([batch])
+
+
+DPO_RECIPES = ["llama31_8b_instruct_dpo_lora_128k", "llama31_8b_instruct_dpo_128k", "llama31_8b_instruct_dpo_lora_3m"]
+
+
+@pytest.mark.parametrize("recipe", DPO_RECIPES)
+def test_dpo_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each DPO recipe's header names the planner command behind its memory figure (with its reference model), the
+    command gives that figure, and the recipe trains what it plans (LoRA rank, reference, mesh, length)."""
+    from tests.helpers.recipes import planned_recipe
+
+    predicted, args, planned = planned_recipe(recipe, capsys)
+    assert planned == predicted
+    cfg = load_config([f"recipe={recipe}"])
+    assert ("--offload" in args) == cfg.parallel.activation_offload
+    assert cfg.objective.name == "dpo" and cfg.objective.reference == "initial"
+    assert args["--reference"] == ("adapters" if cfg.model.lora.rank else "copy")
+    assert args.get("--lora-rank", "0") == str(cfg.model.lora.rank)
+    assert args["--mesh"] == f"1,{cfg.parallel.dp},{cfg.parallel.ring},{cfg.parallel.ulysses}"
+    assert int(args["--seq-len"]) == cfg.data.seq_len
