@@ -7,7 +7,8 @@ and its counts (records skipped, conversations rendered per turn, turns left out
 ``offset`` (tokens of the next document already emitted; the positions of a partly emitted document continue from
 it). All plain ints and lists, so json or torch.save it; with one source it is flat (``epoch``, ``document``,
 ``offset``). ``load_state_dict`` re-opens each source's seeded stream of its epoch, skips ``document`` items without
-encoding them, and the packer drops the first ``offset`` tokens of the first document. Cost: reading and decoding
+encoding them, and the packer drops the first ``offset`` tokens of the first document (a preference pair is one item
+packed whole: never partly emitted). Cost: reading and decoding
 (and shuffle-buffering) the skipped documents of the current epoch (all ranks' documents when dp ranks split a
 dataset by document rather than by file), far less than encoding them (docs/benchmarks.md, "Data loader"), plus
 encoding one batch.
