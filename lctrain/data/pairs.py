@@ -73,7 +73,9 @@ def _field(record: dict[str, Any], name: str, where: str) -> Any:
     if value is None or (isinstance(value, (str, list)) and not value):
         raise ValueError(f"{where}: {name!r} is empty; give it text (or messages), or leave the record out")
     if not isinstance(value, (str, list)):
-        raise ValueError(f"{where}: {name!r} is a {type(value).__name__}; {_FORMAT_HELP}")
+        raise ValueError(
+            f"{where}: {name!r} is not a string or a list of messages (a {type(value).__name__}); {_FORMAT_HELP}"
+        )
     return value
 
 
@@ -82,6 +84,8 @@ def parse_pair(line: str | dict[str, Any], where: str) -> PairRecord:
     ``where`` and the fix otherwise."""
     record = decoded_record(line, where, _FORMAT_HELP)
     chosen, rejected = (_field(record, name, where) for name in ANSWERS)
+    if chosen == rejected:
+        raise ValueError(f"{where}: 'chosen' and 'rejected' are identical; a pair needs two different answers")
     if "prompt" not in record and isinstance(chosen, list) and isinstance(rejected, list):
         return _implicit(where, _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected"))
     prompt = _field(record, "prompt", where)
@@ -93,15 +97,11 @@ def parse_pair(line: str | dict[str, Any], where: str) -> PairRecord:
         )
     if isinstance(prompt, list):
         prompt, chosen, rejected = (_messages(record[name], where, name) for name in ("prompt", *ANSWERS))
-    if chosen == rejected:
-        raise ValueError(f"{where}: 'chosen' and 'rejected' are identical; a pair needs two different answers")
     return PairRecord(where, prompt, chosen, rejected)
 
 
 def _implicit(where: str, chosen: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> PairRecord:
     """The implicit-prompt form: the prompt is the longest common prefix of the two conversations' messages."""
-    if chosen == rejected:
-        raise ValueError(f"{where}: 'chosen' and 'rejected' are identical; a pair needs two different answers")
     common = 0
     while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
         common += 1

@@ -310,7 +310,7 @@ BAD = [
     ({"chosen": USER + YES, "rejected": USER}, "'rejected' has no message after the prompt"),
     ({"prompt": USER, "chosen": [{"role": "robot", "content": "x"}], "rejected": NO}, "chosen[0] has the role"),
     ({"prompt": USER, "chosen": [{"content": "x"}], "rejected": NO}, "chosen[0] has no 'role'"),
-    ({"prompt": "p", "chosen": 3, "rejected": "r"}, "'chosen' is a int"),
+    ({"prompt": "p", "chosen": 3, "rejected": "r"}, "'chosen' is not a string or a list of messages (a int)"),
 ]
 
 
