@@ -2,7 +2,8 @@
 costs, on 4 CPU ranks (ring 2 x Ulysses 2): step time and per-rank peak memory growth of a DPO step.
 
     python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
-    python -m benchmarks.bench_preference --completion 64 --ratios 16 --longest 65536
+    python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
+    python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
 
 Every job is ``jobs.bench_job("cpu")`` (the tiny recipe's model and tokenizer, fp32) with ``objective.name=dpo``.
 One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
@@ -17,11 +18,13 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
   loss return, less the one before the step: what the forward keeps for the backward), and the step's peak growth
   (``memory.StepPeak``: activations, the backward's working set and the gradients, the same gradients on both
   sides).
-- Reference options at ``--reference-ratio`` (shared): reference-free (``simpo``), LoRA's base with its adapters
-  disabled (``model.lora.rank=16``), and full fine-tuning's frozen copy of the initial weights: step time, step
-  growth, and what the built trainer holds (the resident set after building less before).
-- ``--longest N``: prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy reference), each in
-  a group of its own, until a step does not finish: the longest pair that trained, with its step time and growth.
+- Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
+  copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
+  the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
+  time and memory as above.
+- ``--longest N`` (instead of the above): prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy
+  reference), each in a group of its own, until a step does not finish: the longest pair that trained, with its step
+  time and growth.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks import memory
@@ -62,37 +66,42 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
     import torch.distributed as dist
 
     from lctrain.config import load_config
+    from lctrain.train.reference import ReferenceCache
     from lctrain.train.trainer import Trainer
     from testbed.pairs import pack_pairs, shard_rows
 
-    trainers, held = {}, {}
-    for index, (name, spec) in enumerate(specs.items()):
-        before = memory.reset_peak()
-        trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
-        held[name] = memory.reset_peak() - before
     names = list(specs)
     order = [name for index in range(warmup + steps) for name in (names if index % 2 == 0 else names[::-1])]
+
+    def batch(name: str, seed: int) -> dict:
+        spec, trainer = specs[name], trainers[name]
+        pair = one_pair(spec["prompt"], spec["completion"], seed)
+        return shard_rows([pack_pairs([pair], trainer.cfg.data.seq_len, shared=spec["shared"])], trainer.place)
+
+    trainers = {}
+    for index, (name, spec) in enumerate(specs.items()):
+        trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
+        if spec.get("precompute"):  # the reference's log-probs of every step's pair, then the model dropped
+            cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
+            trainers[name].objective.precompute_reference([batch(name, s) for s in range(warmup + steps)], cache)
     times: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
     kept: dict[str, list[int]] = {name: [] for name in names}
     for trainer in trainers.values():
         trainer.forward_loss = _recording_rss(trainer.forward_loss)
     for index, name in enumerate(order):
-        spec, trainer = specs[name], trainers[name]
-        pair = one_pair(spec["prompt"], spec["completion"], index // len(names))
-        row = pack_pairs([pair], trainer.cfg.data.seq_len, shared=spec["shared"])
-        batch = shard_rows([row], trainer.place)
+        trainer, micro_batch = trainers[name], batch(name, index // len(names))
         dist.barrier()
         with memory.StepPeak(trainer.device) as peak:
             started = time.perf_counter()
-            trainer.forward_backward([batch])
+            trainer.forward_backward([micro_batch])
             elapsed = time.perf_counter() - started
         trainer.optimizer.zero_grad(set_to_none=True)
         if index >= warmup * len(names):
             times[name].append(elapsed)
             growth[name].append(peak.growth)
             kept[name].append(trainer.forward_loss.rss - peak.before)
-    return {"times": times, "growth": growth, "kept": kept, "held": held}
+    return {"times": times, "growth": growth, "kept": kept}
 
 
 def _recording_rss(forward_loss: Any) -> Any:
@@ -121,7 +130,6 @@ def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, 
             "time": statistics.median(slowest),
             "growth": max(max(rank["growth"][name]) for rank in per_rank),
             "kept": max(max(rank["kept"][name]) for rank in per_rank),
-            "held": max(rank["held"][name] for rank in per_rank),
         }
     return result
 
@@ -163,18 +171,21 @@ def references(args: argparse.Namespace) -> None:
     prompt = args.reference_ratio * args.completion
     seq = pair_length(prompt, args.completion, True)
     base = {"prompt": prompt, "completion": args.completion, "shared": True}
+    lora = ("model.lora.rank=16", "model.lora.alpha=32")
     specs = {
-        "none (simpo)": {**base, "job": job(seq, "objective.loss_type=[simpo]")},
-        "LoRA base, adapters off": {**base, "job": job(seq, "model.lora.rank=16", "model.lora.alpha=32")},
-        "frozen copy (full)": {**base, "job": job(seq)},
+        "full: none (simpo)": {**base, "job": job(seq, "objective.loss_type=[simpo]")},
+        "full: frozen copy": {**base, "job": job(seq)},
+        "full: precomputed": {**base, "job": job(seq), "precompute": True},
+        "LoRA: none (simpo)": {**base, "job": job(seq, *lora, "objective.loss_type=[simpo]")},
+        "LoRA: base, adapters off": {**base, "job": job(seq, *lora)},
     }
     result = run(specs, args.warmup, args.steps)
     rows = [
-        [name, f"{r['time']:.3f} s", f"{r['growth'] / MIB:,.0f} MiB", f"{r['held'] / MIB:,.0f} MiB"]
+        [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
         for name, r in result.items()
     ]
-    print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared)\n")
-    print(table(["reference", "step", "step growth", "trainer holds"], rows))
+    print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared; sigmoid unless said)\n")
+    print(table(["reference", "step", "activations", "step peak growth"], rows))
 
 
 def longest(args: argparse.Namespace) -> None:
@@ -204,16 +215,17 @@ def main() -> None:
     parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt:completion ratios")
     parser.add_argument("--completion", type=int, default=32, help="tokens of each answer")
     parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
-    parser.add_argument("--longest", type=int, default=0, help="search the longest prompt up to this (0: skip)")
+    parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
     print(f"\n{RANKS} ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
-    sharing(args)
-    references(args)
     if args.longest:
         longest(args)
+        return
+    sharing(args)
+    references(args)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,10 @@ def test_dpo_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.C
     assert args.get("--lora-rank", "0") == str(cfg.model.lora.rank)
     assert args["--mesh"] == f"1,{cfg.parallel.dp},{cfg.parallel.ring},{cfg.parallel.ulysses}"
     assert int(args["--seq-len"]) == cfg.data.seq_len
+
+
+def test_a_pipeline_with_the_preference_loss_is_refused() -> None:
+    from tests.unit.test_config import check
+
+    with pytest.raises(ValueError, match=r"objective.name=dpo with parallel.pp=2: the preference loss runs without a"):
+        check(["objective.name=dpo", "parallel.pp=2", "data.batch_size=2"], 2)
