@@ -1,5 +1,5 @@
-"""The small, deterministic jsonl corpora of the end-to-end training tests and of the planner check
-(``benchmarks/validate_planner.py``).
+"""The small, deterministic jsonl corpora (text, chat, preference pairs) of the end-to-end training tests, the data
+tests and the planner check (``benchmarks/validate_planner.py``).
 
 The embedded default corpus tokenizes up to 64 standard-library files (megabytes of text) on every rank before the
 first batch: seconds of CPU per rank and launch. These documents are excerpts of one standard-library file: mostly
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,6 +37,19 @@ def corpus_overrides(path: Path) -> list[str]:
     return [f"data.paths=['{path}']"]
 
 
+def excerpts(rng: random.Random) -> Callable[[int, int], str]:
+    """``excerpt(low, high)``: a stripped excerpt of one standard-library file, ``low`` to ``high`` characters long
+    (``"x"`` for a blank one), drawn with ``rng``."""
+    text = Path(textwrap.__file__).read_text()
+
+    def excerpt(low: int, high: int) -> str:
+        length = rng.randint(low, high)
+        start = rng.randrange(len(text) - length)
+        return text[start : start + length].strip() or "x"
+
+    return excerpt
+
+
 def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) -> Path:
     """Write ``conversations`` jsonl chat records (``{"messages": [...]}``) made of excerpts of one standard-library
     file to ``path``; returns ``path``. One in four opens with a system prompt; they have one or two user / assistant
@@ -44,13 +58,8 @@ def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) ->
     than the rest of a 64-token row: the first row's first and last quarters hold only tokens without loss (its ring
     rank 0 of 2 has no trained token). One in ten has no assistant turn (nothing to train: skipped). ``seed`` picks
     the excerpts."""
-    text = Path(textwrap.__file__).read_text()
     rng = random.Random(seed)
-
-    def excerpt(low: int, high: int) -> str:
-        length = rng.randint(low, high)
-        start = rng.randrange(len(text) - length)
-        return text[start : start + length].strip() or "x"
+    excerpt = excerpts(rng)
 
     records = [[{"role": "user", "content": excerpt(110, 120)}, {"role": "assistant", "content": excerpt(10, 15)}]]
     records += [
@@ -69,6 +78,34 @@ def write_chat_corpus(path: Path, conversations: int = 120, *, seed: int = 1) ->
         for messages in records:
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
+
+
+def write_pair_corpus(path: Path, pairs: int = 60, *, seed: int = 2) -> Path:
+    """Write ``pairs`` jsonl preference records made of excerpts of one standard-library file to ``path``, in turn
+    in TRL's three forms: strings (``prompt``, ``chosen``, ``rejected``), conversational (lists of messages, one in
+    four prompts opening with a system prompt) and implicit-prompt (two whole conversations sharing their first
+    messages). Prompts of ~3 to ~40 tokens and answers of ~1 to ~15, so a 64-token row packs one to three pairs and
+    one in ten is longer than such a row (dropped). Returns ``path``."""
+    rng = random.Random(seed)
+    excerpt = excerpts(rng)
+
+    with path.open("w") as f:
+        for index in range(pairs):
+            long = rng.random() < 0.1
+            prompt, chosen, rejected = excerpt(150, 200) if long else excerpt(10, 120), excerpt(3, 40), excerpt(3, 40)
+            while rejected == chosen:
+                rejected = excerpt(3, 40)
+            if index % 3 == 0:
+                record = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+            else:
+                messages = [{"role": "system", "content": excerpt(5, 20)}] if rng.random() < 0.25 else []
+                messages.append({"role": "user", "content": prompt})
+                answers = [[{"role": "assistant", "content": answer}] for answer in (chosen, rejected)]
+                if index % 3 == 1:
+                    record = {"prompt": messages, "chosen": answers[0], "rejected": answers[1]}
+                else:
+                    record = {"chosen": messages + answers[0], "rejected": messages + answers[1]}
+            f.write(json.dumps(record) + "\n")
 
 
 # A chat template that drops the reasoning of the assistant turns before the last user message (as Qwen3's does):

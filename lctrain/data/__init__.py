@@ -1,5 +1,6 @@
-"""The streaming packed data pipeline: sources (text or chat, mixed by weight) -> tokenize (conversations through the
-chat template, with their trained-token mask) -> pack -> dp shard -> context-parallel shard.
+"""The streaming packed data pipeline: sources (text, chat or preference pairs, mixed by weight) -> tokenize
+(conversations through the chat template, with their trained-token mask; pairs as one unit of documents) -> pack ->
+dp shard -> context-parallel shard.
 
 The names below are imported from their modules when first used (``lctrain.lazy``): ``lctrain.data.config``, the
 ``data`` section of a job's config, imports without torch, transformers or ``datasets``.
@@ -14,7 +15,8 @@ __all__, __getattr__ = lazy_exports(
         "checks": ("check_data",),
         "config": ("DataConfig", "SourceConfig", "data_sources"),
         "loader": ("PackedLoader",),
-        "packing": ("IGNORE_INDEX", "Document", "PackedRow", "Packer"),
+        "packing": ("IGNORE_INDEX", "Document", "PackedRow", "Packer", "Pair"),
+        "pairs": ("PairEncoder", "parse_pair"),
         "sources": ("DocumentSource",),
         "tokenizer": ("default_tokenizer_dir", "load_tokenizer", "tokenize_documents"),
     },

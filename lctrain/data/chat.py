@@ -92,9 +92,9 @@ def _messages(value: Any, where: str, name: str) -> list[dict[str, Any]]:
     return value
 
 
-def parse_conversation(line: str | dict[str, Any], where: str) -> Conversation:
-    """A chat record (its JSON text, or the decoded object) checked and normalised; ``ValueError`` naming
-    ``where`` and the fix otherwise."""
+def decoded_record(line: str | dict[str, Any], where: str, format_help: str) -> dict[str, Any]:
+    """A record's object from its JSON text (or the object itself); ``ValueError`` naming ``where`` and the fix
+    (``format_help``: the record's form) when it is not JSON or not an object."""
     if isinstance(line, str):
         try:
             record = json.loads(line)
@@ -103,7 +103,14 @@ def parse_conversation(line: str | dict[str, Any], where: str) -> Conversation:
     else:
         record = line
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: the record is a {type(record).__name__}, not an object; {_FORMAT_HELP}")
+        raise ValueError(f"{where}: the record is a {type(record).__name__}, not an object; {format_help}")
+    return record
+
+
+def parse_conversation(line: str | dict[str, Any], where: str) -> Conversation:
+    """A chat record (its JSON text, or the decoded object) checked and normalised; ``ValueError`` naming
+    ``where`` and the fix otherwise."""
+    record = decoded_record(line, where, _FORMAT_HELP)
     if "messages" in record:
         return Conversation(where, messages=_messages(record["messages"], where, "messages"))
     if "prompt" in record and "completion" in record:

@@ -18,13 +18,13 @@ def _files(source: SourceConfig) -> set[str]:
         return set()
     if source.paths:
         return {str(Path(p).resolve()) for p in resolve_paths(source.paths)}
-    return set(embedded_files(source.format == "chat", source.split))
+    return set(embedded_files(source.format in ("chat", "preference"), source.split))
 
 
 def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Every source (and validation source) opened, the first record of every chat source rendered with the
-    template, and no validation file that is also a training file. ``ValueError`` / ``FileNotFoundError`` naming
-    the setting."""
+    """Every source (and validation source) opened, the first record of every chat or preference source encoded
+    (conversations rendered with the template), and no validation file that is also a training file. ``ValueError``
+    / ``FileNotFoundError`` naming the setting."""
     template = read_chat_template(config)
     train = data_sources(config)
     val = [filled_source(source, config) for source in config.val_sources]

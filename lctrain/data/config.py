@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-DATA_FORMATS = ("auto", "text", "chat")
+DATA_FORMATS = ("auto", "text", "chat", "preference")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 OVERLONG = ("drop", "truncate", "error")
 DIVERGENT_TURNS = ("expand", "last_turn", "error")
@@ -24,7 +24,7 @@ class SourceConfig:
     dataset_config: str | None = None  # the hub dataset's configuration name
     split: str = "train"  # the hub dataset's split; for the embedded corpus: train or validation
     weight: float = 1.0  # share of the documents drawn (relative to the other sources' weights), > 0
-    format: str | None = None  # text, chat or auto; None = data.format
+    format: str | None = None  # text, chat, preference or auto; None = data.format
     text_field: str | None = None  # the field holding a text document; None = data.text_field
 
 
@@ -45,10 +45,17 @@ class DataConfig:
     shuffle_buffer: int = 0  # documents in the shuffle buffer; 0 = no shuffling
     seed: int = 0  # shuffle seed
     truncate: bool = False  # drop the rest of a document that does not fit in its row, instead of continuing it
-    format: str = "auto"  # text, chat (conversations) or auto (chat when a source's first record has messages)
+    # text, chat (conversations), preference (pairs: prompt, chosen, rejected) or auto (by a source's first record:
+    # chat when it has messages or prompt and completion, preference when it has chosen and rejected)
+    format: str = "auto"
     chat_template: str | None = None  # a Jinja chat template file; None = the tokenizer's own
     train_on: str = "assistant"  # chat tokens with loss: assistant (every assistant turn), last_assistant or all
-    overlong: str = "drop"  # a conversation longer than seq_len: drop (counted in the log), truncate or error
+    # a conversation or preference pair longer than seq_len: drop (counted in the log), truncate (a conversation's
+    # end; a pair's prompt from its start) or error
+    overlong: str = "drop"
+    # preference pairs: the prompt packed once, each answer seeing it as a shared prefix; false = two plain
+    # documents [prompt, chosen] and [prompt, rejected] (the same loss, the prompt computed twice)
+    share_prompt: bool = True
     # a conversation whose whole rendering is not what the model sees at inference for a trained turn: expand (one
     # document per such turn, counted), last_turn (only the last trained turn) or error
     divergent_turns: str = "expand"

@@ -6,8 +6,11 @@ of them becomes documents (``encode``), so that the loader mixes, packs and shar
   (``ChatEncoder``); a conversation whose whole rendering is not what the model sees at inference becomes one
   document per trained turn (``lctrain.data.chat_turns``); each document longer than a row is dropped, cut or an
   error (``data.overlong``), and one without a trained token is skipped.
+- ``PairSource``: an item is a preference record (``lctrain.data.pairs``), encoded into one ``Pair``, a unit of
+  documents never split across rows; a pair longer than a row is dropped, has its prompt cut from its start, or is
+  an error (``data.overlong``).
 
-``encode`` gives one ``Encoded`` per item: a ``Document``, the reason the item gives none
+``encode`` gives one ``Encoded`` per item: a ``Document`` (or ``Pair``), the reason the item gives none
 (``lctrain.data.mixture.SKIP_REASONS``), or a conversation's parts (documents and such reasons, with the counts
 ``divergent`` and ``unreachable``), which the stream counts in the data state.
 """
@@ -25,7 +28,8 @@ from lctrain.data.chat import ChatEncoder, Conversation, parse_conversation
 from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
-from lctrain.data.packing import Document
+from lctrain.data.packing import Document, Pair
+from lctrain.data.pairs import PairEncoder, parse_pair
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import tokenize_documents
 
@@ -49,12 +53,11 @@ class TextSource:
         """Nothing beyond opening: the source checked its text field when it was opened."""
 
 
-class ChatSource:
-    """Chat records; each conversation becomes one document (never split over rows), or one per trained turn
-    (``data.divergent_turns``), each of ``seq_len`` tokens at most by ``overlong`` (``data.overlong``): ``drop``
-    (logged once, counted), ``truncate`` or ``error``."""
+class RecordSource:
+    """What the sources of records (chat and preference) share: the records with where they are, and what happens to
+    an item longer than a row (``overlong``: ``data.overlong``)."""
 
-    def __init__(self, documents: DocumentSource, encoder: ChatEncoder, *, seq_len: int, overlong: str):
+    def __init__(self, documents: DocumentSource, encoder: ChatEncoder | PairEncoder, *, seq_len: int, overlong: str):
         self.documents, self.encoder = documents, encoder
         self.seq_len, self.overlong = seq_len, overlong
         self.description = documents.description
@@ -62,6 +65,35 @@ class ChatSource:
 
     def items(self, epoch: int) -> Iterator[tuple[str, str]]:
         return self.documents.records(epoch)
+
+    def _refuse_overlong(self, where: str, item: str) -> None:
+        """With ``data.overlong=error``, ``item`` (e.g. "a conversation of 9000 tokens") longer than a row is one
+        line naming it."""
+        if self.overlong == "error":
+            raise ValueError(
+                f"{where}: {item} is longer than data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or "
+                f"raise data.seq_len"
+            )
+
+    def _dropped(self, where: str, item: str) -> str:
+        """``item`` longer than a row, dropped: the first one logged; the reason it gives no document."""
+        if not self._reported_overlong:
+            logger.info(
+                "%s: %s is longer than data.seq_len=%d and is dropped (data.overlong=%s; the count is logged at the "
+                "end)",
+                where,
+                item,
+                self.seq_len,
+                self.overlong,
+            )
+            self._reported_overlong = True
+        return "overlong"
+
+
+class ChatSource(RecordSource):
+    """Chat records; each conversation becomes one document (never split over rows), or one per trained turn
+    (``data.divergent_turns``), each of ``seq_len`` tokens at most by ``overlong`` (``data.overlong``): ``drop``
+    (logged once, counted), ``truncate`` or ``error``."""
 
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
         conversations = [parse_conversation(record, where) for record, where in records]
@@ -76,22 +108,10 @@ class ChatSource:
     def _fitted(self, conversation: Conversation, document: Document) -> Encoded:
         """A conversation's document, or why it gives none."""
         if len(document) > self.seq_len:
-            if self.overlong == "error":
-                raise ValueError(
-                    f"{conversation.where}: a conversation of {len(document)} tokens is longer than "
-                    f"data.seq_len={self.seq_len}; set data.overlong=drop or truncate, or raise data.seq_len"
-                )
+            item = f"a conversation of {len(document)} tokens"
+            self._refuse_overlong(conversation.where, item)
             if self.overlong == "drop":
-                if not self._reported_overlong:
-                    logger.info(
-                        "%s: a conversation of %d tokens is longer than data.seq_len=%d and is dropped "
-                        "(data.overlong=drop; the count is logged at the end)",
-                        conversation.where,
-                        len(document),
-                        self.seq_len,
-                    )
-                    self._reported_overlong = True
-                return "overlong"
+                return self._dropped(conversation.where, item)
             document = replace(
                 document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
             )
@@ -101,6 +121,34 @@ class ChatSource:
         """The first record rendered with the template: a bad record or template fails before any process group."""
         record, where = next(self.items(0))
         self.encoder.encode([parse_conversation(record, where)])
+
+
+class PairSource(RecordSource):
+    """Preference records; each pair becomes one ``Pair`` (its documents never split over rows) of ``seq_len`` tokens
+    at most, by ``overlong`` (``data.overlong``): ``drop`` (logged once, counted), ``truncate`` (the prompt cut from
+    its start, keeping at least its last token; a pair whose answers alone do not fit is dropped) or ``error``."""
+
+    def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
+        parsed = [parse_pair(record, where) for record, where in records]
+        return [self._fitted(record.where, pair) for record, pair in zip(parsed, self.encoder.encode(parsed))]
+
+    def _fitted(self, where: str, pair: Pair) -> Encoded:
+        if len(pair) <= self.seq_len:
+            return pair
+        item = f"a preference pair of {len(pair)} tokens (as data.share_prompt packs it)"
+        self._refuse_overlong(where, item)
+        if self.overlong == "truncate":
+            answers = len(pair.chosen) + len(pair.rejected)
+            # the prompt's length that fits: shared (P + 1 + C + R) or repeated (2P + C + R)
+            keep = self.seq_len - 1 - answers if pair.shared else (self.seq_len - answers) // 2
+            if keep >= 1:
+                return replace(pair, prompt=pair.prompt[len(pair.prompt) - keep :])
+        return self._dropped(where, item)
+
+    def check(self) -> None:
+        """The first record encoded: a bad record or template fails before any process group."""
+        record, where = next(self.items(0))
+        self.encoder.encode([parse_pair(record, where)])
 
 
 def read_chat_template(config: DataConfig) -> str | None:
@@ -122,10 +170,11 @@ def open_source(
     template: str | None,
     dp_rank: int = 0,
     dp_size: int = 1,
-) -> TextSource | ChatSource:
+) -> TextSource | ChatSource | PairSource:
     """``source`` (its format and text field filled: ``lctrain.data.config.filled_source``) opened for dp rank
     ``dp_rank`` of ``dp_size`` as the class of its kind (``format=auto``: the kind of its first record); its
-    documents are of source ``index``, chat rendered with ``template`` (``read_chat_template``)."""
+    documents are of source ``index``, chat (and conversational pairs) rendered with ``template``
+    (``read_chat_template``)."""
     documents = DocumentSource(
         paths=source.paths,
         dataset=source.dataset,
@@ -142,4 +191,7 @@ def open_source(
         turns = TurnSettings(config.divergent_turns, config.unreachable_turns)
         encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, turns=turns, source=index)
         return ChatSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
+    if documents.format == "preference":
+        encoder = PairEncoder(tokenizer, template=template, shared=config.share_prompt, source=index)
+        return PairSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
     return TextSource(documents, tokenizer, index)

@@ -7,7 +7,8 @@ and its counts (records skipped, conversations rendered per turn, turns left out
 ``offset`` (tokens of the next document already emitted; the positions of a partly emitted document continue from
 it). All plain ints and lists, so json or torch.save it; with one source it is flat (``epoch``, ``document``,
 ``offset``). ``load_state_dict`` re-opens each source's seeded stream of its epoch, skips ``document`` items without
-encoding them, and the packer drops the first ``offset`` tokens of the first document. Cost: reading and decoding
+encoding them, and the packer drops the first ``offset`` tokens of the first document (a preference pair is one item
+packed whole: never partly emitted). Cost: reading and decoding
 (and shuffle-buffering) the skipped documents of the current epoch (all ranks' documents when dp ranks split a
 dataset by document rather than by file), far less than encoding them (docs/benchmarks.md, "Data loader"), plus
 encoding one batch.
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from lctrain.attention import SequencePlace
 from lctrain.data.config import DataConfig, data_sources
-from lctrain.data.kinds import open_source, read_chat_template
+from lctrain.data.kinds import PairSource, open_source, read_chat_template
 from lctrain.data.mixture import COUNTS, Mixture, SourceStream
 from lctrain.data.packing import PackedRow, Packer
 from lctrain.data.tokenizer import load_tokenizer
@@ -39,6 +40,15 @@ class PackedLoader:
       each row (``place.shard`` on dim 1; labels were shifted on the global row, see ``lctrain.data.packing``).
     - ``sources``: ``[B, S / (R·U)]`` int16, the source index of each token (``names`` names them), sharded alike.
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
+
+    When a source holds preference pairs (``lctrain.data.kinds.PairSource``), also:
+
+    - ``completions``: ``[B, S / (R·U)]`` int64, sharded alike: the completion of each trained token of a pair
+      (``2k`` pair k's chosen, ``2k + 1`` its rejected, numbered within the row), -1 elsewhere.
+    - ``doc_prefix``: a list of B int64 tensors ``[k_b]``, each document's shared prefix (a document index of the
+      global row, -1 for none).
+    - ``pair_counts``: a list of B ints, the whole pairs of each row; ``pair_ids``: a list of B int64 tensors
+      ``[pair_counts[b]]``, their identities (``lctrain.data.pairs.pair_id``).
 
     Ranks with the same ``dp_rank`` read the same rows; different dp ranks read disjoint documents. ``place`` is
     the rank's part of each row (``SequencePlace``, which carries the layout; None = whole rows). Rank coordinates
@@ -71,6 +81,7 @@ class PackedLoader:
             )
             for index, source in enumerate(self._configs)
         ]
+        self.pairs = any(isinstance(source, PairSource) for source in self._sources)
         self._state: dict[str, Any] = {
             "dp_rank": dp_rank,
             "dp_size": dp_size,
@@ -79,7 +90,7 @@ class PackedLoader:
             "sources": [{"epoch": 0, "document": 0, "part": 0, **dict.fromkeys(COUNTS, 0)} for _ in self._sources],
         }
 
-    def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor]]]:
+    def __iter__(self) -> Iterator[dict[str, Tensor | list[Tensor] | list[int]]]:
         state = self._state
         streams = [
             SourceStream(
@@ -115,19 +126,23 @@ class PackedLoader:
             }
             yield batch
 
-    def _shard(self, rows: list[PackedRow]) -> dict[str, Tensor | list[Tensor]]:
-        batch: dict[str, Tensor | list[Tensor]] = {}
-        for key in ("input_ids", "labels", "position_ids", "sources"):
+    def _shard(self, rows: list[PackedRow]) -> dict[str, Tensor | list[Tensor] | list[int]]:
+        batch: dict[str, Tensor | list[Tensor] | list[int]] = {}
+        for key in ("input_ids", "labels", "position_ids", "sources", *(("completions",) if self.pairs else ())):
             full = torch.stack([getattr(row, key) for row in rows])  # [B, S]
             # [B, S] -> [B, S/(R·U)]
             batch[key] = self.place.shard(full, dim=1).contiguous()
         batch["cu_seqlens"] = [row.cu_seqlens for row in rows]
+        if self.pairs:
+            batch["doc_prefix"] = [row.doc_prefix for row in rows]
+            batch["pair_counts"] = [len(row.pair_ids) for row in rows]
+            batch["pair_ids"] = [row.pair_ids for row in rows]
         return batch
 
     def skipped(self) -> dict[str, dict[str, int]]:
         """Per source name, the counts so far of this dp rank: records skipped, ``overlong`` (dropped, longer than
-        a row) and ``untrained`` (no trained token); ``divergent`` conversations (rendered per turn) and
-        ``unreachable`` turns left out (``lctrain.data.chat_turns``)."""
+        a row: conversations and pairs) and ``untrained`` (no trained token); ``divergent`` conversations (rendered
+        per turn) and ``unreachable`` turns left out (``lctrain.data.chat_turns``)."""
         return {
             name: {reason: position[reason] for reason in COUNTS}
             for name, position in zip(self.names, self._state["sources"])

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, islice
 from typing import Any
 
-from lctrain.data.packing import Document
+from lctrain.data.packing import Document, Pair
 
 # One encoder call takes up to this many items or characters (whichever comes first): enough for the tokenizer's
 # threads to share, few enough to bound the memory of the token lists (~40 bytes per token).
@@ -44,9 +44,10 @@ def uniform(seed: int, dp_rank: int, draw: int) -> float:
     return (_splitmix64(_splitmix64(_splitmix64(seed) ^ dp_rank) ^ draw) >> 11) / (1 << 53)
 
 
-Item = Any  # a text (str), or a chat record and where it is: (JSON text, "file:line")
-# a document, the reason (SKIP_REASONS) the item gives none, or its parts: documents and counts (COUNTS)
-Encoded = Document | str | list[Document | str]
+Item = Any  # a text (str), or a chat or preference record and where it is: (JSON text, "file:line")
+# a document (a pair: one unit of documents), the reason (SKIP_REASONS) the item gives none, or its parts:
+# documents and counts (COUNTS)
+Encoded = Document | Pair | str | list[Document | str]
 
 
 def _size(item: Item) -> int:
@@ -140,7 +141,7 @@ class SourceStream:
             if not isinstance(self._buffer[0], list) or self.part == len(self._buffer[0]):
                 self._buffer.popleft()
                 self.document, self.part = self.document + 1, 0
-            if isinstance(encoded, Document):
+            if isinstance(encoded, (Document, Pair)):
                 self._documents += 1
                 self.last = position
                 return encoded

@@ -5,11 +5,14 @@ A source is one of: local files (jsonl/json, parquet, txt; globs allowed; a txt 
 (``split``: ``train``, or ``validation`` = every ``HELD_OUT_EVERY``-th file, never trained on):
 
 - text: the ``*.py`` files of the Python standard library, sorted, one document per file;
-- chat: questions about the standard library's functions answered by their docstrings (``lctrain.data.stdlib_chat``).
+- chat: questions about the standard library's functions answered by their docstrings (``lctrain.data.stdlib_chat``);
+- preference: each such function's code, its true docstring preferred to a corrupted one
+  (``lctrain.data.stdlib_pairs``).
 
-A source holds text documents (``texts``) or chat records (``records``: each record's JSON text and where it is,
-``file:line``, for the errors). ``format``: ``text``, ``chat``, or ``auto``: chat when the first record has
-``messages`` or ``prompt`` and ``completion``.
+A source holds text documents (``texts``) or records (``records``, chat or preference: each record's JSON text and
+where it is, ``file:line``, for the errors). ``format``: ``text``, ``chat``, ``preference``, or ``auto``: chat when
+the first record has ``messages`` or ``prompt`` and ``completion``, preference when it has ``chosen`` and
+``rejected``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from datasets.distributed import split_dataset_by_node
 
 from lctrain.data.chat import is_chat_record
 from lctrain.data.config import DATA_FORMATS
+from lctrain.data.pairs import is_pair_record
 from lctrain.data.stdlib_chat import stdlib_conversations
+from lctrain.data.stdlib_pairs import stdlib_pairs
 
 # File suffix -> the `datasets` builder that reads it. txt files are read whole (one document per file).
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -66,7 +71,8 @@ def stdlib_files() -> list[str]:
 
 
 def embedded_files(chat: bool, split: str) -> list[str]:
-    """The files of an embedded corpus's split: the standard library's (without its tests, for chat), sorted, with
+    """The files of an embedded corpus's split: the standard library's (without its tests, for chat and preference
+    pairs: ``chat``), sorted, with
     every ``HELD_OUT_EVERY``-th one in ``validation`` and the others in ``train``."""
     if split not in EMBEDDED_SPLITS:
         raise ValueError(f"split={split!r}: the embedded corpus has the splits {', '.join(EMBEDDED_SPLITS)}")
@@ -104,7 +110,7 @@ def read_records(paths: list[str]) -> Iterator[dict[str, str]]:
                     row += 1
             continue
         if suffix == ".txt":
-            raise ValueError(f"{path}: a txt file is one text document, not chat records: use data.format=text")
+            raise ValueError(f"{path}: a txt file is one text document, not records: use data.format=text")
         with open(path, encoding="utf-8") as f:
             first = f.read(1024).lstrip()[:1]
             f.seek(0)
@@ -163,18 +169,20 @@ def _open_text(
 
 
 def _open_records(
-    paths: Sequence[str], dataset: str | None, dataset_config: str | None, split: str
+    paths: Sequence[str], dataset: str | None, dataset_config: str | None, split: str, format: str
 ) -> datasets.IterableDataset:
     if dataset:
         ds = datasets.load_dataset(dataset, dataset_config, split=split, streaming=True)
         return ds.map(_hub_records, with_indices=True, fn_kwargs={"name": dataset}, remove_columns=ds.column_names)
     if not paths:
-        return _from_files(stdlib_conversations, embedded_files(True, split), _RECORD_FEATURES)
+        corpus = stdlib_pairs if format == "preference" else stdlib_conversations
+        return _from_files(corpus, embedded_files(True, split), _RECORD_FEATURES)
     return _from_files(read_records, resolve_paths(paths), _RECORD_FEATURES)
 
 
 class DocumentSource:
-    """The documents of one data-parallel rank: text documents (``texts``) or chat records (``records``).
+    """The documents of one data-parallel rank: text documents (``texts``) or chat or preference records
+    (``records``).
 
     Ranks ``0..dp_size-1`` see disjoint sets of documents whose union is the whole dataset. ``texts(epoch)`` and
     ``records(epoch)`` give the same sequence on every call with the same arguments: the shuffle (buffer of
@@ -214,14 +222,17 @@ class DocumentSource:
         elif paths:
             self.description = f"paths={list(paths)}"
         else:
-            kind = "chat: the standard library's docstrings" if format == "chat" else "Python standard library"
+            kind = {
+                "chat": "chat: the standard library's docstrings",
+                "preference": "preference: the standard library's docstrings against corrupted ones",
+            }.get(format, "Python standard library")
             self.description = f"the embedded default corpus ({kind}, split {split})"
         if format == "auto":
-            chat = bool(paths or dataset) and is_chat_record(_first_record(paths, dataset, dataset_config, split))
-            format = "chat" if chat else "text"
+            first = _first_record(paths, dataset, dataset_config, split) if paths or dataset else None
+            format = "chat" if is_chat_record(first) else "preference" if is_pair_record(first) else "text"
         self.format = format
-        if format == "chat":
-            self._dataset = _open_records(paths, dataset, dataset_config, split)
+        if format in ("chat", "preference"):
+            self._dataset = _open_records(paths, dataset, dataset_config, split, format)
             if next(iter(self._dataset), None) is None:
                 raise ValueError(f"{self.description}: the dataset has no records")
             return
@@ -233,7 +244,8 @@ class DocumentSource:
         if first is None:
             raise ValueError(f"{self.description}: the dataset has no documents")
         if text_field not in first:
-            hint = " (a chat record: use data.format=chat or auto)" if is_chat_record(first) else ""
+            kind = "chat" if is_chat_record(first) else "preference" if is_pair_record(first) else None
+            hint = f" (a {kind} record: use data.format={kind} or auto)" if kind else ""
             raise ValueError(
                 f"text_field={text_field!r} is not a field of {self.description}; available fields: "
                 f"{sorted(first)}{hint}"
@@ -257,6 +269,6 @@ class DocumentSource:
                 yield text
 
     def records(self, epoch: int) -> Iterator[tuple[str, str]]:
-        """This rank's chat records for ``epoch``, in order: (the record's JSON text, where it is)."""
+        """This rank's chat or preference records for ``epoch``, in order: (the record's JSON text, where it is)."""
         for example in self._stream(epoch):
             yield example["record"], example["where"]

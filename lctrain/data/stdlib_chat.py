@@ -28,17 +28,17 @@ QUESTIONS = (
 FOLLOW_UPS = ("And `{name}({args})`?", "What about `{name}`?", "Now `{module}.{name}`, please.")
 
 
-def _module_name(path: str) -> str:
+def module_name(path: str) -> str:
+    """The dotted module name of a standard-library file."""
     relative = Path(os.path.relpath(path, sysconfig.get_paths()["stdlib"])).with_suffix("")
     parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
     return ".".join(parts)
 
 
-def documented_functions(source: str) -> list[tuple[str, str, str]]:
-    """(qualified name, arguments, docstring) of the public functions and public classes' public methods of a
-    module's source that have a docstring, in source order."""
-    found = []
-    for node in ast.parse(source).body:
+def public_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef, str]]:
+    """(qualified name, node, docstring) of a module's public functions and its public classes' public methods that
+    have a docstring, in source order."""
+    for node in tree.body:
         members = [("", node)]
         if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             members += [(f"{node.name}.", member) for member in node.body]
@@ -47,8 +47,13 @@ def documented_functions(source: str) -> list[tuple[str, str, str]]:
                 continue
             docstring = ast.get_docstring(member)
             if docstring and docstring.strip():
-                found.append((prefix + member.name, ast.unparse(member.args), docstring.strip()))
-    return found
+                yield prefix + member.name, member, docstring.strip()
+
+
+def documented_functions(source: str) -> list[tuple[str, str, str]]:
+    """(qualified name, arguments, docstring) of the public functions and public classes' public methods of a
+    module's source that have a docstring, in source order."""
+    return [(name, ast.unparse(node.args), docstring) for name, node, docstring in public_functions(ast.parse(source))]
 
 
 def stdlib_conversations(paths: list[str]) -> Iterator[dict[str, str]]:
@@ -59,7 +64,7 @@ def stdlib_conversations(paths: list[str]) -> Iterator[dict[str, str]]:
             functions = documented_functions(Path(path).read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        module = _module_name(path)
+        module = module_name(path)
         rng = random.Random(os.path.relpath(path, sysconfig.get_paths()["stdlib"]))
         start, number = 0, 0
         while start < len(functions):

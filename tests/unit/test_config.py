@@ -440,7 +440,7 @@ SBATCH_GPUS = re.search(r"#SBATCH --gpus-per-node=(\d+)", (REPO / "scripts/slurm
 def recipe_model(path: str, tmp_path: Path) -> Path:
     """A local directory with the config.json of the checkpoint a recipe names."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    if path == "runs/tiny_cpu/hf":  # what `make train` exports
+    if path in ("runs/tiny_cpu/hf", "runs/tiny_cpu_sft/hf"):  # what `make train` exports, and its SFT
         config = model_config(load_config(["recipe=tiny_cpu"]).model, vocab_size=8192).to_dict()
     else:
         assert path in CHECKPOINTS, f"add the config of {path} to this test"
