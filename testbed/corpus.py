@@ -106,6 +106,7 @@ def write_pair_corpus(path: Path, pairs: int = 60, *, seed: int = 2) -> Path:
                 else:
                     record = {"chosen": messages + answers[0], "rejected": messages + answers[1]}
             f.write(json.dumps(record) + "\n")
+    return path
 
 
 # A chat template that drops the reasoning of the assistant turns before the last user message (as Qwen3's does):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from lctrain.config.schema import JobConfig
-from lctrain.models.families import check_experts, check_family, check_model_features, model_source
+from lctrain.models.families import MOE_FAMILIES, check_experts, check_family, check_model_features, model_source
 from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads, num_experts
 
 logger = logging.getLogger("lctrain")
@@ -97,6 +98,12 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
     check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp, cfg.train.router_aux_scope)
+    router_loss = getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0
+    if cfg.objective.name == "dpo" and config.model_type in MOE_FAMILIES and router_loss:
+        raise ValueError(
+            f"objective.name=dpo with {config.model_type}'s router load-balancing loss: the preference loss does not "
+            f"add it (its reference pass would count in the routers' statistics); set model.router_aux_loss_coef=0"
+        )
     check_job(
         cfg,
         world_size,
@@ -126,4 +133,22 @@ def check_rope(cfg: JobConfig, cp: int, max_position_embeddings: int | None, rop
             f"max_position_embeddings={max_position_embeddings}: set model.max_position_embeddings >= "
             f"{cfg.data.seq_len} (training then uses the base frequencies and inference scales beyond), or use "
             f"linear, yarn or llama3"
+        )
+
+
+def check_objective_data(objective: str, formats: Sequence[str]) -> None:
+    """The objective against the kinds of its data (``formats``: each training and validation source's, as read):
+    the preference loss trains on preference pairs only, and the language-modelling loss on none."""
+    pairs = [kind == "preference" for kind in formats]
+    if objective == "dpo" and not all(pairs):
+        others = sorted({kind for kind in formats if kind != "preference"})
+        raise ValueError(
+            f"objective.name=dpo trains on preference pairs, and data has {' and '.join(others)} sources: give it "
+            f"preference sources only (data=preference, data.format=preference), or set objective.name=lm"
+        )
+    if objective == "lm" and any(pairs):
+        raise ValueError(
+            "data has preference pairs (data.format=preference) and objective.name=lm would train the "
+            "language-modelling loss on both answers: set objective.name=dpo (or train the chosen answers as "
+            "prompt/completion chat records)"
         )

@@ -21,15 +21,19 @@ def _files(source: SourceConfig) -> set[str]:
     return set(embedded_files(source.format in ("chat", "preference"), source.split))
 
 
-def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Every source (and validation source) opened, the first record of every chat or preference source encoded
     (conversations rendered with the template), and no validation file that is also a training file. ``ValueError``
-    / ``FileNotFoundError`` naming the setting."""
+    / ``FileNotFoundError`` naming the setting. Returns each source's format as read (text, chat or preference;
+    training sources, then validation sources)."""
     template = read_chat_template(config)
     train = data_sources(config)
     val = [filled_source(source, config) for source in config.val_sources]
+    formats = []
     for index, source in enumerate(train + val):
-        open_source(source, config, tokenizer, index=index, template=template).check()
+        opened = open_source(source, config, tokenizer, index=index, template=template)
+        opened.check()
+        formats.append(opened.documents.format)
     for source in val:
         for other in train:
             same_hub = source.dataset and (source.dataset, source.dataset_config, source.split) == (
@@ -44,3 +48,4 @@ def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
                     f"data.val_sources {source.name!r}: {what} is also training data ({other.name!r}); validate on "
                     f"held-out files (the embedded corpus: split validation)"
                 )
+    return formats

@@ -25,6 +25,7 @@ from lctrain.attention import SequencePlace
 from lctrain.build import build_model, prepare_model, tokenizer_path
 from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
+from lctrain.config.checks import check_objective_data
 from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
@@ -418,7 +419,7 @@ def check(cfg: JobConfig, world_size: int) -> None:
     else:
         tokenizer = prepare_model(cfg, world_size).tokenizer
     for job in stage_configs(cfg):
-        check_data(job.data, tokenizer)
+        check_objective_data(job.objective.name, check_data(job.data, tokenizer))
 
 
 def train(cfg: JobConfig) -> None:

@@ -187,3 +187,44 @@ def test_a_pipeline_with_the_preference_loss_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"objective.name=dpo with parallel.pp=2: the preference loss runs without a"):
         check(["objective.name=dpo", "parallel.pp=2", "data.batch_size=2"], 2)
+
+
+@pytest.mark.parametrize(
+    "objective,formats,expected",
+    [
+        ("dpo", ["preference", "chat"], "objective.name=dpo trains on preference pairs, and data has chat sources"),
+        ("dpo", ["text"], "objective.name=dpo trains on preference pairs, and data has text sources"),
+        ("lm", ["chat", "preference"], "objective.name=lm would train the language-modelling loss on both answers"),
+    ],
+)
+def test_the_objective_and_the_kinds_of_its_data_must_agree(objective: str, formats: list[str], expected: str) -> None:
+    from lctrain.config.checks import check_objective_data
+
+    with pytest.raises(ValueError, match=expected):
+        check_objective_data(objective, formats)
+    check_objective_data(objective, ["preference"] if objective == "dpo" else ["text", "chat"])
+
+
+def test_the_trainers_check_reads_the_kinds_of_the_data(tmp_path: Path) -> None:
+    """``lctrain train``'s check (before any process group) opens the sources and refuses pairs under the LM loss."""
+    from lctrain.train.trainer import check
+    from testbed.corpus import corpus_overrides, write_pair_corpus
+
+    overrides = [*corpus_overrides(write_pair_corpus(tmp_path / "pairs.jsonl")), "data.format=auto"]
+    with pytest.raises(ValueError, match="data has preference pairs"):
+        check(load_config(overrides), 1)
+    check(load_config([*overrides, "objective.name=dpo"]), 1)
+
+
+def test_dpo_with_a_router_load_balancing_loss_is_refused() -> None:
+    from transformers import Qwen3MoeConfig
+
+    from lctrain.config.checks import check_model_job
+
+    config = Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True, vocab_size=256,
+    )  # fmt: skip
+    cfg = load_config(["model.family=qwen3_moe", "objective.name=dpo"])
+    with pytest.raises(ValueError, match="set model.router_aux_loss_coef=0"):
+        check_model_job(cfg, 1, config, 256)
