@@ -1,15 +1,18 @@
 """Mixture-of-experts layers: lctrain's experts implementation against transformers' own at world size 1, and expert
-parallelism against none on 4 ranks, on CPU.
+parallelism against none on 4 ranks, on CPU; the first on one GPU too.
 
     python -m benchmarks.bench_experts                  # both parts, about 3 minutes on 2 cores
     python -m benchmarks.bench_experts --part single --seq 4096
+    python -m benchmarks.bench_experts --part single --device cuda --json OUT.json
 
 - ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
   ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
   default experts implementation (``grouped_mm``), its ``eager`` loop over experts, and lctrain's
   (``lctrain.parallel.expert``) with each local kernel and with the one ``expert_kernel`` picks for this CPU. The same
   weights and rows on every side; steps taken in turn (A, B, C, ..., then again) so that drift in the machine's load
-  hits them alike; the median step time and its ratio to transformers' default.
+  hits them alike; the median step time and its ratio to transformers' default. ``--device cuda``: the same in
+  bf16 on one GPU (every step synchronized), lctrain's ``grouped_mm`` being ``torch._grouped_mm``; by default at
+  Qwen3-30B-A3B's layer sizes (hidden 2,048, 128 experts of width 768, top 8) on a row of 16,384 tokens.
 - ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
   on every rank (``ep`` 1) and spread over 2 and 4 ranks, the three side by side in each process and their steps
   taken in turn: the median step time, the expert weights each rank holds and how much its resident memory grows
@@ -25,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,6 +45,11 @@ from lctrain.testing import run_distributed
 MIB = 2**20
 VOCAB = 1024
 EP_DEGREES = (1, 2, 4)
+# the single part's model on each device (flags left unset take these)
+SHAPES = {
+    "cpu": {"seq": 2048, "hidden": 256, "experts": 16, "expert_width": 256, "top_k": 4},
+    "cuda": {"seq": 16384, "hidden": 2048, "experts": 128, "expert_width": 768, "top_k": 8},
+}
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -63,27 +73,33 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def step(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
-    """One forward and backward; its wall time in seconds."""
+    """One forward and backward; its wall time in seconds (on CUDA up to the end of its kernels)."""
+    synchronize = torch.cuda.synchronize if input_ids.is_cuda else lambda: None
+    synchronize()
     start = time.perf_counter()
     model(input_ids=input_ids, labels=input_ids).loss.backward()
+    synchronize()
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed
 
 
-def single(args: argparse.Namespace) -> str:
-    reference = build(args)
+def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
+    """The table of the single part, and each side's step times in seconds."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reference = build(args).to(device, dtype)
     sides = {}
     for name in ("grouped_mm", "eager"):
         model = copy.deepcopy(reference)
         model.set_experts_implementation(name)
         sides[f"transformers {name}"] = model
-    chosen = expert_kernel(torch.device("cpu"), torch.float32)
+    chosen = expert_kernel(device, dtype)
     for kernel in ("loop", "grouped_mm"):
         model = copy.deepcopy(reference)
         apply_expert_parallel(model, None, kernel)
         sides[f"lctrain {kernel}" + (" (chosen here)" if kernel == chosen else "")] = model
-    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for index in range(args.warmup + args.steps):
         for name, model in sides.items():
@@ -94,7 +110,7 @@ def single(args: argparse.Namespace) -> str:
     rows = [
         [name, f"{statistics.median(t) * 1e3:.0f}", f"{statistics.median(t) / base:.2f}"] for name, t in times.items()
     ]
-    return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows)
+    return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows), times
 
 
 def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
@@ -159,23 +175,33 @@ def expert_parallel(args: argparse.Namespace) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_experts", description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the single part only, in bf16")
+    for flag, key in (("--seq", "seq"), ("--hidden", "hidden"), ("--experts", "experts")):
+        p.add_argument(flag, type=int, help=f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--expert-width", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--expert-width", type=int, help="CPU 256, CUDA 768")
+    p.add_argument("--top-k", type=int, help="CPU 4, CUDA 8")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", help="also write the single part's step times as JSON")
     args = p.parse_args()
+    if args.device == "cuda" and args.part != "single":
+        p.error("--device cuda runs --part single only: add --part single")
+    for key, value in SHAPES[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(1)
+    dtype = "bf16 on one GPU" if args.device == "cuda" else "fp32, one thread per process"
     print(f"{command()}\ncommit {commit()}, {date.today()}, {machine_line()}")
     print(
         f"Qwen3-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.expert_width}, "
-        f"top {args.top_k}; {args.seq} tokens a row, fp32, one thread per process\n"
+        f"top {args.top_k}; {args.seq} tokens a row, {dtype}\n"
     )
     if args.part in ("single", "all"):
-        print(single(args) + "\n")
+        report, times = single(args)
+        print(report + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command(), "device": args.device, "times": times}))
     if args.part in ("ep", "all"):
         print("4 ranks, one row each:\n" + expert_parallel(args))
 

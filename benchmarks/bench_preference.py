@@ -1,11 +1,14 @@
 """Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
-costs, on 4 CPU ranks (ring 2 x Ulysses 2): step time and per-rank peak memory growth of a DPO step.
+costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step.
 
     python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
     python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
     python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
+    python -m benchmarks.bench_preference --device cuda --json OUT.json   # 16:1, a 16,384-token prompt, one GPU
 
-Every job is ``jobs.bench_job("cpu")`` (the tiny recipe's model and tokenizer, fp32) with ``objective.name=dpo``.
+Every job is ``jobs.bench_job(device)`` with ``objective.name=dpo``: on CPU the tiny recipe's model and tokenizer,
+fp32, on 4 spawned gloo ranks; on CUDA Llama-3.2-1B's sizes in bf16 in this process, a group of one rank (NCCL
+takes one rank per GPU), shared against unshared only, by default at 16:1 with answers of 1,024 tokens.
 One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
 packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
 shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
@@ -17,7 +20,8 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
   returning freed buffers (``memory.malloc_env``): the activations (the resident set when the row's forward and
   loss return, less the one before the step: what the forward keeps for the backward), and the step's peak growth
   (``memory.StepPeak``: activations, the backward's working set and the gradients, the same gradients on both
-  sides).
+  sides). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its ``max_memory_allocated`` (both
+  trainers' weights and states are resident: growth is what the sides differ by).
 - Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
   copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
   the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
@@ -30,6 +34,7 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -41,8 +46,9 @@ from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
 
 MIB = 2**20
-RANKS = 4
-MESH = ("parallel.ring=2", "parallel.ulysses=2")
+RANKS = {"cpu": 4, "cuda": 1}
+MESH = {"cpu": ("parallel.ring=2", "parallel.ulysses=2"), "cuda": ()}
+DEFAULTS = {"cpu": {"ratios": [1, 4, 16, 64], "completion": 32}, "cuda": {"ratios": [16], "completion": 1024}}
 
 
 def pair_length(prompt: int, completion: int, shared: bool) -> int:
@@ -51,8 +57,8 @@ def pair_length(prompt: int, completion: int, shared: bool) -> int:
     return -(-tokens // 8) * 8
 
 
-def job(seq: int, *changes: str) -> list[str]:
-    return bench_job("cpu", *MESH, f"data.seq_len={seq}", "objective.name=dpo", *changes)
+def job(device: str, seq: int, *changes: str) -> list[str]:
+    return bench_job(device, *MESH[device], f"data.seq_len={seq}", "objective.name=dpo", *changes)
 
 
 def one_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
@@ -87,42 +93,58 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
     times: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
     kept: dict[str, list[int]] = {name: [] for name in names}
+    peaks: dict[str, list[int]] = {name: [] for name in names}
     for trainer in trainers.values():
-        trainer.forward_loss = _recording_rss(trainer.forward_loss)
+        trainer.forward_loss = _recording_memory(trainer.forward_loss, trainer.device)
     for index, name in enumerate(order):
         trainer, micro_batch = trainers[name], batch(name, index // len(names))
         dist.barrier()
-        with memory.StepPeak(trainer.device) as peak:
+        with memory.StepPeak(trainer.device) as peak:  # synchronizes CUDA on entry and exit: the step's whole time
             started = time.perf_counter()
             trainer.forward_backward([micro_batch])
-            elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started
         trainer.optimizer.zero_grad(set_to_none=True)
         if index >= warmup * len(names):
             times[name].append(elapsed)
             growth[name].append(peak.growth)
-            kept[name].append(trainer.forward_loss.rss - peak.before)
-    return {"times": times, "growth": growth, "kept": kept}
+            peaks[name].append(peak.peak)
+            kept[name].append(trainer.forward_loss.in_use - peak.before)
+    return {"times": times, "growth": growth, "kept": kept, "peak": peaks}
 
 
-def _recording_rss(forward_loss: Any) -> Any:
-    """``Trainer.forward_loss`` noting the resident set when it returns: what the forward keeps for the backward."""
+def _recording_memory(forward_loss: Any, device: Any) -> Any:
+    """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated bytes; CPU: the resident
+    set): what the forward keeps for the backward."""
+    import torch
 
     def recorded(*args: Any) -> Any:
         result = forward_loss(*args)
-        recorded.rss = memory.proc_bytes("VmRSS")
+        if device.type == "cuda":
+            recorded.in_use = torch.cuda.memory_allocated(device)
+        else:
+            recorded.in_use = memory.proc_bytes("VmRSS")
         return result
 
     return recorded
 
 
-def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, dict[str, float]]:
-    """Each side's median step time of the slowest rank, largest step growth and held memory over the ranks."""
+def run(
+    specs: dict[str, dict[str, Any]], warmup: int, steps: int, device: str, ranks: int
+) -> dict[str, dict[str, float]]:
+    """Each side's median step time of the slowest rank, largest step growth, peak and held memory over the ranks:
+    ``ranks`` spawned gloo processes, or with one rank this process (its default group of one on ``device``,
+    NCCL on CUDA)."""
     import tempfile
 
+    from lctrain.runtime import init_distributed, resolve_device
     from lctrain.testing import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_preference_") as run_dir, memory.malloc_env(for_memory=True):
-        per_rank = run_distributed(measure, RANKS, specs, warmup, steps, run_dir)
+        if ranks == 1:
+            init_distributed(resolve_device(device), timeout_s=1800)
+            per_rank = [measure(specs, warmup, steps, run_dir)]
+        else:
+            per_rank = run_distributed(measure, ranks, specs, warmup, steps, run_dir)
     result = {}
     for name in specs:
         slowest = [max(rank["times"][name][step] for rank in per_rank) for step in range(steps)]
@@ -130,24 +152,25 @@ def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int) -> dict[str, 
             "time": statistics.median(slowest),
             "growth": max(max(rank["growth"][name]) for rank in per_rank),
             "kept": max(max(rank["kept"][name]) for rank in per_rank),
+            "peak": max(max(rank["peak"][name]) for rank in per_rank),
         }
     return result
 
 
 def sharing(args: argparse.Namespace) -> None:
-    rows = []
+    rows, cases = [], []
     for ratio in args.ratios:
         prompt = ratio * args.completion
         specs = {
             side: {
-                "job": job(pair_length(prompt, args.completion, side == "shared")),
+                "job": job(args.device, pair_length(prompt, args.completion, side == "shared")),
                 "prompt": prompt,
                 "completion": args.completion,
                 "shared": side == "shared",
             }
             for side in ("shared", "unshared")
         }
-        result = run(specs, args.warmup, args.steps)
+        result = run(specs, args.warmup, args.steps, args.device, RANKS[args.device])
         shared, unshared = result["shared"], result["unshared"]
         rows.append(
             [
@@ -159,11 +182,16 @@ def sharing(args: argparse.Namespace) -> None:
                 f"{shared['kept'] / unshared['kept']:.2f}",
                 f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
                 f"{shared['growth'] / unshared['growth']:.2f}",
+                f"{shared['peak'] / MIB:,.0f} / {unshared['peak'] / MIB:,.0f} MiB",
+                f"{shared['peak'] / unshared['peak']:.2f}",
             ]
         )
         print(f"  {rows[-1]}", flush=True)
+        cases.append({"ratio": ratio, "prompt": prompt, "completion": args.completion, **result})
+        if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
+            Path(args.json).write_text(json.dumps({"command": command(), "cases": cases}, indent=1))
     header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "activations", "ratio"]
-    header += ["step peak growth", "ratio"]
+    header += ["step peak growth", "ratio", "step peak", "ratio"]
     print("\n" + table(header, rows))
 
 
@@ -173,13 +201,13 @@ def references(args: argparse.Namespace) -> None:
     base = {"prompt": prompt, "completion": args.completion, "shared": True}
     lora = ("model.lora.rank=16", "model.lora.alpha=32")
     specs = {
-        "full: none (simpo)": {**base, "job": job(seq, "objective.loss_type=[simpo]")},
-        "full: frozen copy": {**base, "job": job(seq)},
-        "full: precomputed": {**base, "job": job(seq), "precompute": True},
-        "LoRA: none (simpo)": {**base, "job": job(seq, *lora, "objective.loss_type=[simpo]")},
-        "LoRA: base, adapters off": {**base, "job": job(seq, *lora)},
+        "full: none (simpo)": {**base, "job": job(args.device, seq, "objective.loss_type=[simpo]")},
+        "full: frozen copy": {**base, "job": job(args.device, seq)},
+        "full: precomputed": {**base, "job": job(args.device, seq), "precompute": True},
+        "LoRA: none (simpo)": {**base, "job": job(args.device, seq, *lora, "objective.loss_type=[simpo]")},
+        "LoRA: base, adapters off": {**base, "job": job(args.device, seq, *lora)},
     }
-    result = run(specs, args.warmup, args.steps)
+    result = run(specs, args.warmup, args.steps, args.device, RANKS[args.device])
     rows = [
         [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
         for name, r in result.items()
@@ -192,9 +220,9 @@ def longest(args: argparse.Namespace) -> None:
     prompt, found = 4096, None
     while prompt <= args.longest:
         seq = pair_length(prompt, args.completion, True)
-        spec = {"job": job(seq), "prompt": prompt, "completion": args.completion, "shared": True}
+        spec = {"job": job(args.device, seq), "prompt": prompt, "completion": args.completion, "shared": True}
         try:
-            result = run({"shared": spec}, 0, 1)["shared"]
+            result = run({"shared": spec}, 0, 1, args.device, RANKS[args.device])["shared"]
         except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
             print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
             break
@@ -212,20 +240,29 @@ def longest(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt:completion ratios")
-    parser.add_argument("--completion", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="4 CPU ranks or one GPU")
+    parser.add_argument("--ratios", type=int, nargs="+", help="prompt:completion ratios (CPU: 1 4 16 64; CUDA: 16)")
+    parser.add_argument("--completion", type=int, help="tokens of each answer (CPU: 32; CUDA: 1024)")
     parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
     parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
+    parser.add_argument("--json", metavar="PATH", help="also write the shared and unshared figures as JSON")
     args = parser.parse_args()
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
-    print(f"\n{RANKS} ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
+    if args.device == "cpu":
+        print(f"\n4 ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
+    else:
+        print(f"\none GPU, Llama-3.2-1B's sizes (untied), bf16, DPO, medians of {args.steps} steps")
     if args.longest:
         longest(args)
         return
     sharing(args)
-    references(args)
+    if args.device == "cpu":
+        references(args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 longest-context search (doubling, halving, bisection, the memory budget) and the layer fit on made-up probes; and a
 smoke run of ``benchmarks.bench_trainer`` and of ``benchmarks.bench_context`` with tiny shapes (``--device cpu``:
 fresh processes, the resident set standing in for device memory, ``--budget-mib`` for its size), whose reports
-hold both sides, the ratio, FSDP2's share, the layer fit and its check.
+hold both sides, the ratio, FSDP2's share, the layer fit and its check; and the one-process path that
+``bench_preference --device cuda`` and ``bench_experts --device cuda`` take, on the CPU with tiny shapes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4"]
 TINY += ["--kv-heads", "2", "--vocab", "8192"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-STEPS = ("tests", "speed", "planner", "context")
+STEPS = ("tests", "speed", "planner", "context", "preference", "moe")
 
 
 def gpu_check_modules() -> list[str]:
@@ -32,9 +33,11 @@ def gpu_check_modules() -> list[str]:
     return sorted(set(re.findall(r"python3 -m (benchmarks\.\w+)", text)))
 
 
-def test_gpu_check_runs_the_three_benchmarks_and_its_syntax_is_valid() -> None:
+def test_gpu_check_runs_the_benchmarks_and_its_syntax_is_valid() -> None:
     assert gpu_check_modules() == [
         "benchmarks.bench_context",
+        "benchmarks.bench_experts",
+        "benchmarks.bench_preference",
         "benchmarks.bench_ring_compute",
         "benchmarks.bench_trainer",
         "benchmarks.validate_planner",
@@ -60,7 +63,7 @@ def run_gpu_check(tmp_path: Path, budget: int) -> tuple[list[str], list[str]]:
 
 
 def test_gpu_check_caps_each_step_by_what_is_left_of_its_budget(tmp_path: Path) -> None:
-    """One device call may take 600 s: by default the four steps share 540 s, each capped by what is left."""
+    """One device call may take 600 s: by default the six steps share 540 s, each capped by what is left."""
     timeouts, status = run_gpu_check(tmp_path / "capped", budget=200)
     seconds = [int(line.split()[0]) for line in timeouts]
     assert [line.split(maxsplit=1)[1] for line in timeouts] == [
@@ -68,9 +71,13 @@ def test_gpu_check_caps_each_step_by_what_is_left_of_its_budget(tmp_path: Path) 
         "-m benchmarks.bench_trainer",
         "-m benchmarks.validate_planner",
         "-m benchmarks.bench_context",
+        "-m benchmarks.bench_preference",
+        "-m benchmarks.bench_experts",
     ]
-    # 200 s less the 10 s of `timeout -k 10` and the whole seconds the stand-ins took; the planner's own 180 s
-    assert seconds[2] == 180 and all(185 <= s <= 190 for s in seconds[:2] + seconds[3:]), seconds
+    # 200 s less the 10 s of `timeout -k 10` and the whole seconds the stand-ins took; the planner's own 180 s and
+    # the experts' own 120 s
+    assert seconds[2] == 180 and seconds[5] == 120, seconds
+    assert all(185 <= s <= 190 for s in seconds[:2] + seconds[3:5]), seconds
     assert [line.split(":")[0] for line in status[1::2]] == [f"== {name}" for name in STEPS]
     timeouts, status = run_gpu_check(tmp_path / "spent", budget=39)
     assert timeouts == []
@@ -192,3 +199,42 @@ def test_bench_context_on_cpu_searches_fits_layers_and_checks_the_prediction(tmp
     probes = json.loads((tmp_path / "context.json").read_text())["probes"]
     assert len(probes) == 3 and all(p["fits"] for p in probes)
     assert all(0 < p["result"]["step_peak"] <= p["result"]["peak"] <= 8 * 2**30 for p in probes)
+
+
+def test_bench_preference_one_process_path_on_cpu() -> None:
+    """``run`` with one rank (the path ``--device cuda`` takes: this process, its default group of one) on a tiny
+    16:1 pair, shared and unshared: a time, a peak and a growth for each side."""
+    script = """
+import json
+from benchmarks.bench_preference import job, pair_length, run
+one_rank = ("parallel.ring=1", "parallel.ulysses=1")
+specs = {
+    side: {"job": job("cpu", pair_length(128, 8, side == "shared"), *one_rank), "prompt": 128, "completion": 8,
+           "shared": side == "shared"}
+    for side in ("shared", "unshared")
+}
+print(json.dumps(run(specs, 0, 1, "cpu", 1)))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    sides = json.loads(result.stdout.splitlines()[-1])
+    assert set(sides) == {"shared", "unshared"}
+    for figures in sides.values():
+        assert figures["time"] > 0 and 0 < figures["growth"] <= figures["peak"], figures
+
+
+def test_bench_experts_single_part_on_cpu(tmp_path: Path) -> None:
+    """``--part single`` with tiny shapes (on CUDA the same code in bf16): every side's row and its step times."""
+    command = [sys.executable, "-m", "benchmarks.bench_experts", "--part", "single", "--seq", "64", "--hidden", "64"]
+    command += ["--layers", "1", "--experts", "4", "--expert-width", "32", "--top-k", "2", "--warmup", "0"]
+    command += ["--steps", "1", "--json", str(tmp_path / "moe.json")]
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for side in ("transformers grouped_mm", "transformers eager", "lctrain loop", "lctrain grouped_mm"):
+        assert re.search(rf"^\| {side}( \(chosen here\))? \| \d+ \| [\d.]+ \|$", result.stdout, re.MULTILINE), (
+            result.stdout
+        )
+    times = json.loads((tmp_path / "moe.json").read_text())["times"]
+    assert len(times) == 4 and all(len(t) == 1 and t[0] > 0 for t in times.values())
