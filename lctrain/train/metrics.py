@@ -154,8 +154,9 @@ def plot_rewards(metrics_path: Path, out: Path) -> None:
 
 
 def plot_validation(metrics_path: Path, out: Path) -> None:
-    """Validation loss against step (beside the training loss's running mean), and the loss by position at up to
-    eight validations spread over the run (one line each, later ones darker), from ``metrics.jsonl``, as a PNG."""
+    """Validation loss against step (beside the training loss's running mean), and (language modelling, whose
+    validation scores positions) the loss by position at up to eight validations spread over the run (one line each,
+    later ones darker), from ``metrics.jsonl``, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,7 +164,9 @@ def plot_validation(metrics_path: Path, out: Path) -> None:
 
     records = _read_jsonl(metrics_path)
     validations = [r for r in records if r.get("val_loss") is not None]
-    fig, (curve, by_position) = plt.subplots(1, 2, figsize=(11, 4))
+    positions = "val_loss_by_position" in validations[-1]  # preference pairs' validation has none
+    fig, axes = plt.subplots(1, 2 if positions else 1, figsize=(11 if positions else 6, 4), squeeze=False)
+    curve = axes[0][0]
     losses = [r["loss"] for r in records]
     window = max(1, len(losses) // 20)
     trend = [sum(losses[max(0, i + 1 - window) : i + 1]) / min(window, i + 1) for i in range(len(losses))]
@@ -173,8 +176,17 @@ def plot_validation(metrics_path: Path, out: Path) -> None:
     curve.set_ylabel("loss")
     curve.legend()
     curve.grid(alpha=0.3)
+    if positions:
+        _plot_by_position(axes[0][1], validations, plt.get_cmap("viridis_r"))
+    fig.suptitle(f"{metrics_path.parent.name}: validation")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _plot_by_position(by_position: Any, validations: list[dict[str, Any]], colors: Any) -> None:
+    """The loss by position at up to eight of ``validations`` on the axes ``by_position``."""
     buckets = list(validations[-1]["val_loss_by_position"])
-    colors = plt.get_cmap("viridis_r")
     shown = sorted({round(i * (len(validations) - 1) / 7) for i in range(8)})
     for index in shown:
         record = validations[index]
@@ -186,7 +198,3 @@ def plot_validation(metrics_path: Path, out: Path) -> None:
     by_position.set_ylabel("validation loss")
     by_position.legend(fontsize=7, ncol=2)
     by_position.grid(alpha=0.3)
-    fig.suptitle(f"{metrics_path.parent.name}: validation")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)

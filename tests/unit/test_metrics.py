@@ -90,3 +90,15 @@ def test_preference_runs_plot_margin_and_accuracy(tmp_path: Path) -> None:
     metrics.close()
     assert (tmp_path / "rewards.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "val_loss.png").exists()
+
+
+def test_preference_validation_plots_its_loss_without_positions(tmp_path: Path) -> None:
+    """Validation pairs report the preference loss and rewards, no loss by position: ``val_loss.png`` shows the
+    validation loss alone."""
+    base = {"grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": None, "peak_mem_gib": 0.1}
+    metrics = MetricsLogger(LoggingConfig(), tmp_path, rank=0, resume_step=0, job_config={})
+    for step in range(1, 5):
+        validation = {"val_loss": 0.69 - step / 50, "val_rewards/margins": step / 10} if step % 2 == 0 else {}
+        metrics.log(step, {**base, "loss": 0.7, "rewards/margins": 0.1, "rewards/accuracies": 0.5, **validation})
+    metrics.close()
+    assert (tmp_path / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
