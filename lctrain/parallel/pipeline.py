@@ -96,21 +96,17 @@ class PipelineStageModule(ModelParts):
         self.first, self.last = first, last
         self.loss = loss
 
-    def forward(
-        self, x: Tensor, *, position_ids: Tensor, cu_seqlens: Tensor, labels: Tensor, doc_prefix: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, *, position_ids: Tensor, cu_seqlens: Tensor, labels: Tensor) -> Tensor:
         """First stage: ``x`` = token ids ``[1, S_local]``; others: hidden states ``[1, S_local, hidden]``.
 
         ``position_ids`` ``[1, S_local]`` (global positions of this rank's tokens), ``cu_seqlens`` ``[1, D]`` the
-        row's document bounds padded with -1, ``labels`` ``[1, S_local]``, ``doc_prefix`` ``[1, D - 1]`` (or None)
-        each document's shared prefix (-1: none), cut to the row's documents here. Returns the hidden states for the
-        next stage, or on the last stage the token-summed loss (a scalar).
+        row's document bounds padded with -1, ``labels`` ``[1, S_local]``. Returns the hidden states for the next
+        stage, or on the last stage the token-summed loss (a scalar).
         """
         hidden = self.model.embed_tokens(x) if self.first else x
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         bounds = cu_seqlens[0]
         bounds = bounds[bounds >= 0]
-        prefixes = None if doc_prefix is None else doc_prefix[0, : len(bounds) - 1]
         for layer in self.model.layers.values():
             hidden = layer(
                 hidden,
@@ -118,7 +114,6 @@ class PipelineStageModule(ModelParts):
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
                 cu_seq_lens_q=bounds,
-                doc_prefix=prefixes,
             )
         if not self.last:
             return hidden

@@ -7,7 +7,6 @@ Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``rec
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -259,16 +258,12 @@ class Trainer:
         each row's share (0 off the last stage) and no report sums."""
         rows = {key: torch.cat([b[key] for b in micro_batches]) for key in ("input_ids", "position_ids", "labels")}
         bounds = [row_bounds for batch in micro_batches for row_bounds in batch["cu_seqlens"]]
-        pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True, padding_value=-1)
-        # shared prefixes (rows of preference pairs), cut to each row's documents by the stage
-        prefixes = [prefix for batch in micro_batches for prefix in batch.get("doc_prefix", [])]
         losses: list[Tensor] = []
         self.schedule.step(
             self._to_device(rows["input_ids"]),
             position_ids=self._to_device(rows["position_ids"]),
-            cu_seqlens=pad(bounds),
+            cu_seqlens=torch.nn.utils.rnn.pad_sequence(bounds, batch_first=True, padding_value=-1),
             labels=self._to_device(rows["labels"]),
-            **({"doc_prefix": pad(prefixes)} if prefixes else {}),
             target=counts[:1].expand(len(bounds)),  # each row's loss_fn: its token sum / the step's trained tokens
             losses=losses,
             return_outputs=False,
