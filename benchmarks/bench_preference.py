@@ -89,7 +89,7 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
         trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
         if spec.get("precompute"):  # the reference's log-probs of every step's pair, then the model dropped
             cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
-            trainers[name].objective.precompute_reference([batch(name, s) for s in range(warmup + steps)], cache)
+            trainers[name].objective.precompute_reference([[batch(name, s)] for s in range(warmup + steps)], cache)
     times: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
     kept: dict[str, list[int]] = {name: [] for name in names}

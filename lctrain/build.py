@@ -37,7 +37,7 @@ from lctrain.parallel.activation_checkpointing import apply_activation_checkpoin
 from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.parallel.fsdp import apply_fsdp
-from lctrain.parallel.pipeline import PipelineStageModule, StageLoss, apply_pipeline, merge_stages
+from lctrain.parallel.pipeline import PipelineStageModule, apply_pipeline, merge_stages
 from lctrain.rules import num_experts
 from lctrain.runtime import resolve_dtype
 
@@ -93,11 +93,10 @@ def build_model(
     parallel: ParallelConfig,
     lora: LoraConfig,
     training: bool,
-    stage_loss: StageLoss | None = None,
 ) -> BuiltModel:
     """The model on ``mesh``, built in the order of the module docstring from the job's ``parallel`` section and
-    ``model.lora``. With ``parallel.pp > 1``, ``stage_loss`` is the last stage's loss. ``training=False``: no
-    activation checkpointing, modules in eval mode."""
+    ``model.lora``. With ``parallel.pp > 1``, this rank's stage modules are in ``stages`` (for ``build_schedule``).
+    ``training=False``: no activation checkpointing, modules in eval mode."""
     model = build_empty_model(prepared.config)
     num_params = sum(p.numel() for p in model.parameters())
     # first, on the empty model: peft's LoRA layers and trained copies; every later step sees ordinary modules
@@ -119,14 +118,12 @@ def build_model(
         kernel = expert_kernel(device, resolve_dtype(parallel.param_dtype, device))
         apply_expert_parallel(model, None if experts_mesh is None else experts_mesh["ep"], kernel)
     if parallel.pp > 1:
-        assert stage_loss is not None, "a pipeline's last stage computes the loss: pass stage_loss"
         stages = apply_pipeline(
             model,
             mesh["pp"],
             schedule=parallel.pp_schedule,
             stages_per_rank=parallel.pp_stages_per_rank,
             split_points=parallel.pp_split_points,
-            loss=stage_loss,
         )
         parts: list[nn.Module] = list(stages)
     else:
@@ -146,7 +143,9 @@ def build_model(
             dp_cp,
             param_dtype=resolve_dtype(parallel.param_dtype, device),
             reduce_dtype=resolve_dtype(parallel.reduce_dtype, device),
-            reshard_after_forward=parallel.pp == 1,
+            # a training pipeline keeps its stages gathered over the step's micro-batches; a frozen model (a reference)
+            # runs forward only, each layer gathered for its own forward
+            reshard_after_forward=parallel.pp == 1 or not training,
             cpu_offload=parallel.cpu_offload,
             experts_mesh=None if experts_mesh is None else experts_mesh["efsdp"],
         )

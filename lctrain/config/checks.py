@@ -65,11 +65,6 @@ def check_job(
             tied_embeddings=tied_embeddings,
         )
     check_rope(cfg, dims.cp, max_position_embeddings, rope_type)
-    if cfg.objective.name == "dpo" and par.pp > 1:
-        raise ValueError(
-            f"objective.name=dpo with parallel.pp={par.pp}: the preference loss runs without a pipeline; set "
-            f"parallel.pp=1 and spread the pairs' length over parallel.ring and parallel.ulysses"
-        )
     if par.cpu_offload and train.device == "cpu":
         logger.warning(
             "parallel.cpu_offload=true with train.device=cpu: the parameters and optimizer states are in host memory "
@@ -97,7 +92,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: in
     source = model_source(cfg.model.path, cfg.model.family)
     check_family(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
-    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.parallel.pp, cfg.train.router_aux_scope)
+    check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.train.router_aux_scope)
     router_loss = getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0
     if cfg.objective.name == "dpo" and config.model_type in MOE_FAMILIES and router_loss:
         raise ValueError(

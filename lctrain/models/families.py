@@ -196,9 +196,9 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
         )
 
 
-def check_experts(config: Any, source: str, coef_setting: float | None, pp: int, scope: str = "sequence") -> None:
-    """Refuse ``model.router_aux_loss_coef`` where it cannot apply, a router loss across pipeline stages, and
-    ``train.router_aux_scope=global`` without a router loss. ``config`` has the job's ``model.*`` settings applied."""
+def check_experts(config: Any, source: str, coef_setting: float | None, scope: str = "sequence") -> None:
+    """Refuse ``model.router_aux_loss_coef`` where it cannot apply and ``train.router_aux_scope=global`` without a
+    router loss. ``config`` has the job's ``model.*`` settings applied."""
     routed = config.model_type in MOE_FAMILIES and getattr(config, "output_router_logits", False)
     if scope == "global" and not (routed and config.router_aux_loss_coef > 0):
         raise ValueError(
@@ -219,12 +219,6 @@ def check_experts(config: Any, source: str, coef_setting: float | None, pp: int,
         raise ValueError(
             f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
             f"model.experts_per_token between 1 and model.num_experts"
-        )
-    if pp > 1 and routed and config.router_aux_loss_coef > 0:
-        raise ValueError(
-            f"parallel.pp={pp} with {source}'s router load-balancing loss (router_aux_loss_coef="
-            f"{config.router_aux_loss_coef}): transformers pools its statistics over every layer, which pipeline "
-            f"stages hold apart; set model.router_aux_loss_coef=0 or parallel.pp=1"
         )
 
 

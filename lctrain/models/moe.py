@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lctrain.models.families import moe_layers
+
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:
     """The model's routers by decoder layer index, in layer order: the ``gate`` of each MoE block (a module with
@@ -72,9 +74,10 @@ def router_statistics(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
 
 class RouterStatistics:
     """Per MoE layer, this rank's ``C`` and ``S`` of the tokens of the last forward of ``model`` (see the module
-    docstring). ``model.model`` is the decoder (its pre-hook starts a forward's statistics)."""
+    docstring). A forward of ``start`` (default ``model.model``, the decoder; a pipeline stage's module) starts a
+    forward's statistics (a pre-hook)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, start: nn.Module | None = None):
         found = routers(model)
         if not found:
             raise ValueError(f"{type(model).__name__} has no routers (mlp.gate with top_k and num_experts)")
@@ -84,7 +87,7 @@ class RouterStatistics:
         self._layer = {id(router): index for index, router in enumerate(self.routers)}
         self._armed = False
         self._clear()
-        model.model.register_forward_pre_hook(self._start)
+        (model.model if start is None else start).register_forward_pre_hook(self._start)
         for router in self.routers:
             router.register_forward_hook(self._record)
 
@@ -130,12 +133,47 @@ def balance_loss_share(counts: Tensor, sums: Tensor, tokens: Tensor) -> Tensor:
     return num_experts * (counts.sum(0).double() * sums.sum(0).double()).sum() / total.square()
 
 
+class RouterTotals:
+    """A part of the model (the whole model, or a pipeline stage: ``start`` is the module whose forward runs a row)
+    adding its routers' statistics of the row to the row's router totals on this rank: fp32 ``[len(layers) + 1, E]``,
+    row i the routed counts ``C`` of MoE layer ``layers[i]`` (no gradient), the last row ``Σ S`` over the layers
+    (differentiable). Pipeline stages pass the totals along beside the hidden states (each adds its layers'), so the
+    last stage holds every layer's, and the gradient of the loss reaches each stage's routers through them."""
+
+    def __init__(
+        self,
+        part: nn.Module,
+        layers: Sequence[int],
+        num_experts: int,
+        device: torch.device,
+        *,
+        start: nn.Module | None = None,
+    ):
+        found = routers(part)
+        self.shape, self.device = (len(layers) + 1, num_experts), device
+        self.stats = RouterStatistics(part, start) if found else None
+        self.rows = [list(layers).index(layer) for layer in found]
+
+    def __call__(self, totals: Tensor | None) -> Tensor:
+        """``totals`` (None: zeros) plus this part's last forward (``RouterStatistics.take``)."""
+        if totals is None:
+            totals = torch.zeros(self.shape, device=self.device)
+        if self.stats is None:  # a stage without a MoE layer
+            return totals
+        counts, sums, _ = self.stats.take()
+        rows = torch.tensor(self.rows, device=counts.device)
+        counted = torch.zeros(self.shape[0] - 1, self.shape[1], device=counts.device).index_copy(0, rows, counts)
+        return totals + torch.cat([counted, sums.sum(0, keepdim=True)])
+
+
 class RouterBalancedLoss:
     """An objective (``lctrain.train.objective``'s interface) that adds ``coef`` × the router's load-balancing loss
-    to ``inner``'s loss. ``scope``: ``sequence``, the mean over the step's rows of each row's loss (statistics summed
-    over ``cp_group``, ring × Ulysses); ``global``, one loss over the step's rows (dp × accumulation), whose counts
-    ``step_counts`` takes from a no-grad forward of every row first (``forward_row(batch, row)``), summed over
-    ``group`` (dp_cp).
+    to ``inner``'s loss. ``layers``: the model's MoE decoder layers, ``num_experts`` their experts; ``totals``: the
+    whole model's ``RouterTotals``, or None when pipeline stages pass their totals to the last stage (a row's field
+    ``carried``, added by the stage). ``scope``: ``sequence``, the mean over the step's rows of each row's loss
+    (statistics summed over ``cp_group``, ring × Ulysses); ``global``, one loss over the step's rows (dp ×
+    accumulation), whose counts ``step_counts`` takes from a no-grad run of every row first (``forward``: the
+    model's forward-only run of a step's rows with a head, ``lctrain.train.forward``), summed over ``group`` (dp_cp).
 
     Counts: ``inner``'s, then the step's rows over ``group`` (each counted once per context-parallel rank), then with
     ``global`` the step's routed counts ``[layers · E]`` and tokens per layer. Report sums: the LM share, the
@@ -144,72 +182,80 @@ class RouterBalancedLoss:
     def __init__(
         self,
         inner: Any,
-        stats: RouterStatistics,
+        totals: RouterTotals | None,
+        layers: Sequence[int],
+        num_experts: int,
         *,
         coef: float,
         group: dist.ProcessGroup,
         cp_group: dist.ProcessGroup | None,
+        device: torch.device,
         scope: str = "sequence",
-        forward_row: Callable[[dict[str, Any], int], Tensor] | None = None,
+        forward: Callable[..., Tensor | None] | None = None,
     ):
-        if scope == "global" and forward_row is None:
-            raise ValueError("router_aux_scope=global needs forward_row, the model's forward of one row")
-        self.inner, self.stats, self.coef, self.scope, self.forward_row = inner, stats, coef, scope, forward_row
-        self.group, self.cp_group = group, cp_group
+        if scope == "global" and forward is None:
+            raise ValueError("router_aux_scope=global needs forward, the model's forward-only run of a step's rows")
+        self.inner, self.totals, self.coef, self.scope, self.forward = inner, totals, coef, scope, forward
+        self.group, self.cp_group, self.device = group, cp_group, device
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.fields = inner.fields
-        self.layers, self.experts = len(stats.routers), stats.num_experts
-        self.own = 1 if scope == "sequence" else 2 + self.layers * self.experts  # counts after inner's
+        self.layers, self.experts = list(layers), num_experts
+        self.own = 1 if scope == "sequence" else 2 + len(self.layers) * self.experts  # counts after inner's
+        self.report_size = 2 + len(self.layers) * self.experts + inner.report_size
+
+    def _row_totals(self, hidden: Tensor, row: dict[str, Any]) -> Tensor:
+        """The row's router totals on this rank (``RouterTotals``): carried by the pipeline stages, or taken from
+        the whole model's forward that made ``hidden``."""
+        return row["carried"] if "carried" in row else self.totals(None)
+
+    def _routed(self, hidden: Tensor, weight: Tensor, row: dict[str, Any]) -> Tensor:
+        """The global scope's first pass, a head: the row's routed counts ``[layers · E]`` and tokens on this
+        rank."""
+        totals = self._row_totals(hidden, row)
+        return torch.cat([totals[:-1].reshape(-1), totals.new_tensor([hidden.shape[1]])])
 
     def step_counts(self, micro_batches: Sequence[dict[str, Any]]) -> Tensor:
         counts = self.inner.step_counts(micro_batches)
         rows = sum(batch["input_ids"].shape[0] for batch in micro_batches)
         own = [torch.tensor([rows], dtype=counts.dtype, device=counts.device)]
         if self.scope == "global":
-            routed, tokens = torch.zeros(self.layers * self.experts, device=counts.device), 0
-            with torch.no_grad():  # the routing the step's forward will take: its parameters do not change
-                for batch in micro_batches:
-                    for row in range(batch["input_ids"].shape[0]):
-                        self.forward_row(batch, row)
-                        row_counts, _, row_tokens = self.stats.take()
-                        routed += row_counts.view(-1)
-                        tokens += row_tokens
-            own += [routed.to(counts.dtype), torch.tensor([tokens], dtype=counts.dtype, device=counts.device)]
+            # the routing the step's forward will take: its parameters do not change (None off a pipeline's last
+            # stage, which adds zeros)
+            with torch.no_grad():
+                routed = self.forward(micro_batches, (), self._routed)
+            width = len(self.layers) * self.experts + 1
+            step = torch.zeros(width, device=counts.device) if routed is None else routed.sum(0)
+            own.append(step.to(counts.dtype))
         own = torch.cat(own)
         dist.all_reduce(own, group=self.group)
         return torch.cat([counts, own])
 
-    def loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-        return self.inner.loss_sum(hidden, weight, labels)
-
-    def share(self, loss_sum: Tensor, tokens: Tensor) -> Tensor:
-        return self.inner.share(loss_sum, tokens)
-
-    def loss(self, hidden: Tensor, weight: Tensor, row: dict[str, Tensor], counts: Tensor) -> tuple[Tensor, Tensor]:
+    def loss(self, hidden: Tensor, weight: Tensor, row: dict[str, Any], counts: Tensor) -> tuple[Tensor, Tensor]:
         lm_share, inner_sums = self.inner.loss(hidden, weight, row, counts[: -self.own])
-        local_counts, sums, tokens = self.stats.take()
+        totals = self._row_totals(hidden, row)
+        local_counts, probs = totals[:-1].detach(), totals[-1:]
+        width = len(self.layers) * self.experts
         if self.scope == "global":  # the step's counts and tokens, over every rank
-            routed, total = counts[-1 - self.layers * self.experts : -1].view(self.layers, self.experts), counts[-1]
-            aux_share = balance_loss_share(routed, sums, total)
+            routed, tokens = counts[-1 - width : -1].view(len(self.layers), self.experts), counts[-1]
+            aux_share = balance_loss_share(routed, probs, tokens)
         else:  # the row's counts and tokens over its context-parallel ranks: [layers · E + 1]
-            totals = torch.cat([local_counts.reshape(-1), local_counts.new_tensor([tokens])])
+            reduced = torch.cat([local_counts.reshape(-1), local_counts.new_tensor([hidden.shape[1]])])
             if self.cp_group is not None:
-                dist.all_reduce(totals, group=self.cp_group)
-            routed = totals[:-1].view(self.layers, self.experts)
+                dist.all_reduce(reduced, group=self.cp_group)
+            routed = reduced[:-1].view(len(self.layers), self.experts)
             # the mean over the step's rows (counts[-1]: each row once per context-parallel rank)
-            aux_share = balance_loss_share(routed, sums, totals[-1]) * self.cp / counts[-1].clamp(min=1)
+            aux_share = balance_loss_share(routed, probs, reduced[-1]) * self.cp / counts[-1].clamp(min=1)
         share = lm_share + (self.coef * aux_share).to(lm_share.dtype)
         report = [lm_share.detach().double().view(1), aux_share.detach().view(1), local_counts.double().view(-1)]
         return share, torch.cat([*report, inner_sums])
 
     def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
-        result = self.inner.report(counts[: -self.own], sums[2 + self.layers * self.experts :])
-        if not sums:  # a pipeline's last stage reports the total only
-            return result
+        width = len(self.layers) * self.experts
+        result = self.inner.report(counts[: -self.own], sums[2 + width :])
         result |= {"lm_loss": sums[0], "aux_loss": sums[1]}
-        routed = torch.tensor(sums[2 : 2 + self.layers * self.experts]).view(self.layers, self.experts)
+        routed = torch.tensor(sums[2 : 2 + width]).view(len(self.layers), self.experts)
         load = routed / routed.sum(-1, keepdim=True).clamp(min=1)
-        for layer, fractions in zip(self.stats.layers, load.tolist()):
+        for layer, fractions in zip(self.layers, load.tolist()):
             result[f"expert_load_min/{layer}"] = min(fractions)
             result[f"expert_load_max/{layer}"] = max(fractions)
         return result
@@ -218,24 +264,40 @@ class RouterBalancedLoss:
 def with_router_loss(
     objective: Any,
     model: nn.Module,
+    stages: Sequence[nn.Module],
+    config: Any,
     coef: float,
     *,
     group: dist.ProcessGroup,
     cp_group: dist.ProcessGroup | None,
+    device: torch.device,
     scope: str = "sequence",
-    forward_row: Callable[[dict[str, Any], int], Tensor] | None = None,
+    forward: Callable[..., Tensor | None] | None = None,
 ) -> Any:
     """``objective`` with the router's load-balancing loss times ``coef`` (``lctrain.models.hf.router_aux_coef``)
-    pooled over ``scope`` (``train.router_aux_scope``) and the experts' load when ``model`` (a whole model, not
-    pipeline stages) has routers; else ``objective``."""
-    if not routers(model):
+    pooled over ``scope`` (``train.router_aux_scope``) and the experts' load when ``config``'s model has routers
+    (with ``coef`` 0, the load only); else ``objective``. ``model``: the whole model; with pipeline ``stages``
+    (this rank's stage modules) each stage gets its ``RouterTotals`` as its ``carry`` instead: it adds its layers'
+    to the totals it receives and passes them on (the last stage to its head, as the row's ``carried``)."""
+    layers = moe_layers(config)
+    if not layers:
         return objective
+    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    totals = None
+    if stages:
+        for stage in stages:
+            stage.carry = RouterTotals(stage, layers, experts, device, start=stage)
+    else:
+        totals = RouterTotals(model, layers, experts, device)
     return RouterBalancedLoss(
         objective,
-        RouterStatistics(model),
+        totals,
+        layers,
+        experts,
         coef=coef,
         group=group,
         cp_group=cp_group,
+        device=device,
         scope=scope,
-        forward_row=forward_row,
+        forward=forward,
     )

@@ -10,13 +10,17 @@ Stages are balanced by layer count unless split points are named. With ``stages_
 looped schedules) rank ``r`` of the pp group holds stages ``r, r + pp, ...``; the V-shaped schedules (ZBVZeroBubble,
 DualPipeV) give it stages ``r`` and ``2·pp - 1 - r``.
 
-One pipeline micro-batch is one packed row (``[1, S_local]`` tokens): rows carry their own document bounds, which
-travel beside the activations as keyword arguments (every stage gets them from its own data loader).
+One pipeline micro-batch is one packed row (``[1, S_local]`` tokens): rows carry their own document bounds (and shared
+prefixes), which travel beside the activations as keyword arguments (every stage gets them from its own data
+loader), as do the fields the last stage's ``head`` reads (``step_inputs``). The head is a keyword argument too, so
+that one set of stage modules serves a training schedule and a forward-only one (a preference objective's
+reference pass through the same weights with their adapters off).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,8 +31,9 @@ from transformers import PreTrainedModel
 
 from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, stage_layers
 
-# (final hidden states [1, S_local, hidden], LM head weight [vocab, hidden], labels [1, S_local]) -> summed loss
-StageLoss = Callable[[Tensor, Tensor, Tensor], Tensor]
+# (final hidden states after the norm [1, S_local, hidden], LM head weight [vocab, hidden], the row's fields) -> the
+# last stage's output for the row
+StageHead = Callable[[Tensor, Tensor, dict[str, Any]], Tensor]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -67,23 +72,14 @@ class ModelParts(nn.Module):
 
 
 class PipelineStageModule(ModelParts):
-    """One pipeline stage: ``[embed_tokens] -> layers -> [norm -> chunked loss]``, as the Hugging Face model's
-    forward runs them (attention is whatever implementation the model was patched with).
+    """One pipeline stage: ``[embed_tokens] -> layers -> [norm -> head]``, as the Hugging Face model's forward runs
+    them (attention is whatever implementation the model was patched with).
 
-    The decoder layers of every family lctrain runs (``lctrain.models.families``: Llama, Mistral, Qwen2, Qwen3) take
-    the same call, and each layer's sliding window lives in its own attention module (Qwen) or the config (Mistral),
-    so the windows need no mask here: the model's forward would only build masks, which USP attention does not
-    take."""
+    The decoder layers of every family lctrain runs (``lctrain.models.families``) take the same call, and each
+    layer's sliding window lives in its own attention module (Qwen) or the config (Mistral), so the windows need no
+    mask here: the model's forward would only build masks, which USP attention does not take."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        layers: Sequence[int],
-        *,
-        stage_index: int,
-        num_stages: int,
-        loss: StageLoss,
-    ):
+    def __init__(self, model: PreTrainedModel, layers: Sequence[int], *, stage_index: int, num_stages: int):
         first, last = stage_index == 0, stage_index == num_stages - 1
         super().__init__(
             {str(index): model.model.layers[index] for index in layers},
@@ -94,19 +90,35 @@ class PipelineStageModule(ModelParts):
         )
         self.stage_index, self.num_stages = stage_index, num_stages
         self.first, self.last = first, last
-        self.loss = loss
+        # a tensor the stages pass along beside the hidden states, each adding what its layers computed of the row
+        # (a mixture of experts' router totals, ``lctrain.models.moe.RouterTotals``); the last stage's head gets it
+        # as the row's ``carried``
+        self.carry: Callable[[Tensor | None], Tensor] | None = None
 
-    def forward(self, x: Tensor, *, position_ids: Tensor, cu_seqlens: Tensor, labels: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        *carried: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        doc_prefix: Tensor | None,
+        head: StageHead,
+        row: dict[str, Any],
+    ) -> Tensor:
         """First stage: ``x`` = token ids ``[1, S_local]``; others: hidden states ``[1, S_local, hidden]``.
 
         ``position_ids`` ``[1, S_local]`` (global positions of this rank's tokens), ``cu_seqlens`` ``[1, D]`` the
-        row's document bounds padded with -1, ``labels`` ``[1, S_local]``. Returns the hidden states for the next
-        stage, or on the last stage the token-summed loss (a scalar).
+        row's document bounds padded with -1, ``doc_prefix`` ``[1, D']`` (``D' >= D - 1``, or None: no document has
+        one) each document's shared prefix (-1: none), cut to the row's documents here; ``row`` the row's fields for
+        the last stage's ``head``; ``carried`` (with a ``carry``, after the first stage) what the stage before
+        passed on. Returns the hidden states for the next stage (and with a ``carry`` what it passes on), or on the
+        last stage what ``head`` makes of the final normed hidden states.
         """
         hidden = self.model.embed_tokens(x) if self.first else x
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         bounds = cu_seqlens[0]
         bounds = bounds[bounds >= 0]
+        prefixes = None if doc_prefix is None else doc_prefix[0, : len(bounds) - 1]
         for layer in self.model.layers.values():
             hidden = layer(
                 hidden,
@@ -114,10 +126,46 @@ class PipelineStageModule(ModelParts):
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
                 cu_seq_lens_q=bounds,
+                doc_prefix=prefixes,
             )
+        if self.carry is not None:
+            passed_on = self.carry(carried[0] if carried else None)
+            if not self.last:
+                return hidden, passed_on
+            row = {**row, "carried": passed_on}
         if not self.last:
             return hidden
-        return self.loss(self.model.norm(hidden), self.lm_head.weight, labels)
+        return head(self.model.norm(hidden), self.lm_head.weight, row)
+
+
+def step_inputs(micro_batches: Sequence[dict[str, Any]], fields: Sequence[str], device: torch.device) -> dict[str, Any]:
+    """A step's rows as a schedule's inputs, one row per pipeline micro-batch (``schedule.step(input_ids,
+    **inputs, head=...)``): ``input_ids`` and ``position_ids`` ``[rows, S_local]`` on ``device``; the document
+    bounds ``cu_seqlens`` and the shared prefixes ``doc_prefix`` (None without) padded with -1 on the host, where the
+    attention plans its blocks; ``row``: the batch ``fields`` the head reads, per-token ones ``[rows, S_local]`` on
+    ``device``, per-row lists (one item a row) stacked: ints as a host ``[rows]`` tensor, tensors padded to
+    ``[rows, longest]`` (each row's item is then a prefix of its padded one).
+    """
+
+    def pad(tensors: Sequence[Tensor]) -> Tensor:
+        return torch.nn.utils.rnn.pad_sequence(list(tensors), batch_first=True, padding_value=-1)
+
+    def rows(key: str) -> list[Any]:
+        return [item for batch in micro_batches for item in batch[key]]
+
+    def stacked(key: str) -> Tensor:
+        if not isinstance(micro_batches[0][key], list):
+            return torch.cat([batch[key] for batch in micro_batches]).to(device, non_blocking=True)
+        items = rows(key)
+        return pad(items) if isinstance(items[0], Tensor) else torch.tensor(items, dtype=torch.int64)
+
+    return {
+        "input_ids": stacked("input_ids"),
+        "position_ids": stacked("position_ids"),
+        "cu_seqlens": pad(rows("cu_seqlens")),
+        "doc_prefix": pad(rows("doc_prefix")) if "doc_prefix" in micro_batches[0] else None,
+        "row": {key: stacked(key) for key in fields},
+    }
 
 
 def apply_pipeline(
@@ -127,7 +175,6 @@ def apply_pipeline(
     schedule: str,
     stages_per_rank: int = 1,
     split_points: Sequence[str] = (),
-    loss: StageLoss,
 ) -> list[PipelineStageModule]:
     """Split ``model`` into ``pp × stages_per_rank`` stages and return this rank's stage modules, in stage order.
 
@@ -137,7 +184,7 @@ def apply_pipeline(
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     layers = stage_layers(len(model.model.layers), pp * stages_per_rank, split_points)
     return [
-        PipelineStageModule(model, layers[index], stage_index=index, num_stages=len(layers), loss=loss)
+        PipelineStageModule(model, layers[index], stage_index=index, num_stages=len(layers))
         for index in sorted(rank_stages(pp_rank, pp, stages_per_rank, schedule))
     ]
 
@@ -155,6 +202,13 @@ def merge_stages(stages: Sequence[PipelineStageModule]) -> ModelParts:
     )
 
 
+def row_share(output: Tensor, target: Tensor) -> Tensor:
+    """A training schedule's ``loss_fn``: the last stage's head returns, per row, ``[its share of the step's loss,
+    then its report sums]`` (already divided by the step's counts, so the schedule scales nothing); the share is
+    back-propagated. ``target`` (``schedule.step`` needs one per micro-batch) is not read."""
+    return output[:1].sum()  # a tensor of its own: the schedule detaches the loss in place, which a view refuses
+
+
 def build_schedule(
     stages: Sequence[PipelineStageModule],
     pp_mesh: DeviceMesh,
@@ -162,13 +216,15 @@ def build_schedule(
     schedule: str,
     microbatches: int,
     device: torch.device,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    training: bool,
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """The ``torch.distributed.pipelining`` schedule over this rank's (already sharded) stage modules.
+    """The ``torch.distributed.pipelining`` schedule over this rank's (already sharded) stage modules, for
+    ``microbatches`` rows a run.
 
-    ``loss_fn(loss_sum, target)`` turns the last stage's output into the loss to backpropagate, ``target`` being
-    the micro-batch's part of ``schedule.step(target=...)``: the trainer passes the step's global token count once
-    per row, so the loss is already divided by it and the schedule does not scale the gradients.
+    ``training``: ``schedule.step`` back-propagates element 0 of each row's head output (``row_share``); otherwise
+    the schedule has no loss and runs forward only (``schedule.eval``). A training and a forward-only schedule may
+    share stage modules: each keeps its own mode (a schedule switched between the two would infer its stages'
+    metadata again at every switch).
     """
     pipeline_stages = [
         PipelineStage(module, module.stage_index, module.num_stages, device, group=pp_mesh.get_group())
@@ -178,6 +234,6 @@ def build_schedule(
     return schedule_class(
         pipeline_stages[0] if schedule in SINGLE_STAGE_SCHEDULES else pipeline_stages,
         n_microbatches=microbatches,
-        loss_fn=loss_fn,
+        loss_fn=row_share if training else None,
         scale_grads=False,
     )

@@ -5,14 +5,15 @@ The trainer calls an objective through one narrow interface, in this order every
 1. ``step_counts(micro_batches)``: counts taken on the host from this rank's micro-batches of the step, moved to the
    device and summed over the objective's group in one all-reduce. ``counts[0]`` is what the step's loss is a mean
    over; 0 means nothing to train (the trainer then skips the update).
-   An objective may also compute there, before any forward of the policy in the step, what its rows need (the
-   preference objective's reference log-probs).
-2. ``loss(hidden, weight, row, counts)`` for each row: ``hidden`` ``[1, S_local, H]`` (this rank's part of the row),
-   ``weight`` the LM head ``[vocab, H]``, ``row`` the row's fields named in ``fields`` (``[1, S_local]``, on the
-   device; a field the batch holds as a per-row host list, such as ``pair_counts``, as that row's item). Returns
-   this rank's differentiable share of the step's loss, which the trainer back-propagates, and detached fp64 sums
-   for the report. The shares add up over the rows and every rank to the step's loss (FSDP sums the gradients over
-   dp_cp); the trainer sums the report sums the same way.
+   An objective may also compute there, before any forward of the policy in the step, what its rows need, and add
+   it to each micro-batch as a field of its own (the preference objective's reference log-probs).
+2. ``loss(hidden, weight, row, counts)`` for each row: ``hidden`` ``[1, S_local, H]`` (this rank's part of the row,
+   after the final norm), ``weight`` the LM head ``[vocab, H]``, ``row`` the row's fields named in ``fields``
+   (``[1, S_local]``, on the device; a field the batch holds as a per-row host list, such as ``pair_counts``, as
+   that row's item, or with a pipeline stacked: ``lctrain.parallel.pipeline.step_inputs``). Returns this rank's
+   differentiable share of the step's loss, which the trainer back-propagates, and detached fp64 sums for the report
+   (``[report_size]``). The shares add up over the rows and every rank to the step's loss (FSDP sums the gradients
+   over dp_cp); the trainer sums the report sums the same way.
 3. ``report(counts, sums)``: the step's counts and summed report sums, read back to the host, as metrics.
 
 Whatever an objective needs beyond the LM head's inputs stays inside it: its own fields of a row, its own reductions
@@ -20,8 +21,8 @@ inside ``loss`` (per-sequence sums over the context-parallel group, say), its ow
 from the model by hooks) and reported through the sums. The trainer does not branch on the objective.
 
 The step's totals travel as a ``StepTotals`` value from the forward-backward to the optimizer step and the report.
-With a pipeline the last stage computes ``loss_sum`` inside its forward and the schedule's ``loss_fn`` is ``share``,
-each micro-batch's target being the step's token count; the last stage reports the total only.
+With a pipeline, ``loss`` runs inside the last stage's forward (its head), as each row reaches it; the other stages
+report zeros of the same size.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class TokenMeanLoss:
         self.sources = list(sources) if len(sources) > 1 else []
         self.group, self.device, self.chunk_tokens = group, device, chunk_tokens
         self.fields = ("labels", "sources") if self.sources else ("labels",)
+        self.report_size = len(self.sources)
 
     def step_counts(self, micro_batches: Sequence[Batch]) -> Tensor:
         """int64 ``[1 + len(sources)]`` on the device: the step's trained tokens (then per source), over ``group``."""
@@ -85,34 +87,26 @@ class TokenMeanLoss:
         dist.all_reduce(step_counts, group=self.group)
         return step_counts
 
-    def loss_sum(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-        """The token-summed loss of ``hidden`` ``[..., H]`` against ``labels`` ``[...]`` (the chunked loss)."""
-        return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=self.chunk_tokens)[0]
-
-    @staticmethod
-    def share(loss_sum: Tensor, tokens: Tensor) -> Tensor:
-        """``loss_sum`` over the step's trained tokens ``tokens`` (``counts[0]``, a scalar or a pipeline micro-batch's
-        ``[1]``; without any, the sum is 0 and so is the share): a scalar."""
-        return loss_sum / tokens.clamp(min=1).reshape(())
-
     def loss(self, hidden: Tensor, weight: Tensor, row: Batch, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's share of the step's loss from one row, and the row's loss sums per source (fp64
+        """This rank's share of the step's loss from one row (its token-summed loss over the step's trained tokens
+        ``counts[0]``; without any, the sum is 0 and so is the share) and the row's loss sums per source (fp64
         ``[len(sources)]``, detached; empty with one source)."""
+        tokens = counts[0].clamp(min=1)
         if not self.sources:
-            no_sums = counts.new_zeros(0, dtype=torch.float64)
-            return self.share(self.loss_sum(hidden, weight, row["labels"]), counts[0]), no_sums
+            total = chunked_cross_entropy(hidden, weight, row["labels"], chunk_tokens=self.chunk_tokens)[0]
+            return total / tokens, counts.new_zeros(0, dtype=torch.float64)
         total, sums, _ = chunked_cross_entropy_by_group(
             hidden, weight, row["labels"], row["sources"], len(self.sources), chunk_tokens=self.chunk_tokens
         )
-        return self.share(total, counts[0]), sums
+        return total / tokens, sums
 
     def report(self, counts: Sequence[float], sums: Sequence[float]) -> dict[str, float | None]:
-        """With several sources, ``loss/<name>`` (None for a source without a trained token, or without ``sums``: a
-        pipeline's last stage computes the total only) and ``tokens/<name>``; else nothing."""
+        """With several sources, ``loss/<name>`` (None for a source without a trained token) and ``tokens/<name>``;
+        else nothing."""
         result: dict[str, float | None] = {}
         for index, name in enumerate(self.sources):
             count = counts[1 + index]
-            result[f"loss/{name}"] = sums[index] / count if count and sums else None
+            result[f"loss/{name}"] = sums[index] / count if count else None
             result[f"tokens/{name}"] = int(count)
         return result
 
@@ -124,21 +118,20 @@ def build_objective(
     prepared: Any,
     mesh: Any,
     device: torch.device,
-    model: torch.nn.Module,
+    built: Any,
     hidden_states: FinalHiddenStates | None,
-    rows: Callable[[], Iterable[Batch]] | None = None,
+    steps: Callable[[], Iterable[Sequence[Batch]]] | None = None,
 ) -> TokenMeanLoss | PreferenceLoss:
     """The objective of ``cfg.objective.name`` (``cfg``: the ``JobConfig``): ``TokenMeanLoss``, or ``PreferenceLoss``
-    with its reference model (``reference.build_reference``: ``prepared``, the built policy ``model`` and its
-    ``hidden_states`` forward; None with a pipeline, which runs the LM objective only) on the job's ``mesh``, over
-    the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of ``rows()`` (every
-    micro-batch of this rank's run and the validation rows) from ``<run_dir>/reference_logps/dp<rank>.pt``, computed
-    and saved there first when it is not there yet."""
+    with its reference model (``reference.build_reference``: ``prepared``, the built policy ``built`` (a
+    ``lctrain.build.BuiltModel``) and its ``hidden_states`` forward, None with pipeline stages) on the job's
+    ``mesh``, over the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of
+    ``steps()`` (this rank's micro-batches of every step of the run, then the validation rows) from
+    ``<run_dir>/reference_logps/dp<rank>.pt``, computed and saved there first when it is not there yet."""
     dp_cp = flat_mesh(mesh, "dp_cp").get_group()
     chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.objective.name == "lm":
         return TokenMeanLoss(sources, group=dp_cp, device=device, chunk_tokens=chunk_tokens)
-    assert hidden_states is not None, "the preference objective runs without a pipeline (check_job)"
     cp = cfg.parallel.ring * cfg.parallel.ulysses
     objective = PreferenceLoss(
         cfg.objective,
@@ -147,16 +140,17 @@ def build_objective(
         cp_group=flat_mesh(mesh, "cp").get_group() if cp > 1 else None,
         device=device,
         chunk_tokens=chunk_tokens,
-        reference=build_reference(cfg, prepared, mesh, device, model, hidden_states),
+        reference=build_reference(cfg, prepared, mesh, device, built, hidden_states),
+        last_stage=not built.stages or built.stages[-1].last,
     )
     if cfg.objective.precompute_reference and objective.reference is not None:
-        assert rows is not None, "precomputing the reference needs the run's rows"
+        assert steps is not None, "precomputing the reference needs the run's steps"
         path = Path(cfg.train.run_dir) / "reference_logps" / f"dp{mesh.get_local_rank('dp')}.pt"
         source = cfg.objective.reference_path or cfg.model.path or f"the random init of seed {cfg.train.seed}"
         identity = f"objective.reference={cfg.objective.reference} ({source})"
         cache = ReferenceCache.load(path, identity)
         if cache is None:
-            objective.precompute_reference(rows(), ReferenceCache(path, identity))
+            objective.precompute_reference(steps(), ReferenceCache(path, identity))
         else:
             objective.use_cache(cache)
     return objective

@@ -19,14 +19,17 @@ all-reduce's backward sums the cp ranks' gradients of the sums, so the gradient 
 is exactly the loss's (and the report sums are divided the same way, as the trainer sums them over every rank).
 
 The reference model's log-probs (the losses that compare with one) are computed in ``step_counts``, before any
-forward of the policy in the step, without gradients, through the same patched attention and sharding, or looked up
-among those computed before training (``lctrain.train.reference``).
+forward of the policy in the step, without gradients, through the same patched attention, sharding and pipeline
+stages, or looked up among those computed before training (``lctrain.train.reference``); each micro-batch gets them
+as a field of its rows, ``reference_logps`` (fp64 ``[2K]`` a row), which ``loss`` reads like the others. With a
+pipeline only the last stage computes losses, so only it holds them (the other stages get empty ones).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +40,15 @@ from torch import Tensor
 
 from lctrain.config import ObjectiveConfig
 from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.train.forward import model_hidden
 from lctrain.train.loss import chunked_token_logprobs
 from lctrain.train.reference import Reference, ReferenceCache
 from lctrain.train.validate import dp_turns
 
 Batch = dict[str, Any]
 
+# the fields of a row the reference pass reads
+REFERENCE_FIELDS = ("labels", "completions", "pair_counts")
 # the pair metrics, TRL's names, in the order of the report sums (after the pair count)
 PAIR_METRICS = (
     "rewards/chosen",
@@ -124,6 +130,11 @@ def completion_logps(
         packed = _SumOverGroup.apply(packed, cp_group)
     sums, counts, sources = packed.split(n)
     return Completions(sums, counts.detach(), (sources.detach() / counts.detach().clamp(min=1)).round().long())
+
+
+def reference_completions(logps: Tensor) -> Completions:
+    """The reference's ``Completions`` of a row from its log-probs ``[2K]`` (the losses read no more of them)."""
+    return Completions(logps, torch.zeros_like(logps), torch.zeros_like(logps, dtype=torch.long))
 
 
 def log1mexp(x: Tensor) -> Tensor:
@@ -209,6 +220,7 @@ class PreferenceLoss:
         device: torch.device,
         chunk_tokens: int,
         reference: Reference | None,
+        last_stage: bool = True,
     ):
         if objective.needs_reference and reference is None:
             raise ValueError(f"objective.loss_type={list(objective.loss_type)} needs a reference model")
@@ -218,22 +230,27 @@ class PreferenceLoss:
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.reference = reference if objective.needs_reference else None
-        self.fields = ("labels", "completions", "pair_counts", *(("sources",) if self.sources else ()))
+        self.last_stage = last_stage  # False off a pipeline's last stage, which alone computes losses
+        fields = ["labels", "completions", "pair_counts", *(["sources"] if self.sources else [])]
+        self.fields = (*fields, *(["reference_logps"] if self.reference is not None else []))
+        self.report_size = (1 + len(self.sources)) * (1 + len(PAIR_METRICS))
         weights = objective.loss_weights or [1.0] * len(objective.loss_type)
         self.sft_weight = dict(zip(objective.loss_type, weights)).get("sft", 0.0)
         self.cache: ReferenceCache | None = None  # precomputed reference log-probs (precompute_reference)
-        self._reference_rows: Iterator[Completions] = iter(())
 
-    def precompute_reference(self, batches: Iterable[Batch], cache: ReferenceCache) -> None:
-        """The reference's log-probs of every row of ``batches`` (micro-batches of this rank, host tensors) into
-        ``cache``, saved (by the first cp rank of each dp rank); from now on the steps and the validation look them up
-        and the reference model is dropped (a frozen copy's memory is freed)."""
+    def precompute_reference(self, steps: Iterable[Sequence[Batch]], cache: ReferenceCache) -> None:
+        """The reference's log-probs of every row of ``steps`` (each a step's micro-batches of this rank, host
+        tensors) into ``cache``, saved (by the last stage's first cp rank of each dp rank); from now on the steps
+        and the validation look them up and the reference model is dropped (a frozen copy's memory is freed)."""
         if self.reference is None:
             return
-        for batch in batches:
-            for row in range(batch["input_ids"].shape[0]):
-                cache.add(batch["pair_ids"][row], self._reference_row(batch, row).logps)
-        if self.cp_rank == 0:
+        for micro_batches in steps:
+            logps = self.reference_logps(micro_batches)
+            for batch, rows in zip(micro_batches, logps):
+                for pair_ids, row_logps in zip(batch["pair_ids"], rows):
+                    if self.last_stage:
+                        cache.add(pair_ids, row_logps)
+        if self.cp_rank == 0 and self.last_stage:
             cache.save()
         self.use_cache(cache)
 
@@ -242,52 +259,55 @@ class PreferenceLoss:
         if self.reference is not None:
             self.cache, self.reference = cache, None
 
-    def _reference_for(self, batch: Batch, row: int) -> Completions | None:
-        """The reference's ``Completions`` of one row (host tensors): computed, looked up, or None (no reference)."""
+    def reference_logps(self, micro_batches: Sequence[Batch]) -> list[list[Tensor]]:
+        """The reference's log-probs (fp64 ``[2K]`` on the device) of each row of each micro-batch (host tensors):
+        looked up in the cache, or computed through the reference's forward (with a pipeline every stage takes part
+        in it); empty off a pipeline's last stage."""
+        pair_counts = [[int(k) for k in batch["pair_counts"]] for batch in micro_batches]
+        outputs = None
+        if self.cache is None:
+            width = 2 * max(max(counts, default=0) for counts in pair_counts)
+            outputs = self.reference(micro_batches, REFERENCE_FIELDS, functools.partial(self._padded_logps, width))
+        if not self.last_stage:
+            empty = torch.zeros(0, dtype=torch.float64, device=self.device)
+            return [[empty for _ in counts] for counts in pair_counts]
         if self.cache is not None:
-            logps = self.cache.lookup(batch["pair_ids"][row], self.device)
-            return Completions(logps, torch.zeros_like(logps), torch.zeros_like(logps, dtype=torch.long))
-        return self._reference_row(batch, row) if self.reference is not None else None
+            return [[self.cache.lookup(ids, self.device) for ids in batch["pair_ids"]] for batch in micro_batches]
+        rows = iter(outputs)
+        return [[next(rows)[: 2 * k] for k in counts] for counts in pair_counts]
+
+    def _padded_logps(self, width: int, hidden: Tensor, weight: Tensor, row: Batch) -> Tensor:
+        """The reference pass's head: a row's completion log-probs (fp64 ``[2K]``) padded to ``width``."""
+        logps = completion_logps(
+            hidden, weight, row, int(row["pair_counts"]), cp_group=self.cp_group, chunk_tokens=self.chunk_tokens
+        ).logps
+        return F.pad(logps, (0, width - logps.numel()))
 
     def step_counts(self, micro_batches: Sequence[Batch]) -> Tensor:
         """int64 ``[2]`` on the device: the step's pairs (counted once per dp rank: the cp ranks of a dp rank hold the
-        same pairs) and chosen tokens, summed over dp_cp; then the reference's log-probs of every row of the step."""
+        same pairs) and chosen tokens, summed over dp_cp; then, with a reference, each micro-batch's
+        ``reference_logps`` (a list: one tensor a row)."""
         pairs = sum(sum(batch["pair_counts"]) for batch in micro_batches) if self.cp_rank == 0 else 0
         chosen = sum(int(((b["completions"] >= 0) & (b["completions"] % 2 == 0)).sum()) for b in micro_batches)
         counts = torch.tensor([pairs, chosen], dtype=torch.int64).to(self.device, non_blocking=True)
         dist.all_reduce(counts, group=self.group)
-        rows = [(batch, row) for batch in micro_batches for row in range(batch["input_ids"].shape[0])]
-        self._reference_rows = iter([self._reference_for(batch, row) for batch, row in rows])
+        if self.reference is not None or self.cache is not None:
+            for batch, logps in zip(micro_batches, self.reference_logps(micro_batches)):
+                batch["reference_logps"] = logps
         return counts
-
-    @torch.no_grad()
-    def _reference_row(self, batch: Batch, row: int) -> Completions:
-        """The reference's ``Completions`` of one row of a micro-batch (host tensors)."""
-        rows = slice(row, row + 1)
-        with self.reference.active():
-            hidden = self.reference.hidden_states(
-                batch["input_ids"][rows].to(self.device),
-                batch["position_ids"][rows].to(self.device),
-                batch["cu_seqlens"][row],
-                batch["doc_prefix"][row],
-            )
-            fields = {key: batch[key][rows].to(self.device) for key in ("labels", "completions")}
-            return completion_logps(
-                hidden,
-                self.reference.weight,
-                fields,
-                batch["pair_counts"][row],
-                cp_group=self.cp_group,
-                chunk_tokens=self.chunk_tokens,
-            )
 
     def loss(self, hidden: Tensor, weight: Tensor, row: Batch, counts: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's share of the step's loss from one row (``1 / cp`` of the row's pairs' loss over the step's
-        pairs, plus the ``sft`` term's part) and the row's report sums (fp64, detached, also ``1 / cp``)."""
+        pairs, plus the ``sft`` term's part) and the row's report sums (fp64 ``[report_size]``, detached, also
+        ``1 / cp``). ``row["pair_counts"]`` is an int or a ``[1]`` tensor, ``row["reference_logps"]`` ``[2K]`` or
+        a longer padded one (a pipeline's stacked rows: ``step_inputs``)."""
+        num_pairs = int(row["pair_counts"])
         policy = completion_logps(
-            hidden, weight, row, row["pair_counts"], cp_group=self.cp_group, chunk_tokens=self.chunk_tokens
+            hidden, weight, row, num_pairs, cp_group=self.cp_group, chunk_tokens=self.chunk_tokens
         )
-        reference = next(self._reference_rows)
+        reference = None
+        if "reference_logps" in row:
+            reference = reference_completions(row["reference_logps"].reshape(-1)[: 2 * num_pairs])
         losses, chosen_rewards, rejected_rewards = pair_losses(self.objective, policy, reference)
         pairs, chosen_tokens = counts[0].clamp(min=1), counts[1].clamp(min=1)
         share = losses.sum() / pairs
@@ -312,16 +332,12 @@ class PreferenceLoss:
         totals = torch.zeros(len(PAIR_METRICS) + 4, dtype=torch.float64, device=self.device)
         for index, keep in dp_turns(len(rows), dp_rank, dp):
             row = rows[index]
-            reference = self._reference_for(row, 0)
-            hidden = hidden_states(
-                row["input_ids"].to(self.device),
-                row["position_ids"].to(self.device),
-                row["cu_seqlens"][0],
-                row["doc_prefix"][0],
-            )
+            reference = None
+            if self.reference is not None or self.cache is not None:
+                reference = reference_completions(self.reference_logps([row])[0][0])
             fields = {key: row[key].to(self.device) for key in ("labels", "completions")}
             policy = completion_logps(
-                hidden,
+                model_hidden(hidden_states, row, 0, self.device),
                 hidden_states.model.lm_head.weight,
                 fields,
                 row["pair_counts"][0],

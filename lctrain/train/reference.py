@@ -1,10 +1,11 @@
 """The reference model of the preference losses (``objective.reference``) and its precomputed log-probs
 (``objective.precompute_reference``).
 
-- ``initial`` with LoRA: the policy itself with its adapters disabled for the reference pass (no second copy);
+- ``initial`` with LoRA: the policy itself with its adapters disabled for the reference pass (no second copy; with a
+  pipeline, a forward-only schedule of its own over the policy's stage modules);
 - ``initial`` without LoRA: a frozen copy of the initial weights, built like the policy (``lctrain.build``: the same
-  patched attention, mesh, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without gradients or optimizer
-  state;
+  patched attention, mesh, pipeline stages, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without
+  gradients or optimizer state;
 - ``path``: the weights of a Hugging Face directory, built the same way.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -21,20 +22,23 @@ import torch
 from torch import Tensor
 
 from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.parallel.pipeline import StageHead, build_schedule
+from lctrain.train.forward import Batch, ModelForward, PipelineForward, RowsForward
 
 
 class Reference:
-    """The reference model's forward: ``hidden_states`` through the reference weights while ``active()`` holds (the
-    policy's own forward with its adapters disabled, or a frozen model of its own)."""
+    """The reference model's forward over a step's rows (``lctrain.train.forward``: the whole model, or a
+    forward-only pipeline schedule) with a head, through the reference weights while ``active()`` holds (the
+    policy's own with its adapters disabled, or a frozen model of its own)."""
 
-    def __init__(
-        self, hidden_states: FinalHiddenStates, active: Callable[[], AbstractContextManager] = contextlib.nullcontext
-    ):
-        self.hidden_states, self.active = hidden_states, active
+    def __init__(self, forward: RowsForward, active: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+        self.forward, self.active = forward, active
 
-    @property
-    def weight(self) -> Tensor:
-        return self.hidden_states.model.lm_head.weight
+    @torch.no_grad()
+    def __call__(self, micro_batches: Sequence[Batch], fields: Sequence[str], head: StageHead) -> Tensor | None:
+        """The heads' outputs ``[rows, width]`` (None off a pipeline's last stage), without gradients."""
+        with self.active():
+            return self.forward(micro_batches, fields, head)
 
 
 class ReferenceCache:
@@ -107,15 +111,16 @@ def adapters_disabled(model: torch.nn.Module) -> Callable[[], AbstractContextMan
 
 
 def build_reference(
-    cfg: Any, prepared: Any, mesh: Any, device: torch.device, policy: torch.nn.Module, hidden: FinalHiddenStates
+    cfg: Any, prepared: Any, mesh: Any, device: torch.device, policy: Any, hidden_states: FinalHiddenStates | None
 ) -> Reference | None:
     """The reference model of the job (``cfg``: its ``JobConfig``; ``prepared``: its ``lctrain.build.PreparedModel``;
-    ``policy`` and ``hidden``: the trained model and its forward), or None when no loss needs one.
+    ``policy``: the trained model, a ``lctrain.build.BuiltModel``, and ``hidden_states`` its forward, None with
+    pipeline stages), or None when no loss needs one.
 
-    ``objective.reference``: ``initial`` with LoRA is the policy itself with its adapters disabled; ``initial``
+    ``objective.reference``: ``initial`` with LoRA is the policy's forward with its adapters disabled; ``initial``
     without LoRA a frozen copy of the initial weights, and ``path`` a Hugging Face directory's weights, built like
-    the policy (the same attention, mesh, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without
-    gradients or optimizer state."""
+    the policy (the same attention, mesh, pipeline stages, FSDP sharding and ``parallel.cpu_offload``), in eval mode,
+    without gradients or optimizer state."""
     from lctrain.build import build_model  # the build imports the trainer's modules
     from lctrain.models import LoraConfig, safetensors_source
 
@@ -123,9 +128,28 @@ def build_reference(
     if not objective.needs_reference:
         return None
     if objective.reference == "initial" and cfg.model.lora.rank:
-        return Reference(hidden, adapters_disabled(policy))
+        return Reference(rows_forward(policy, hidden_states, cfg, mesh, device), adapters_disabled(policy.model))
     if objective.reference == "path":
         prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path))
-    model = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False).model
-    model.requires_grad_(False)
-    return Reference(FinalHiddenStates(model))
+    built = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False)
+    built.model.requires_grad_(False)
+    hidden = None if built.stages else FinalHiddenStates(built.model)
+    return Reference(rows_forward(built, hidden, cfg, mesh, device))
+
+
+def rows_forward(
+    built: Any, hidden_states: FinalHiddenStates | None, cfg: Any, mesh: Any, device: torch.device
+) -> RowsForward:
+    """A forward-only run of a step's rows through ``built`` (a ``lctrain.build.BuiltModel``): the whole model's
+    ``hidden_states``, or a forward-only schedule over its pipeline stages (a micro-batch per row of a step)."""
+    if not built.stages:
+        return ModelForward(hidden_states, device)
+    schedule = build_schedule(
+        built.stages,
+        mesh["pp"],
+        schedule=cfg.parallel.pp_schedule,
+        microbatches=cfg.data.batch_size * cfg.train.grad_accum,
+        device=device,
+        training=False,
+    )
+    return PipelineForward(schedule, device)

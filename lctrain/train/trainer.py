@@ -7,6 +7,7 @@ Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``rec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -34,11 +35,13 @@ from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
 from lctrain.models.moe import with_router_loss
 from lctrain.parallel.dims import flat_mesh
-from lctrain.parallel.pipeline import build_schedule
+from lctrain.parallel.pipeline import build_schedule, step_inputs
 from lctrain.runtime import resolve_device, run_command
+from lctrain.train.forward import model_hidden, row_fields
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from lctrain.train.objective import Batch, StepTotals, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
+from lctrain.train.reference import rows_forward
 from lctrain.train.stages import check_stages, pending_stages, stage_configs
 from lctrain.train.validate import Validator
 
@@ -90,7 +93,6 @@ class Trainer:
             parallel=par,
             lora=cfg.model.lora,
             training=True,
-            stage_loss=lambda hidden, weight, labels: self.objective.loss_sum(hidden, weight, labels),
         )
         self.model, num_params = built.model, built.num_params
         self.hidden_states = None if built.stages else FinalHiddenStates(self.model)
@@ -100,9 +102,9 @@ class Trainer:
             prepared=prepared,
             mesh=self.mesh,
             device=self.device,
-            model=self.model,
+            built=built,
             hidden_states=self.hidden_states,
-            rows=lambda: self._run_rows(data, dp_rank),
+            steps=lambda: self._run_steps(data, dp_rank),
         )
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         if built.stages:
@@ -112,20 +114,23 @@ class Trainer:
                 schedule=par.pp_schedule,
                 microbatches=cfg.data.batch_size * cfg.train.grad_accum,
                 device=self.device,
-                loss_fn=self.objective.share,
+                training=True,
             )
-        else:
-            # a mixture of experts adds its routers' load-balancing loss (its statistics over each row's cp ranks, or
-            # over the step's rows from a forward of them first: train.router_aux_scope)
-            self.objective = with_router_loss(
-                self.objective,
-                self.model,
-                router_aux_coef(self.hf_config),
-                group=self.dp_cp_group,
-                cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
-                scope=cfg.train.router_aux_scope,
-                forward_row=self.forward_row,
-            )
+        # a mixture of experts adds its routers' load-balancing loss (its statistics over each row's cp ranks, or over
+        # the step's rows from a forward-only run of them first: train.router_aux_scope)
+        global_scope = cfg.train.router_aux_scope == "global"
+        self.objective = with_router_loss(
+            self.objective,
+            self.model,
+            built.stages,
+            self.hf_config,
+            router_aux_coef(self.hf_config),
+            group=self.dp_cp_group,
+            cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
+            device=self.device,
+            scope=cfg.train.router_aux_scope,
+            forward=rows_forward(built, self.hidden_states, cfg, self.mesh, self.device) if global_scope else None,
+        )
 
         # 5. optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -157,12 +162,15 @@ class Trainer:
             self.device,
         )
 
-    def _run_rows(self, data: DataConfig, dp_rank: int) -> Iterator[Batch]:
-        """Every micro-batch this rank's run trains on, from the start (a loader of its own), then the validation
-        rows: what a precomputed reference covers."""
-        micro_batches = self.cfg.train.steps * self.cfg.train.grad_accum
-        loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
-        return itertools.chain(itertools.islice(iter(loader), micro_batches), self.validator.rows)
+    def _run_steps(self, data: DataConfig, dp_rank: int) -> Iterator[list[Batch]]:
+        """This rank's micro-batches of every step of the run, from the start (a loader of its own), then the
+        validation rows one at a time: what a precomputed reference covers."""
+        loader, accum = (
+            iter(PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)),
+            self.cfg.train.grad_accum,
+        )
+        steps = ([next(loader) for _ in range(accum)] for _ in range(self.cfg.train.steps))
+        return itertools.chain(steps, ([row] for row in self.validator.rows))
 
     def _resume(self) -> None:
         """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another
@@ -206,33 +214,19 @@ class Trainer:
         path = self.checkpointer.save(self.step, self.model, self.optimizer, extra)
         logger.info("checkpoint %s", path)
 
-    def _to_device(self, tensor: Tensor) -> Tensor:
-        """A host tensor of the batch on the device, without waiting for the device (a blocking copy would wait for
-        all queued work): the copy is queued behind it."""
-        return tensor.to(self.device, non_blocking=True)
-
-    def forward_row(self, batch: Batch, row: int) -> Tensor:
-        """The final hidden states ``[1, S_local, H]`` of one row of this rank's micro-batch."""
-        rows = slice(row, row + 1)
-        return self.hidden_states(
-            self._to_device(batch["input_ids"][rows]),
-            self._to_device(batch["position_ids"][rows]),
-            batch["cu_seqlens"][row],  # on the host: the attention plans its blocks from it
-            batch["doc_prefix"][row] if "doc_prefix" in batch else None,  # shared prefixes (preference pairs)
-        )
-
-    def forward_loss(self, batch: Batch, row: int, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """One row of this rank's micro-batch (``[1, S_local]`` tokens) through the model and the objective: this
-        rank's share of the step's loss from the row and the row's report sums (``TokenMeanLoss.loss``)."""
-        rows = slice(row, row + 1)
-        hidden = self.forward_row(batch, row)
-        # per-token fields [1, S_local] on the device; per-row host lists (a row's pair count) as they are
-        fields = {
-            key: batch[key][row] if isinstance(batch[key], list) else self._to_device(batch[key][rows])
-            for key in self.objective.fields
-        }
+    def forward_loss(self, batch: Batch, row: int, counts: Tensor) -> Tensor:
+        """One row of this rank's micro-batch (``[1, S_local]`` tokens) through the model and the objective:
+        ``_share_and_sums``."""
+        hidden = model_hidden(self.hidden_states, batch, row, self.device)
+        fields = row_fields(batch, row, self.objective.fields, self.device)
         # the LM head was all-gathered by the root's forward and is kept for its backward
-        return self.objective.loss(hidden, self.model.lm_head.weight, fields, counts)
+        return self._share_and_sums(counts, hidden, self.model.lm_head.weight, fields)
+
+    def _share_and_sums(self, counts: Tensor, hidden: Tensor, weight: Tensor, row: Batch) -> Tensor:
+        """The head of a training forward: ``[this rank's share of the step's loss from the row, then the row's
+        report sums]`` (fp64 ``[1 + report_size]``; only the share carries a gradient) from the objective."""
+        share, sums = self.objective.loss(hidden, weight, row, counts)
+        return torch.cat([share.double().view(1), sums])
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> StepTotals:
         """Accumulate the gradients of the step's loss over ``micro_batches``; returns the step's totals.
@@ -240,36 +234,31 @@ class Trainer:
         The objective's counts come first (one all-reduce over its group, e.g. the step's trained tokens over dp_cp);
         each row's share of the step's loss is back-propagated, so the gradients accumulated over the rows and summed
         over dp_cp (apply_fsdp) are the step's loss's. A step without anything to train changes nothing
-        (optimizer_step)."""
+        (optimizer_step). With a pipeline, one schedule run over every row of the step (each row a pipeline
+        micro-batch); the stages before the last report zeros."""
         counts = self.objective.step_counts(micro_batches)
+        width = 1 + self.objective.report_size
         if self.schedule is not None:
-            return self._pipeline_forward_backward(micro_batches, counts)
-        loss, sums = torch.zeros((), device=self.device), []
-        for batch in micro_batches:
-            for row in range(batch["input_ids"].shape[0]):
-                share, row_sums = self.forward_loss(batch, row, counts)
-                share.backward()
-                loss += share.detach()
-                sums.append(row_sums)
-        return StepTotals(loss, counts, sum(sums))
-
-    def _pipeline_forward_backward(self, micro_batches: Sequence[Batch], counts: Tensor) -> StepTotals:
-        """One schedule run over every row of the step (each row is a pipeline micro-batch). The last stage computes
-        each row's share (0 off the last stage) and no report sums."""
-        rows = {key: torch.cat([b[key] for b in micro_batches]) for key in ("input_ids", "position_ids", "labels")}
-        bounds = [row_bounds for batch in micro_batches for row_bounds in batch["cu_seqlens"]]
-        losses: list[Tensor] = []
-        self.schedule.step(
-            self._to_device(rows["input_ids"]),
-            position_ids=self._to_device(rows["position_ids"]),
-            cu_seqlens=torch.nn.utils.rnn.pad_sequence(bounds, batch_first=True, padding_value=-1),
-            labels=self._to_device(rows["labels"]),
-            target=counts[:1].expand(len(bounds)),  # each row's loss_fn: its token sum / the step's trained tokens
-            losses=losses,
-            return_outputs=False,
-        )
-        loss = sum((loss.detach() for loss in losses), torch.zeros((), device=self.device))
-        return StepTotals(loss, counts, counts.new_zeros(0, dtype=torch.float64))
+            inputs = step_inputs(micro_batches, self.objective.fields, self.device)
+            rows = inputs["input_ids"].shape[0]
+            outputs = self.schedule.step(
+                inputs.pop("input_ids"),
+                **inputs,
+                head=functools.partial(self._share_and_sums, counts),
+                target=torch.zeros(rows),
+                return_outputs=True,
+            )
+            totals = torch.zeros(width, dtype=torch.float64, device=self.device)
+            if outputs is not None:  # the last stage: every row's output, concatenated
+                totals = outputs.detach().view(rows, width).sum(0)
+        else:
+            totals = torch.zeros(width, dtype=torch.float64, device=self.device)
+            for batch in micro_batches:
+                for row in range(batch["input_ids"].shape[0]):
+                    output = self.forward_loss(batch, row, counts)
+                    output[0].backward()
+                    totals += output.detach()
+        return StepTotals(totals[0].float(), counts, totals[1:])
 
     def optimizer_step(self, trained: Tensor) -> Tensor:
         """Clip by the global gradient norm (over all shards and pipeline stages), step AdamW and the schedule;

@@ -10,7 +10,11 @@ the auxiliary term's gradient shows in every router and expert weight):
   come from 4 ranks and the routers run again in the backward;
 - ``mixtral`` on dp 2 × ring 2, 2 rows a micro-batch, ``grad_accum`` 2, selective checkpointing and the chunked MLP
   (8 tokens a chunk: each chunk calls the router, the chunks are recomputed in the backward);
-- ``qwen3_moe`` on pp 2 × ring 2 (no router loss: across pipeline stages it is refused);
+- ``qwen3_moe`` on pp 2 × ring 2 (1F1B): each stage adds its layer's router statistics to the totals it passes on
+  beside the hidden states, the last stage's loss pools them and its gradient reaches the first stage's router back
+  through them;
+- ``mixtral`` on pp 2 × dp 2 (GPipe), ``grad_accum`` 2, ``train.router_aux_scope=global``: the step's counts from a
+  forward-only pipeline run of its rows first;
 - ``qwen3_moe`` on dp 2 × ring 2, 2 rows a micro-batch, ``grad_accum`` 2, ``train.router_aux_scope=global``: one
   load-balancing loss over the step's 8 rows (counts from a no-grad forward of them first);
 - ``mixtral`` with LoRA adapters on the attention projections, dp 2 × ring 2;
@@ -68,11 +72,18 @@ CASES = {
         2,
     ),
     "qwen3_moe-pp2-ring2": (
-        ("model.family=qwen3_moe", "model.router_aux_loss_coef=0"),
+        ("model.family=qwen3_moe", f"model.router_aux_loss_coef={COEF}"),
         ("parallel.pp=2", "parallel.ring=2"),
         1,
         2,
         1,
+    ),
+    "mixtral-pp2-dp2-global": (
+        ("model.family=mixtral", f"model.router_aux_loss_coef={COEF}", "train.router_aux_scope=global"),
+        ("parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=GPipe"),
+        1,
+        2,
+        2,
     ),
     "qwen3_moe-dp2-ring2-global": (
         ("model.family=qwen3_moe", f"model.router_aux_loss_coef={COEF}", "train.router_aux_scope=global"),
@@ -129,7 +140,7 @@ def test_moe_step_and_curve_match_single_process_model(case: str, parity_workdir
     assert_curve_matches(result, expected, STEPS)
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if "pp2" not in case])
+@pytest.mark.parametrize("case", list(CASES))
 def test_lm_and_aux_losses_are_reported_apart_with_the_expert_load(case: str, parity_workdir: str) -> None:
     results_for(parity_workdir)
     records = Path(f"{parity_workdir}/run_{case}/metrics.jsonl").read_text().splitlines()

@@ -64,9 +64,9 @@ def run(root: str, policy: str, fault: str) -> dict:
     forward_loss, optimizer_step = trainer.forward_loss, trainer.optimizer_step
     scale = {"nan_loss": float("nan"), "inf_loss": float("inf"), "nan_grad": 1.0}[fault]
 
-    def faulty_loss(batch: dict, row: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, sums = forward_loss(batch, row, counts)
-        return (loss * scale if trainer.step == 1 else loss), sums
+    def faulty_loss(batch: dict, row: int, counts: torch.Tensor) -> torch.Tensor:
+        output = forward_loss(batch, row, counts)  # [the row's loss share, then its report sums]
+        return torch.cat([output[:1] * scale, output[1:]]) if trainer.step == 1 else output
 
     params: list[dict[str, torch.Tensor]] = []
     lrs: list[float] = []

@@ -45,6 +45,7 @@ from tests.helpers.preference_training import (
 )
 
 MESH = ["parallel.ring=2", "parallel.ulysses=2"]
+PIPELINE = ["parallel.pp=2", "parallel.ring=2"]
 OBJECTIVE = {"beta": BETA, "label_smoothing": LABEL_SMOOTHING}
 # case -> (parallel, model overrides, rows a step, grad_accum, objective, loss types, adapters, shared)
 CASES = {
@@ -63,6 +64,17 @@ CASES = {
     "window": (MESH, ("model.family=mistral", "model.sliding_window=6"), 2, 1, "path", (["sigmoid"],), False, True),
     "unshared": (MESH, (), 2, 1, "path", (["sigmoid"], ["ipo"]), False, False),
     "initial": (MESH, (), 2, 1, "initial", (["sigmoid"],), False, True),
+    "pp2_ring2": (PIPELINE, (), 2, 1, "path", (["sigmoid"], ["ipo"], ["simpo"], ["sigmoid", "sft"]), False, True),
+    "pp2_lora": (
+        [*PIPELINE, "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=2"],
+        ("model.lora.rank=4", "model.num_layers=4"),
+        2,
+        2,
+        "initial",
+        (["sigmoid"], ["orpo"]),
+        True,
+        True,
+    ),
 }
 
 

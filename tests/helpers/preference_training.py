@@ -86,6 +86,7 @@ def run_losses(
             device=base.device,
             chunk_tokens=base.chunk_tokens,
             reference=base.reference,
+            last_stage=base.last_stage,
         )
         step = trainer.forward_backward(batches)
         shares = torch.cat([step.loss.view(1).double(), step.sums])
@@ -95,6 +96,10 @@ def run_losses(
             for name, param in trainer.model.named_parameters()
             if param.requires_grad
         }
+        if trainer.pp_group is not None:  # every stage's gradients
+            stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(trainer.pp_group))]
+            dist.all_gather_object(stages, grads, group=trainer.pp_group)
+            grads = {name: grad for stage in stages for name, grad in stage.items()}
         trainer.optimizer.zero_grad(set_to_none=True)
         report = trainer.objective.report(step.counts.tolist(), shares[1:].tolist())
         results[tuple(types)] = (shares[0].item(), report, grads)

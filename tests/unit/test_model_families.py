@@ -189,12 +189,6 @@ REFUSED = {
         1,
         ["sets router_jitter_noise=0.1", "set router_jitter_noise to 0"],
     ),
-    "router_loss_on_pipeline": (
-        None,
-        ["model.family=mixtral", "model.router_aux_loss_coef=0.01", "parallel.pp=3"],
-        3,
-        ["parallel.pp=3 with model.family='mixtral'", "set model.router_aux_loss_coef=0 or parallel.pp=1"],
-    ),
     "router_loss_without_routers": (
         None,
         ["model.router_aux_loss_coef=0.01"],

@@ -1,7 +1,8 @@
 """The routers' load-balancing loss (``lctrain/models/moe.py``) against transformers' ``load_balancing_loss_func``:
 the shares of a row cut over several ranks add up to it, value and gradient; the statistics taken by hooks from a
 tiny ``qwen3_moe`` and ``mixtral`` give it, with and without the chunked MLP, and a second forward of a layer after
-``take`` (activation checkpointing's recompute) adds nothing. The coefficient follows transformers' rule."""
+``take`` (activation checkpointing's recompute) adds nothing; the router totals that pipeline stages pass on give it
+too. The coefficient follows transformers' rule."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from transformers import AutoModelForCausalLM
 from lctrain.config import load_config
 from lctrain.models import model_config
 from lctrain.models.chunked_mlp import apply_chunked_mlp
-from lctrain.models.families import active_parameters
+from lctrain.models.families import active_parameters, moe_layers
 from lctrain.models.hf import router_aux_coef
-from lctrain.models.moe import RouterStatistics, balance_loss_share, router_statistics
+from lctrain.models.moe import RouterStatistics, RouterTotals, balance_loss_share, router_statistics
+from lctrain.parallel.pipeline import ModelParts
 
 VOCAB = 50
 EXPERTS, TOP_K, LAYERS, TOKENS = 4, 2, 2, 24
@@ -135,3 +137,31 @@ def test_dense_layers_of_a_qwen3_moe_have_no_router() -> None:
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     assert active_parameters(config, total) == total - experts + experts * TOP_K // EXPERTS
+
+
+def test_router_totals_passed_over_parts_give_the_whole_models() -> None:
+    """Pipeline stages: each part adds its layers' statistics of the row to the totals it passes on (a part without
+    a MoE layer passes them through); the last part's totals give transformers' loss and gradient, as the whole
+    model's do."""
+    config = tiny("qwen3_moe", "model.num_layers=3").config
+    config.mlp_only_layers = [0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    expected = balance_loss_func(model)(model(ids, output_router_logits=True).router_logits, EXPERTS, TOP_K)
+    weight = model.model.layers[1].mlp.gate.weight
+    (expected_grad,) = torch.autograd.grad(expected, weight)
+    layers, cpu = moe_layers(config), torch.device("cpu")
+    parts = [ModelParts({str(i): model.model.layers[i]}, model.model.rotary_emb) for i in range(3)]
+    carries = [RouterTotals(part, layers, EXPERTS, cpu, start=model.model) for part in parts]
+    whole = RouterTotals(model, layers, EXPERTS, cpu)
+    model.model(ids)
+    totals = None
+    for carry in carries:
+        totals = carry(totals)
+    assert layers == [1, 2] and carries[0].stats is None
+    assert torch.equal(totals.detach(), whole(None).detach())
+    loss = balance_loss_share(totals[:-1].detach(), totals[-1:], torch.tensor(TOKENS))
+    torch.testing.assert_close(loss.float(), expected, atol=0, rtol=1e-6)
+    (grad,) = torch.autograd.grad(loss, weight)
+    torch.testing.assert_close(grad.float(), expected_grad, atol=1e-7, rtol=1e-5)

@@ -151,7 +151,7 @@ def test_precomputed_reference_gives_the_same_step_and_is_checked(world_of_one, 
     computed = trainer.forward_backward([batch])
     trainer.optimizer.zero_grad(set_to_none=True)
     path = tmp_path / "cache" / "dp0.pt"
-    trainer.objective.precompute_reference([batch], ReferenceCache(path, "this reference"))
+    trainer.objective.precompute_reference([[batch]], ReferenceCache(path, "this reference"))
     assert trainer.objective.reference is None and path.is_file()  # the model dropped, the cache kept
     looked_up = trainer.forward_backward([batch])
     assert looked_up.loss.item() == computed.loss.item() and torch.equal(looked_up.sums, computed.sums)
@@ -180,13 +180,6 @@ def test_dpo_recipes_state_the_planners_prediction(recipe: str, capsys: pytest.C
     assert args.get("--lora-rank", "0") == str(cfg.model.lora.rank)
     assert args["--mesh"] == f"1,{cfg.parallel.dp},{cfg.parallel.ring},{cfg.parallel.ulysses}"
     assert int(args["--seq-len"]) == cfg.data.seq_len
-
-
-def test_a_pipeline_with_the_preference_loss_is_refused() -> None:
-    from tests.unit.test_config import check
-
-    with pytest.raises(ValueError, match=r"objective.name=dpo with parallel.pp=2: the preference loss runs without a"):
-        check(["objective.name=dpo", "parallel.pp=2", "data.batch_size=2"], 2)
 
 
 @pytest.mark.parametrize(
