@@ -29,7 +29,7 @@ from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
 from lctrain.data.packing import Document, Pair
-from lctrain.data.pairs import PairEncoder, parse_pair
+from lctrain.data.pairs import PairEncoder, pair_id, parse_pair
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import tokenize_documents
 
@@ -141,8 +141,9 @@ class PairSource(RecordSource):
             answers = len(pair.chosen) + len(pair.rejected)
             # the prompt's length that fits: shared (P + 1 + C + R) or repeated (2P + C + R)
             keep = self.seq_len - 1 - answers if pair.shared else (self.seq_len - answers) // 2
-            if keep >= 1:
-                return replace(pair, prompt=pair.prompt[len(pair.prompt) - keep :])
+            if keep >= 1:  # another pair: its own identity (its reference log-probs see the shorter prompt)
+                prompt = pair.prompt[len(pair.prompt) - keep :]
+                return replace(pair, prompt=prompt, pair_id=pair_id(prompt, pair.chosen, pair.rejected))
         return self._dropped(where, item)
 
     def check(self) -> None:
