@@ -157,7 +157,7 @@ class RouterBalancedLoss:
         self.inner, self.stats, self.coef, self.scope, self.forward_row = inner, stats, coef, scope, forward_row
         self.group, self.cp_group = group, cp_group
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-        self.fields = inner.fields
+        self.fields, self.counted = inner.fields, inner.counted
         self.layers, self.experts = len(stats.routers), stats.num_experts
         self.own = 1 if scope == "sequence" else 2 + self.layers * self.experts  # counts after inner's
 

@@ -303,8 +303,7 @@ class Trainer:
         loss, norm_value, counts, sums = values[0], values[1], values[2:counted], values[counted:]
         if not counts[0]:
             logger.warning(
-                "step %d: no trained token in this step (every label is masked on every rank): update skipped",
-                self.step + 1,
+                "step %d: no %s in this step on any rank: update skipped", self.step + 1, self.objective.counted
             )
         if not math.isfinite(norm_value):
             if self.cfg.train.nonfinite == "stop":

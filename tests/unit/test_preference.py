@@ -189,6 +189,22 @@ def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
     assert steps[1] == steps[2] == steps[0]  # the same step, from the cache the first run saved
 
 
+def test_a_step_without_a_pair_is_logged_as_such(world_of_one, tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """A preference step whose rows hold no pair (a mixture's text, padding) skips its update and says why in the
+    objective's unit; a row without a pair beside one with pairs trains."""
+    from lctrain.train.trainer import Trainer
+    from testbed.pairs import pack_pairs, shard_rows
+
+    trainer = Trainer(job(tmp_path))
+    without_pairs = pack_pairs([], 64)
+    with caplog.at_level("WARNING", logger="lctrain"):
+        result = trainer.train_step([shard_rows([without_pairs, without_pairs])])
+    assert result["pairs"] == 0 and result["grad_norm"] == 0.0
+    assert any("step 1: no preference pair in this step on any rank" in r.getMessage() for r in caplog.records)
+    result = trainer.train_step([shard_rows([*packed_rows(step_pairs(1)), without_pairs])])
+    assert result["pairs"] == 1 and result["grad_norm"] > 0
+
+
 DPO_RECIPES = ["llama31_8b_instruct_dpo_lora_128k", "llama31_8b_instruct_dpo_128k", "llama31_8b_instruct_dpo_lora_3m"]
 
 
