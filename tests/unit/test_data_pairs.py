@@ -284,7 +284,8 @@ def test_pairs_are_never_split_and_come_in_order(files: Path, tokenizer_dir: Pat
 
 def test_mixture_of_pairs_chat_and_text(files: Path, tokenizer_dir: Path) -> None:
     """Pairs beside conversations and text in rows: completions only on the pairs' trained tokens (the others keep
-    their labels), doc_prefix only on shared answers, each source's tokens tagged with its index."""
+    their labels), doc_prefix only on shared answers, each source's tokens tagged with its index; the counts of the
+    end-of-run line in each kind's words."""
     sources = [
         SourceConfig("pairs", [str(files / "pairs.jsonl")], weight=2.0),
         SourceConfig("chat", [str(files / "chat.jsonl")]),
@@ -304,6 +305,13 @@ def test_mixture_of_pairs_chat_and_text(files: Path, tokenizer_dir: Path) -> Non
                 assert batch["position_ids"][0][start] == bounds[prefix + 1] - bounds[prefix]
         seen |= set(tagged[trained].tolist())
     assert seen == {0, 1, 2}
+    # the end-of-run line: each source's counts in the words of its kind, the text source's none
+    pairs, chat = loader.skipped()["pairs"], loader.skipped()["chat"]
+    assert (pairs["overlong"], chat["untrained"], chat["overlong"]) == (1, 1, 0)  # so far
+    assert loader.skipped_line(loader.skipped()) == (
+        "1 pair longer than data.seq_len dropped (data.overlong=drop) (pairs); "
+        "1 conversation without a trained token skipped (chat)"
+    )
 
 
 @pytest.mark.parametrize("share_prompt", [True, False])
@@ -401,7 +409,7 @@ def test_an_answer_the_template_does_not_write_after_its_prompt_is_one_line(toke
 def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir: Path, share_prompt: bool) -> None:
     """drop: skipped and counted; error: one line naming the record; truncate: the prompt cut from its start until
     the pair fits the row exactly (its answers whole, the id that of the cut pair), and dropped when its answers
-    alone do not fit."""
+    alone do not fit. The end-of-run line counts the pairs dropped, in the words of each setting."""
     long = {"prompt": "word " * 80, "chosen": " yes", "rejected": " no"}
     huge = {"prompt": "p", "chosen": "yes " * 80, "rejected": " no"}
     path = write_jsonl(tmp_path / "long.jsonl", [long, RECORDS[0], huge, RECORDS[0]])
@@ -419,6 +427,9 @@ def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir:
     assert kept[:2] == [kept_pair.pair_id] * 2  # lines 2 and 4: the same pair, the same id
     state = dropping.state_dict()  # lines 1 and 3 (items 0 and 2) dropped in every epoch
     assert state["overlong"] == 2 * state["epoch"] + (state["document"] > 0) + (state["document"] > 2) > 0
+    assert state["overlong"] > 1
+    line = f"{state['overlong']} pairs longer than data.seq_len dropped (data.overlong=drop)"
+    assert dropping.skipped_line(dropping.skipped()) == line
     with pytest.raises(ValueError, match=rf"^{path}:1: a preference pair of \d+ tokens .* longer than data.seq_len=48"):
         next(iter(loader("error")))
     truncating = loader("truncate")
@@ -440,6 +451,9 @@ def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir:
     next(rows)
     state = truncating.state_dict()  # the pair whose answers alone are too long (item 2) is dropped
     assert state["overlong"] == state["epoch"] + (state["document"] > 2)
+    assert state["overlong"] == 1
+    line = "1 pair whose answers alone do not fit in data.seq_len dropped (data.overlong=truncate)"
+    assert truncating.skipped_line(truncating.skipped()) == line
 
 
 # ------------------------------------------------------------------------------- formats, checks, embedded corpus
