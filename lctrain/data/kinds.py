@@ -12,13 +12,14 @@ of them becomes documents (``encode``), so that the loader mixes, packs and shar
 
 ``encode`` gives one ``Encoded`` per item: a ``Document`` (or ``Pair``), the reason the item gives none
 (``lctrain.data.mixture.SKIP_REASONS``), or a conversation's parts (documents and such reasons, with the counts
-``divergent`` and ``unreachable``), which the stream counts in the data state.
+``divergent`` and ``unreachable``), which the stream counts in the data state. ``counted`` puts those counts in the
+words of the kind: a text source counts nothing, a chat source conversations and turns, a preference source pairs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,11 +30,21 @@ from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
 from lctrain.data.packing import Document, Pair
-from lctrain.data.pairs import PairEncoder, parse_pair
+from lctrain.data.pairs import PairEncoder, pair_id, parse_pair
 from lctrain.data.sources import DocumentSource
 from lctrain.data.tokenizer import tokenize_documents
 
 logger = logging.getLogger("lctrain")
+
+
+def _phrases(counts: Mapping[str, int], words: dict[str, tuple[str, str]]) -> list[str]:
+    """``"<count> <noun(s)> <rest>"`` for each nonzero count of ``counts`` that ``words`` names (its noun and the
+    rest), in ``words``' order."""
+    return [
+        f"{counts[name]} {noun}{'' if counts[name] == 1 else 's'} {rest}"
+        for name, (noun, rest) in words.items()
+        if counts[name]
+    ]
 
 
 class TextSource:
@@ -51,6 +62,10 @@ class TextSource:
 
     def check(self) -> None:
         """Nothing beyond opening: the source checked its text field when it was opened."""
+
+    def counted(self, counts: Mapping[str, int]) -> list[str]:
+        """Nothing: every text gives a document (empty ones are left out as they are read)."""
+        return []
 
 
 class RecordSource:
@@ -122,6 +137,18 @@ class ChatSource(RecordSource):
         record, where = next(self.items(0))
         self.encoder.encode([parse_conversation(record, where)])
 
+    def counted(self, counts: Mapping[str, int]) -> list[str]:
+        """The nonzero ``counts`` (``lctrain.data.mixture.COUNTS``) in words, one phrase each."""
+        return _phrases(
+            counts,
+            {
+                "overlong": ("conversation", "longer than data.seq_len dropped (data.overlong=drop)"),
+                "untrained": ("conversation", "without a trained token skipped"),
+                "divergent": ("conversation", "rendered once per divergent turn (data.divergent_turns)"),
+                "unreachable": ("turn", "no generation prompt leads to left out (data.unreachable_turns=skip)"),
+            },
+        )
+
 
 class PairSource(RecordSource):
     """Preference records; each pair becomes one ``Pair`` (its documents never split over rows) of ``seq_len`` tokens
@@ -141,14 +168,23 @@ class PairSource(RecordSource):
             answers = len(pair.chosen) + len(pair.rejected)
             # the prompt's length that fits: shared (P + 1 + C + R) or repeated (2P + C + R)
             keep = self.seq_len - 1 - answers if pair.shared else (self.seq_len - answers) // 2
-            if keep >= 1:
-                return replace(pair, prompt=pair.prompt[len(pair.prompt) - keep :])
+            if keep >= 1:  # another pair: its own identity (its reference log-probs see the shorter prompt)
+                prompt = pair.prompt[len(pair.prompt) - keep :]
+                return replace(pair, prompt=prompt, pair_id=pair_id(prompt, pair.chosen, pair.rejected))
         return self._dropped(where, item)
 
     def check(self) -> None:
         """The first record encoded: a bad record or template fails before any process group."""
         record, where = next(self.items(0))
         self.encoder.encode([parse_pair(record, where)])
+
+    def counted(self, counts: Mapping[str, int]) -> list[str]:
+        """The pairs dropped (``overlong``; a pair always has trained tokens and no turns) in words."""
+        if self.overlong == "truncate":
+            dropped = "whose answers alone do not fit in data.seq_len dropped (data.overlong=truncate)"
+        else:
+            dropped = "longer than data.seq_len dropped (data.overlong=drop)"
+        return _phrases(counts, {"overlong": ("pair", dropped)})
 
 
 def read_chat_template(config: DataConfig) -> str | None:

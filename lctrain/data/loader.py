@@ -142,11 +142,22 @@ class PackedLoader:
     def skipped(self) -> dict[str, dict[str, int]]:
         """Per source name, the counts so far of this dp rank: records skipped, ``overlong`` (dropped, longer than
         a row: conversations and pairs) and ``untrained`` (no trained token); ``divergent`` conversations (rendered
-        per turn) and ``unreachable`` turns left out (``lctrain.data.chat_turns``)."""
+        per turn) and ``unreachable`` turns left out (``lctrain.data.chat_turns``). ``skipped_line`` words them."""
         return {
             name: {reason: position[reason] for reason in COUNTS}
             for name, position in zip(self.names, self._state["sources"])
         }
+
+    def skipped_line(self, skipped: Mapping[str, Mapping[str, int]]) -> str:
+        """``skipped`` (``skipped()``'s counts, e.g. summed over the dp ranks) as one line: each source's nonzero
+        counts in the words of its kind (``counted``: text documents, conversations, pairs), named by the source
+        when there are several; "" when nothing was counted."""
+        parts = []
+        for source, (name, counts) in zip(self._sources, skipped.items()):
+            phrases = source.counted(counts)
+            if phrases:
+                parts.append(", ".join(phrases) + (f" ({name})" if len(self._sources) > 1 else ""))
+        return "; ".join(parts)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts (after the last batch yielded); plain ints and lists, so json or torch.save

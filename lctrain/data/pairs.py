@@ -15,8 +15,9 @@ A record holds ``chosen`` and ``rejected``, and the ``prompt`` they answer:
 
 A bad record (not an object; a field missing, empty or of the wrong type; a bad message; no common prompt; chosen
 identical to rejected; an answer the template does not write after its prompt) is a ``ValueError`` of one line
-naming the record (``file:line``) and the fix. A pair's identity (``pair_id``) is its source index and its record's
-place (``file:line``) hashed to an int64: the same in every epoch, on every mesh and in every shuffle.
+naming the record (``file:line``) and the fix. A pair's identity (``pair_id``) is a hash of its token ids, so it
+names what the pair is, not where it was read: the same in every epoch, on every mesh and in every shuffle, whatever
+the source's index or the spelling of its paths; two identical pairs share it, as they share their reference log-probs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.chat import _messages, decoded_record
@@ -45,9 +47,12 @@ def is_pair_record(record: Any) -> bool:
     return isinstance(record, dict) and "chosen" in record and "rejected" in record
 
 
-def pair_id(source: int, where: str) -> int:
-    """The int64 identity of the pair of source ``source`` at ``where`` (its file and line)."""
-    digest = hashlib.blake2b(f"{source}:{where}".encode(), digest_size=8).digest()
+def pair_id(prompt: Tensor, chosen: Tensor, rejected: Tensor) -> int:
+    """The int64 identity of the pair of these token ids (``[P]``, ``[C]``, ``[R]`` int64): a hash of the three
+    lengths and the tokens, which are all the reference log-probs of the pair depend on (not its file, line or
+    source). A collision among n pairs has probability about n² / 2⁶⁵."""
+    tokens = torch.cat([torch.tensor([len(prompt), len(chosen), len(rejected)]), prompt, chosen, rejected])
+    digest = hashlib.blake2b(tokens.to(torch.int64).numpy().astype("<i8").tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
@@ -190,12 +195,6 @@ class PairEncoder:
             for name, tokens in zip(("prompt", *ANSWERS), (prompt, chosen, rejected)):
                 if not tokens:
                     raise ValueError(f"{record.where}: {name!r} has no tokens; give it text, or leave the record out")
-            pairs.append(
-                Pair(
-                    *(torch.tensor(tokens, dtype=torch.int64) for tokens in (prompt, chosen, rejected)),
-                    source=self.source,
-                    pair_id=pair_id(self.source, record.where),
-                    shared=self.shared,
-                )
-            )
+            tensors = [torch.tensor(tokens, dtype=torch.int64) for tokens in (prompt, chosen, rejected)]
+            pairs.append(Pair(*tensors, source=self.source, pair_id=pair_id(*tensors), shared=self.shared))
         return pairs

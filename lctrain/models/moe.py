@@ -198,7 +198,7 @@ class RouterBalancedLoss:
         self.inner, self.totals, self.coef, self.scope, self.forward = inner, totals, coef, scope, forward
         self.group, self.cp_group, self.device = group, cp_group, device
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-        self.fields = inner.fields
+        self.fields, self.counted = inner.fields, inner.counted
         self.layers, self.experts = list(layers), num_experts
         self.own = 1 if scope == "sequence" else 2 + len(self.layers) * self.experts  # counts after inner's
         self.report_size = 2 + len(self.layers) * self.experts + inner.report_size

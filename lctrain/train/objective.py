@@ -4,7 +4,7 @@ The trainer calls an objective through one narrow interface, in this order every
 
 1. ``step_counts(micro_batches)``: counts taken on the host from this rank's micro-batches of the step, moved to the
    device and summed over the objective's group in one all-reduce. ``counts[0]`` is what the step's loss is a mean
-   over; 0 means nothing to train (the trainer then skips the update).
+   over, named by ``counted`` (e.g. "trained token"); 0 means nothing to train (the trainer then skips the update).
    An objective may also compute there, before any forward of the policy in the step, what its rows need, and add
    it to each micro-batch as a field of its own (the preference objective's reference log-probs).
 2. ``loss(hidden, weight, row, counts)`` for each row: ``hidden`` ``[1, S_local, H]`` (this rank's part of the row,
@@ -68,6 +68,8 @@ class TokenMeanLoss:
     With several ``sources`` (their names, in the order of the rows' ``sources`` ids) the counts are
     ``[trained tokens, then per source]`` and the report sums each source's token losses, from the same chunks as the
     loss: ``loss/<name>`` (that source's token mean) and ``tokens/<name>``."""
+
+    counted = "trained token"  # what counts[0] counts, in words
 
     def __init__(self, sources: Sequence[str], *, group: dist.ProcessGroup, device: torch.device, chunk_tokens: int):
         self.sources = list(sources) if len(sources) > 1 else []

@@ -128,7 +128,7 @@ def completion_logps(
     packed = torch.cat([sums, counts, sources])  # one all-reduce for the three
     if cp_group is not None:
         packed = _SumOverGroup.apply(packed, cp_group)
-    sums, counts, sources = packed.split(n)
+    sums, counts, sources = packed.split([n, n, n])  # sizes, not a chunk size: a row without a pair has n = 0
     return Completions(sums, counts.detach(), (sources.detach() / counts.detach().clamp(min=1)).round().long())
 
 
@@ -209,6 +209,8 @@ class PreferenceLoss:
 
     Counts: ``[pairs of the step over dp, chosen tokens of the step over dp_cp]``. Report sums: for all pairs, then
     each source (with several): ``[pairs, *PAIR_METRICS]`` summed over the pairs."""
+
+    counted = "preference pair"  # what counts[0] counts, in words
 
     def __init__(
         self,

@@ -292,8 +292,7 @@ class Trainer:
         loss, norm_value, counts, sums = values[0], values[1], values[2:counted], values[counted:]
         if not counts[0]:
             logger.warning(
-                "step %d: no trained token in this step (every label is masked on every rank): update skipped",
-                self.step + 1,
+                "step %d: no %s in this step on any rank: update skipped", self.step + 1, self.objective.counted
             )
         if not math.isfinite(norm_value):
             if self.cfg.train.nonfinite == "stop":
@@ -377,21 +376,16 @@ class Trainer:
             logger.info("Hugging Face model written to %s", self.run_dir / "hf")
 
     def _log_skipped(self) -> None:
-        """One line with the records the loaders skipped (conversations longer than a row, or without a trained
-        token), the conversations rendered once per trained turn and the turns left out, summed over the dp ranks
-        (the context-parallel ranks of a dp rank read the same ones)."""
+        """One line with the loader's counts (``PackedLoader.skipped_line``: records skipped, conversations rendered
+        once per trained turn, turns left out), summed over the dp ranks (the context-parallel ranks of a dp rank
+        read the same ones)."""
         skipped = self.loader.skipped()
         counts = torch.tensor([list(c.values()) for c in skipped.values()], device=self.device)
         dist.all_reduce(counts, group=self.mesh.get_group("dp"))
-        if self.rank == 0 and counts.any():
-            lines = [
-                f"{overlong} conversations longer than data.seq_len dropped (data.overlong=drop), {untrained} without "
-                f"a trained token skipped, {divergent} rendered once per divergent turn (data.divergent_turns), "
-                f"{unreachable} turns no generation prompt leads to left out (data.unreachable_turns=skip)"
-                + (f" ({name})" if len(skipped) > 1 else "")
-                for name, (overlong, untrained, divergent, unreachable) in zip(skipped, counts.tolist())
-            ]
-            logger.info("data: %s", "; ".join(lines))
+        summed = {name: dict(zip(c, total)) for (name, c), total in zip(skipped.items(), counts.tolist())}
+        line = self.loader.skipped_line(summed)
+        if self.rank == 0 and line:
+            logger.info("data: %s", line)
 
 
 def check(cfg: JobConfig, world_size: int) -> None:

@@ -92,6 +92,13 @@ def test_mixture_rows_hold_both_sources_with_their_labels(files: Path, tokenizer
     assert chat["overlong"] + chat["untrained"] > 0  # write_chat_corpus has both kinds
     counts = {"overlong": chat["overlong"], "untrained": chat["untrained"], "divergent": 0, "unreachable": 0}
     assert loader.skipped()["chat"] == counts
+    # the end-of-run line: the conversations' counts in their words, named by the source; the text source's none
+    assert not chat["overlong"] and chat["untrained"] > 1  # so far
+    assert (
+        loader.skipped_line(loader.skipped())
+        == f"{chat['untrained']} conversations without a trained token skipped (chat)"
+    )
+    assert loader.skipped_line({"chat": dict.fromkeys(counts, 0), "text": dict.fromkeys(counts, 0)}) == ""
 
 
 def test_resume_mid_mixture_is_exact(files: Path, tokenizer_dir: Path) -> None:
@@ -171,6 +178,16 @@ def test_conversations_longer_than_a_row(files: Path, tmp_path: Path, tokenizer_
     dropped = PackedLoader(config)
     row = next(iter(dropped))  # short, short: the long one dropped, the silent one skipped
     assert dropped.skipped()["data"] == {"overlong": 1, "untrained": 1, "divergent": 0, "unreachable": 0}
+    assert dropped.skipped_line(dropped.skipped()) == (
+        "1 conversation longer than data.seq_len dropped (data.overlong=drop), 1 conversation without a trained token "
+        "skipped"
+    )
+    every = {"overlong": 2, "untrained": 0, "divergent": 3, "unreachable": 1}  # as a chat source words each count
+    assert dropped.skipped_line({"data": every}) == (
+        "2 conversations longer than data.seq_len dropped (data.overlong=drop), 3 conversations rendered once per "
+        "divergent turn (data.divergent_turns), 1 turn no generation prompt leads to left out "
+        "(data.unreachable_turns=skip)"
+    )
     encoder = ChatEncoder(load_tokenizer(str(tokenizer_dir)))
     lengths = [len(d) for d in encoder.encode([parse_conversation(r, "x") for r in (short, long)])]
     assert lengths[0] < 20 < 40 < lengths[1]

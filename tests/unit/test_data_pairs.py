@@ -152,7 +152,8 @@ def test_each_format_packs_as_the_objective_expects(
     tmp_path: Path, tokenizer_dir: Path, tokenizer, share_prompt: bool
 ) -> None:  # noqa: ANN001
     """Strings, conversational and implicit-prompt records in one file: the row equals ``pack_pairs`` of the tokens
-    built by hand (its padding token aside), the pair ids name each record's source and line."""
+    built by hand (its padding token aside), the pair ids are those tokens' (the implicit prompt's pair is the
+    explicit one's, so it has its id)."""
     tokens = [expected_tokens(tokenizer, record) for record in RECORDS]
     assert tokens[1] == tokens[2]  # the implicit prompt is the explicit one
     # a row that holds the three pairs and not the next epoch's first one: the rest is padding
@@ -172,7 +173,7 @@ def test_each_format_packs_as_the_objective_expects(
     assert batch["cu_seqlens"][0] == want["cu_seqlens"].tolist()
     assert batch["doc_prefix"][0] == want["doc_prefix"].tolist()
     assert batch["pair_counts"] == [3]
-    assert batch["pair_ids"][0] == [pair_id(0, f"{path}:{line}") for line in (1, 2, 3)]
+    assert batch["pair_ids"][0] == [pair_id(*(torch.tensor(t) for t in pair)) for pair in tokens]
     # the trained tokens decode to the answers as written
     labels, completions = torch.tensor(batch["labels"][0]), torch.tensor(batch["completions"][0])
     assert tokenizer.decode(labels[completions == 2]) == "5 is larger.<|im_end|>"
@@ -192,6 +193,69 @@ def test_a_template_of_another_kind_renders_the_prompt_once(tokenizer) -> None: 
         tokenizer, "<|bos|>[system]Be brief.<|eos|>[user]Which is larger, 3 or 5?<|eos|>[assistant]"
     )
     assert pair.chosen.tolist() == ids(tokenizer, "5 is larger.<|eos|>")
+
+
+# ---------------------------------------------------------------------------------------------- pair identity
+
+
+def test_a_pair_id_is_its_tokens_not_its_place(files: Path, tokenizer) -> None:  # noqa: ANN001
+    """The same records read at other places of another source have the same ids; another pair (another token, the
+    answers swapped, a token moved across the prompt's end) has another id, and so has every distinct pair of the
+    corpus."""
+    records = [parse_pair(record, f"a.jsonl:{line}") for line, record in enumerate(RECORDS, 1)]
+    here = PairEncoder(tokenizer, source=0).encode(records)
+    moved = [dataclasses.replace(record, where=f"/elsewhere/b.jsonl:{9 + line}") for line, record in enumerate(records)]
+    assert [p.pair_id for p in PairEncoder(tokenizer, source=3).encode(moved)] == [p.pair_id for p in here]
+    assert here[0].pair_id != here[1].pair_id == here[2].pair_id  # the implicit prompt's pair is the explicit one's
+    prompt, chosen, rejected = torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])
+    variants = [
+        (prompt, chosen, rejected),
+        (prompt, rejected, chosen),
+        (prompt, chosen, torch.tensor([7])),
+        (prompt[:2], torch.cat([prompt[2:], chosen]), rejected),
+        (torch.cat([prompt, chosen[:1]]), chosen[1:], rejected),
+    ]
+    assert len({pair_id(*variant) for variant in variants}) == len(variants)
+    lines = (files / "pairs.jsonl").read_text().splitlines()
+    encoded = PairEncoder(tokenizer).encode([parse_pair(line, "x") for line in lines])
+    distinct = {tuple(tuple(t.tolist()) for t in (p.prompt, p.chosen, p.rejected)) for p in encoded}
+    assert len({p.pair_id for p in encoded}) == len(distinct) > 50
+
+
+def test_pair_ids_do_not_depend_on_how_the_paths_are_spelled(
+    files: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One file named by its absolute path, a relative one, with ``./`` and ``..``, through a symlink and a glob, and
+    as the second source of a mixture after text: the same pairs have the same ids, so the reference log-probs saved
+    by pair id under one spelling serve the others."""
+    from lctrain.train.reference import ReferenceCache
+
+    (tmp_path / "data").mkdir()
+    write_pair_corpus(tmp_path / "data" / "pairs.jsonl", 30)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "data" / "pairs.jsonl")
+    monkeypatch.chdir(tmp_path)
+
+    def pair_ids(config: DataConfig, batches: int) -> list[int]:
+        return [i for batch in islice(PackedLoader(config), batches) for row in batch["pair_ids"] for i in row.tolist()]
+
+    def single(path: str) -> DataConfig:
+        return DataConfig(paths=[path], seq_len=64, batch_size=2, tokenizer=str(tokenizer_dir))
+
+    spelled = pair_ids(single(str(tmp_path / "data" / "pairs.jsonl")), 4)
+    for path in ("data/pairs.jsonl", "./data/../data/pairs.jsonl", "link.jsonl", "data/*.jsonl"):
+        assert pair_ids(single(path), 4) == spelled, path
+    sources = [SourceConfig("text", [str(files / "text.jsonl")]), SourceConfig("pairs", ["link.jsonl"])]
+    mixed = pair_ids(DataConfig(sources=sources, seq_len=64, batch_size=2, tokenizer=str(tokenizer_dir)), 4)
+    assert mixed and mixed == spelled[: len(mixed)]  # source 1 here, source 0 there
+    cache = ReferenceCache(tmp_path / "run" / "dp0.pt", "the reference")
+    cache.add(torch.tensor(spelled), torch.arange(2.0 * len(spelled), dtype=torch.float64))
+    cache.save()
+    loaded = ReferenceCache.load(tmp_path / "run" / "dp0.pt", "the reference")
+    assert loaded is not None
+    torch.testing.assert_close(
+        loaded.lookup(torch.tensor(mixed), torch.device("cpu")),
+        cache.lookup(torch.tensor(spelled[: len(mixed)]), torch.device("cpu")),
+    )
 
 
 # --------------------------------------------------------------------------- whole pairs, mixtures, resume, shard
@@ -220,7 +284,8 @@ def test_pairs_are_never_split_and_come_in_order(files: Path, tokenizer_dir: Pat
 
 def test_mixture_of_pairs_chat_and_text(files: Path, tokenizer_dir: Path) -> None:
     """Pairs beside conversations and text in rows: completions only on the pairs' trained tokens (the others keep
-    their labels), doc_prefix only on shared answers, each source's tokens tagged with its index."""
+    their labels), doc_prefix only on shared answers, each source's tokens tagged with its index; the counts of the
+    end-of-run line in each kind's words."""
     sources = [
         SourceConfig("pairs", [str(files / "pairs.jsonl")], weight=2.0),
         SourceConfig("chat", [str(files / "chat.jsonl")]),
@@ -240,6 +305,13 @@ def test_mixture_of_pairs_chat_and_text(files: Path, tokenizer_dir: Path) -> Non
                 assert batch["position_ids"][0][start] == bounds[prefix + 1] - bounds[prefix]
         seen |= set(tagged[trained].tolist())
     assert seen == {0, 1, 2}
+    # the end-of-run line: each source's counts in the words of its kind, the text source's none
+    pairs, chat = loader.skipped()["pairs"], loader.skipped()["chat"]
+    assert (pairs["overlong"], chat["untrained"], chat["overlong"]) == (1, 1, 0)  # so far
+    assert loader.skipped_line(loader.skipped()) == (
+        "1 pair longer than data.seq_len dropped (data.overlong=drop) (pairs); "
+        "1 conversation without a trained token skipped (chat)"
+    )
 
 
 @pytest.mark.parametrize("share_prompt", [True, False])
@@ -336,7 +408,8 @@ def test_an_answer_the_template_does_not_write_after_its_prompt_is_one_line(toke
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir: Path, share_prompt: bool) -> None:
     """drop: skipped and counted; error: one line naming the record; truncate: the prompt cut from its start until
-    the pair fits the row exactly (its answers whole), and dropped when its answers alone do not fit."""
+    the pair fits the row exactly (its answers whole, the id that of the cut pair), and dropped when its answers
+    alone do not fit. The end-of-run line counts the pairs dropped, in the words of each setting."""
     long = {"prompt": "word " * 80, "chosen": " yes", "rejected": " no"}
     huge = {"prompt": "p", "chosen": "yes " * 80, "rejected": " no"}
     path = write_jsonl(tmp_path / "long.jsonl", [long, RECORDS[0], huge, RECORDS[0]])
@@ -350,9 +423,13 @@ def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir:
     dropping = loader("drop")
     rows = iter(dropping)
     kept = [i for _ in range(2) for i in next(rows)["pair_ids"][0].tolist()]
-    assert kept[:2] == [pair_id(0, f"{path}:{line}") for line in (2, 4)]
+    kept_pair = PairEncoder(dropping.tokenizer).encode([parse_pair(RECORDS[0], "x")])[0]
+    assert kept[:2] == [kept_pair.pair_id] * 2  # lines 2 and 4: the same pair, the same id
     state = dropping.state_dict()  # lines 1 and 3 (items 0 and 2) dropped in every epoch
     assert state["overlong"] == 2 * state["epoch"] + (state["document"] > 0) + (state["document"] > 2) > 0
+    assert state["overlong"] > 1
+    line = f"{state['overlong']} pairs longer than data.seq_len dropped (data.overlong=drop)"
+    assert dropping.skipped_line(dropping.skipped()) == line
     with pytest.raises(ValueError, match=rf"^{path}:1: a preference pair of \d+ tokens .* longer than data.seq_len=48"):
         next(iter(loader("error")))
     truncating = loader("truncate")
@@ -368,9 +445,15 @@ def test_pairs_longer_than_a_row_by_data_overlong(tmp_path: Path, tokenizer_dir:
     assert first["pair_counts"] == [1] and len(dataclasses.replace(pair, prompt=pair.prompt[-keep:])) in (47, 48)
     for key in ("labels", "position_ids", "completions"):
         assert first[key][0].tolist() == want[key].tolist(), key
+    # the cut pair is another pair (its reference log-probs see the shorter prompt): its own id
+    assert first["pair_ids"][0].tolist() == [pair_id(pair.prompt[-keep:], pair.chosen, pair.rejected)]
+    assert first["pair_ids"][0].item() != pair.pair_id
     next(rows)
     state = truncating.state_dict()  # the pair whose answers alone are too long (item 2) is dropped
     assert state["overlong"] == state["epoch"] + (state["document"] > 2)
+    assert state["overlong"] == 1
+    line = "1 pair whose answers alone do not fit in data.seq_len dropped (data.overlong=truncate)"
+    assert truncating.skipped_line(truncating.skipped()) == line
 
 
 # ------------------------------------------------------------------------------- formats, checks, embedded corpus

@@ -162,6 +162,49 @@ def test_precomputed_reference_gives_the_same_step_and_is_checked(world_of_one, 
         trainer.forward_backward([batch])
 
 
+def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
+    world_of_one, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """The reference log-probs a run saved by pair id, with its corpus named by an absolute path, are looked up by a
+    run that names the same file by a relative path or through a symlink: nothing is computed again, the step is the
+    first run's bitwise."""
+    from lctrain.train.trainer import Trainer
+    from testbed.corpus import write_pair_corpus
+
+    write_pair_corpus(tmp_path / "pairs.jsonl", 12)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "pairs.jsonl")
+    monkeypatch.chdir(tmp_path)
+    objective = {"reference": "path", "reference_path": str(tmp_path / "reference"), "precompute_reference": True}
+    steps = []
+    for paths in (str(tmp_path / "pairs.jsonl"), "pairs.jsonl", "./link.jsonl"):
+        cfg = preference_job(str(tmp_path), str(tmp_path / "run"), objective=objective, data=[f"data.paths=[{paths}]"])
+        if not steps:
+            other_model(cfg, tmp_path / "reference")
+        trainer = Trainer(cfg)
+        assert trainer.objective.reference is None and trainer.objective.cache is not None
+        cache = tmp_path / "run" / "reference_logps" / "dp0.pt"
+        saved = cache.stat().st_mtime_ns
+        step = trainer.forward_backward([next(iter(trainer.loader))])
+        steps.append((step.loss.item(), step.sums.tolist(), saved))
+    assert steps[1] == steps[2] == steps[0]  # the same step, from the cache the first run saved
+
+
+def test_a_step_without_a_pair_is_logged_as_such(world_of_one, tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """A preference step whose rows hold no pair (a mixture's text, padding) skips its update and says why in the
+    objective's unit; a row without a pair beside one with pairs trains."""
+    from lctrain.train.trainer import Trainer
+    from testbed.pairs import pack_pairs, shard_rows
+
+    trainer = Trainer(job(tmp_path))
+    without_pairs = pack_pairs([], 64)
+    with caplog.at_level("WARNING", logger="lctrain"):
+        result = trainer.train_step([shard_rows([without_pairs, without_pairs])])
+    assert result["pairs"] == 0 and result["grad_norm"] == 0.0
+    assert any("step 1: no preference pair in this step on any rank" in r.getMessage() for r in caplog.records)
+    result = trainer.train_step([shard_rows([*packed_rows(step_pairs(1)), without_pairs])])
+    assert result["pairs"] == 1 and result["grad_norm"] > 0
+
+
 DPO_RECIPES = ["llama31_8b_instruct_dpo_lora_128k", "llama31_8b_instruct_dpo_128k", "llama31_8b_instruct_dpo_lora_3m"]
 
 
