@@ -2,14 +2,16 @@
 train exactly like the single-process peft model, resume exactly, and export an adapter and a merged model that
 load in transformers with the same logits.
 
-One spawned gloo group of 4 ranks runs every case on dp 2 × ring 2 (FSDP2 over dp_cp, lctrain's expert kernel with
-every expert on each rank), ``STEPS`` steps, the tiny fp32 model of ``tests/helpers/reference_training.py`` with 4
+One spawned gloo group of 4 ranks runs every case (FSDP2 over dp_cp, lctrain's expert kernel with every expert on
+each rank), ``STEPS`` steps, the tiny fp32 model of ``tests/helpers/reference_training.py`` with 4
 experts, top 2, router load-balancing coefficient 0.1, LoRA rank 4 and alpha 32 on the attention projections and on
 both expert weights (``experts.gate_up_proj``, ``experts.down_proj``):
 
-- ``qwen3_moe`` with every RMSNorm trained too (``model.lora.trainable=[norm]``);
-- ``mixtral``, adapters only, with full activation checkpointing (the adapters' update to the weights is recomputed
-  in the backward) and the export at the end;
+- ``qwen3_moe`` on dp 2 × ring 2 with every RMSNorm trained too (``model.lora.trainable=[norm]``);
+- ``mixtral`` on dp 2 × ring 2, adapters only, with full activation checkpointing (the adapters' update to the
+  weights is recomputed in the backward) and the export at the end;
+- ``qwen3_moe`` on pp 2 (1F1B, 2 micro-batches) × ring 2 with the chunked MLP (8 tokens a chunk: each chunk adds the
+  update again), no router loss (refused across stages);
 - the first case stopped after 2 steps (a checkpoint at step 2) and resumed to ``STEPS``.
 
 Each against the single-process peft model (``reference_training.py``: ``apply_lora`` on the empty model, the same
@@ -32,11 +34,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from lctrain.config import JobConfig
-from lctrain.models import materialize, random_init_source
 from lctrain.testing import run_distributed
+from tests.helpers.models import exported_lora_logits
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
@@ -52,11 +53,17 @@ ADAPTERS = (
     "model.lora.alpha=32",
     "model.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",
 )
-PARALLEL = ("parallel.dp=2", "parallel.ring=2")
-# case -> (model overrides, other parallel overrides)
+DP2_RING2 = ("parallel.dp=2", "parallel.ring=2")
+# case -> (model overrides, parallel overrides, grad_accum, dp)
 CASES = {
-    "qwen3_moe-trainable_norm": (("model.family=qwen3_moe", "model.lora.trainable=[norm]"), ()),
-    "mixtral-ac_full-export": (("model.family=mixtral",), ("parallel.activation_checkpointing=full",)),
+    "qwen3_moe-trainable_norm": (("model.family=qwen3_moe", "model.lora.trainable=[norm]"), DP2_RING2, 1, 2),
+    "mixtral-ac_full-export": (("model.family=mixtral",), (*DP2_RING2, "parallel.activation_checkpointing=full"), 1, 2),
+    "qwen3_moe-pp2-ring2-chunked": (
+        ("model.family=qwen3_moe", "model.router_aux_loss_coef=0"),
+        ("parallel.pp=2", "parallel.ring=2", "parallel.mlp_chunk_tokens=8"),
+        2,
+        1,
+    ),
 }
 RESUMED = "qwen3_moe-trainable_norm"
 EXPORTED = "mixtral-ac_full-export"
@@ -64,12 +71,13 @@ SEQ = 64
 
 
 def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) -> JobConfig:
-    model, parallel = CASES[case]
+    model, parallel, grad_accum, _ = CASES[case]
     cfg = job_config(
         workdir,
         f"{workdir}/run_{run or case}",
         steps=steps,
-        parallel=(*PARALLEL, *parallel),
+        grad_accum=grad_accum,
+        parallel=parallel,
         model=(*EXPERTS, *ADAPTERS, *model),
     )
     cfg.checkpoint.export_hf = case == EXPORTED and run is None
@@ -86,8 +94,9 @@ def results_for(workdir: str) -> dict:
 
 
 def reference_for(workdir: str, case: str) -> tuple:
+    model, _, grad_accum, dp = CASES[case]
     return reference(
-        workdir, steps=STEPS, dp=2, batch_size=1, grad_accum=1, model=(*EXPERTS, *ADAPTERS, *CASES[case][0])
+        workdir, steps=STEPS, dp=dp, batch_size=1, grad_accum=grad_accum, model=(*EXPERTS, *ADAPTERS, *model)
     )
 
 
@@ -113,22 +122,13 @@ def test_resume_continues_exactly(parity_workdir: str) -> None:
 
 
 def test_exported_adapter_reloads_with_peft_and_equals_the_merged_export(parity_workdir: str) -> None:
-    from peft import PeftModel
-
     results_for(parity_workdir)
     run = Path(parity_workdir) / f"run_{EXPORTED}"
     adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
     saved = load_file(run / "adapter" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in saved
-    merged = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
-    base = AutoModelForCausalLM.from_config(merged.config)
-    materialize(base, random_init_source(merged.config, seed=0), torch.device("cpu"))  # the frozen base
-    input_ids = torch.randint(0, merged.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        expected = merged(input_ids=input_ids).logits
-        untrained = base(input_ids=input_ids).logits
-        adapted = PeftModel.from_pretrained(base, run / "adapter").eval()(input_ids=input_ids).logits
+    expected, adapted, untrained = exported_lora_logits(run / "adapter", run / "hf", SEQ)
     torch.testing.assert_close(adapted, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(untrained, expected, atol=1e-3)  # the adapters were trained
     exported = load_file(run / "hf" / "model.safetensors")
