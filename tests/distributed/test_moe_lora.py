@@ -84,13 +84,9 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
     return cfg
 
 
-def moe_lora_world(workdir: str) -> dict | None:
-    return cases_then_resumed(job, workdir, CASES, RESUMED)
-
-
 @functools.cache
 def results_for(workdir: str) -> dict:
-    return run_distributed(moe_lora_world, 4, workdir)[0]
+    return run_distributed(cases_then_resumed, 4, job, workdir, CASES, RESUMED)[0]
 
 
 def reference_for(workdir: str, case: str) -> tuple:
