@@ -195,6 +195,18 @@ def num_experts(config: object) -> int:
     return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
 
 
+def check_expert_adapters(experts: bool, ep: int) -> None:
+    """LoRA adapters on the expert weights (``experts``: ``model.lora.target_parameters``) need every expert on each
+    rank: peft holds every expert's adapters in one matrix and adds their update to the whole expert weight, which
+    expert parallelism splits over ``ep`` ranks."""
+    if experts and ep > 1:
+        raise ValueError(
+            f"model.lora.target_parameters with parallel.ep={ep}: peft holds every expert's adapters in one matrix "
+            f"and adds them to the whole expert weight, which expert parallelism splits over ranks; set parallel.ep=1, "
+            f"or model.lora.target_parameters=[] (adapters on attention only)"
+        )
+
+
 def check_expert_parallel(ep: int, dp_cp: int, num_experts: int | None = None, *, setting: str = "parallel.ep") -> None:
     """Expert parallelism spreads each MoE layer's ``num_experts`` experts over ``ep`` ranks drawn from the ``dp_cp``
     ranks FSDP shards over (dp × ring × ulysses): ``ep`` divides both; ``num_experts`` 0 is a dense model (no EP);

@@ -51,6 +51,9 @@ class LoraConfig:
     # modules trained in full beside the adapters (peft's modules_to_save, matched by name suffix: norm = every
     # RMSNorm), e.g. [embed_tokens, norm] as LongLoRA trains for long context; [] = adapters only
     trainable: list[str] = field(default_factory=list)
+    # a mixture of experts' expert weights that get adapters (peft's target_parameters: module.parameter names matched
+    # by suffix), e.g. [experts.gate_up_proj, experts.down_proj] on qwen3_moe or mixtral; [] = the experts stay frozen
+    target_parameters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or self.rank < 0:
@@ -66,6 +69,11 @@ class LoraConfig:
             )
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
+        if self.dropout and self.target_parameters:
+            raise ValueError(
+                f"model.lora.dropout={self.dropout} with model.lora.target_parameters: peft adds the experts' adapters "
+                f"to their weights, where no dropout on the input can act; set model.lora.dropout=0"
+            )
 
 
 @dataclass

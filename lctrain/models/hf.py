@@ -50,8 +50,12 @@ _FROZEN_BASE_PREFIXES = ("base_layer.", "original_module.")
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of a (possibly wrapped) parameter; a LoRA adapter's name (``lora_A``, ``lora_B``, a
-    trained copy's ``modules_to_save``) is kept."""
-    for prefix in _WRAPPER_PREFIXES + _FROZEN_BASE_PREFIXES:
+    trained copy's ``modules_to_save``) is peft's, kept whole."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if ".lora_" in name:  # peft's name: the experts' nested wrappers tell their adapters apart by base_layer.
+        return name
+    for prefix in _FROZEN_BASE_PREFIXES:
         name = name.replace(prefix, "")
     return name
 

@@ -6,12 +6,25 @@ with peft's ``ModulesToSaveWrapper``, and freezes every other weight. The model 
 same classes, ``model.model.layers``, ``lm_head``), so attention patching, pipeline stages, the chunked MLP,
 activation checkpointing and FSDP apply to it as to any other: they see ordinary modules.
 
+Experts (``model.lora.target_parameters``, peft's option of that name): a mixture of experts' 3D expert weights
+(transformers' ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``) get adapters from
+peft's ``ParamWrapper``, one per weight, nested around the experts module; in the forward it adds each expert's
+low-rank update to the weight (a parametrization, ``W + scaling · B_e A_e`` for every expert e) and runs the experts
+module unchanged, so lctrain's expert kernel (``lctrain.parallel.expert``, one rank holding every expert) computes
+with the adapted weights.
+
 Names. peft renames what it wraps: a target's frozen weight ``q_proj.weight`` becomes ``q_proj.base_layer.weight``
 beside its adapters ``q_proj.lora_A.default.weight`` ``[rank, in]`` and ``q_proj.lora_B.default.weight``
 ``[out, rank]``; a trainable module's frozen original is ``norm.original_module.weight`` and its trained copy
-``norm.modules_to_save.default.weight``. ``lctrain.models.hf.hf_name`` maps the frozen names back to the Hugging Face
-ones (the weights come from the checkpoint or the random init under those) and keeps the adapter names, under which
-checkpoints and the optimizer hold the trained state.
+``norm.modules_to_save.default.weight``. The experts' wrappers nest in the order of the experts module's parameters
+(peft sorts the targets): ``experts.base_layer.base_layer.gate_up_proj`` is the frozen weight,
+``experts.base_layer.lora_A.default.weight`` ``[E · rank, H]`` and ``experts.base_layer.lora_B.default.weight``
+``[2I, E · rank]`` are ``gate_up_proj``'s adapters, ``experts.lora_A.default.weight`` ``[E · rank, I]`` and
+``experts.lora_B.default.weight`` ``[H, E · rank]`` ``down_proj``'s (peft's layout: expert e's ``A_e`` is rows
+``e · rank`` to ``(e + 1) · rank - 1`` of ``lora_A``, its ``B_e`` the columns ``j · E + e`` of ``lora_B``).
+``lctrain.models.hf.hf_name`` maps the frozen names back to the Hugging Face ones (the weights come from the
+checkpoint or the random init under those) and keeps the adapter names whole (peft's), under which checkpoints, the
+optimizer and the exported adapter hold the trained state.
 
 Initial values (``adapter_source``): ``lora_A`` as peft draws it (Kaiming-uniform with ``a = sqrt(5)``), from a
 generator seeded by (seed, parameter name) like lctrain's random init; ``lora_B`` zeros (the adapted model starts as
@@ -40,6 +53,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lctrain.models.config import LoraConfig
 from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
+from lctrain.rules import check_expert_adapters, num_experts
 
 if TYPE_CHECKING:  # peft is imported where it is used: importing it takes seconds, and the checks never need it
     from peft import LoraConfig as PeftLoraConfig
@@ -48,10 +62,11 @@ if TYPE_CHECKING:  # peft is imported where it is used: importing it takes secon
 logger = logging.getLogger("lctrain")
 
 ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
-# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs (a
-# mixture of experts has the attention's; its experts' 3D weights get no adapters: peft's target_parameters nests
-# a wrapper per weight whose adapters lctrain's names would not tell apart)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs; a mixture
+# of experts' default is the attention's (peft reads Qwen3-MoE's MLP names as its experts': see check_lora), its
+# experts get adapters from model.lora.target_parameters only
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 # modules that get no adapters, and why
 _NOT_TARGETS = {
     "lm_head": "the chunked loss computes the logits from the LM head's weight, not through its forward",
@@ -60,22 +75,24 @@ _NOT_TARGETS = {
 TRAINED_COPY = f"modules_to_save.{ADAPTER}."  # inside the name of a trainable module's trained copy
 
 
-def lora_targets(lora: LoraConfig) -> list[str]:
-    """The leaf module names that get adapters: ``model.lora.target_modules``, or the projections."""
-    return list(lora.target_modules) or list(PROJECTIONS)
+def lora_targets(lora: LoraConfig, config: PretrainedConfig) -> list[str]:
+    """The leaf module names that get adapters: ``model.lora.target_modules``, or the projections (of a mixture of
+    experts, ``config``'s family, the attention's)."""
+    return list(lora.target_modules) or list(ATTENTION if num_experts(config) else PROJECTIONS)
 
 
-def peft_config(lora: LoraConfig, base_path: str | None = None) -> PeftLoraConfig:
-    """peft's ``LoraConfig`` for ``model.lora`` (``base_path``: the base model's directory, recorded in the
-    adapter's ``adapter_config.json``)."""
+def peft_config(lora: LoraConfig, config: PretrainedConfig, base_path: str | None = None) -> PeftLoraConfig:
+    """peft's ``LoraConfig`` for ``model.lora`` on a model of ``config`` (``base_path``: the base model's directory,
+    recorded in the adapter's ``adapter_config.json``)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora_targets(lora),
+        target_modules=lora_targets(lora, config),
         modules_to_save=list(lora.trainable) or None,
+        target_parameters=list(lora.target_parameters) or None,
         base_model_name_or_path=base_path,
     )
 
@@ -87,21 +104,21 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> None:
         return
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    inject_adapter_in_model(peft_config(lora, model.config), model, adapter_name=ADAPTER)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
         "LoRA rank %d on %s%s: %.2fM trained parameters, %.2fM frozen",
         lora.rank,
-        ", ".join(lora_targets(lora)),
+        ", ".join(lora_targets(lora, model.config) + list(lora.target_parameters)),
         f"; trained in full: {', '.join(lora.trainable)}" if lora.trainable else "",
         trained / 1e6,
         sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6,
     )
 
 
-def _module_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:
-    """The leaf names of the decoder layers' linear layers, and of every module that holds parameters."""
-    model = build_empty_model(config)
+def _module_names(model: nn.Module) -> tuple[set[str], set[str], dict[str, int]]:
+    """The leaf names of ``model``'s decoder layers' linear layers, of every module that holds parameters, and the
+    number of dims of each parameter by full name."""
     linear = {
         name.rsplit(".", 1)[-1] for name, module in model.model.layers.named_modules() if type(module) is nn.Linear
     }
@@ -110,7 +127,24 @@ def _module_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:
         for name, module in model.named_modules()
         if next(module.parameters(recurse=False), None) is not None
     }
-    return linear, with_params
+    return linear, with_params, {name: param.ndim for name, param in model.named_parameters()}
+
+
+def _check_target_parameters(lora: LoraConfig, params: dict[str, int], parallel: Any, source: str) -> None:
+    """Each of ``model.lora.target_parameters`` names expert weights (the 3D ones, ``[E, out, in]``) of the model
+    (``params``: the dims of each parameter by name) by peft's rule (the name or a suffix after a dot); expert
+    parallelism is refused with them."""
+    experts = {name for name, dims in params.items() if dims == 3}
+    suffixes = sorted({".".join(name.split(".")[-2:]) for name in experts})
+    for target in lora.target_parameters:
+        matched = {name for name in params if name == target or name.endswith(f".{target}")}
+        if not matched & experts:
+            has = f"its experts' weights are {', '.join(suffixes)}" if experts else "it has no experts"
+            raise ValueError(
+                f"model.lora.target_parameters has {target!r}, which names no expert weight of {source}: {has} "
+                f"(adapters on linear layers go in model.lora.target_modules)"
+            )
+    check_expert_adapters(bool(lora.target_parameters), parallel.ep)
 
 
 def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source: str) -> None:
@@ -131,7 +165,9 @@ def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source
             f"masks than the forward did (lctrain's checkpoints do not restore the RNG), so the gradients would not be "
             f"the loss's; set model.lora.dropout=0"
         )
-    linear, with_params = _module_names(config)
+    model = build_empty_model(config)
+    linear, with_params, params = _module_names(model)
+    _check_target_parameters(lora, params, parallel, source)
     for name in lora.target_modules:  # the default projections a family lacks (a MoE block's) are skipped
         if name in _NOT_TARGETS:
             raise ValueError(
@@ -143,6 +179,8 @@ def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source
                 f"model.lora.target_modules has {name!r}, which {source} does not have: its decoder layers' linear "
                 f"layers are {', '.join(sorted(linear))}"
             )
+    if lora.target_modules and num_experts(config):
+        _check_peft_keeps_target_modules(lora, model, source)
     for name in lora.trainable:
         if name not in with_params or name in linear:
             reason = "gets adapters" if name in linear else "is not a module with weights of"
@@ -156,6 +194,24 @@ def check_lora(lora: LoraConfig, config: PretrainedConfig, parallel: Any, source
                 f"(tie_word_embeddings): peft trains a copy of one while the other stays frozen, which unties them; "
                 f"leave {name} out of model.lora.trainable"
             )
+
+
+def _check_peft_keeps_target_modules(lora: LoraConfig, model: PreTrainedModel, source: str) -> None:
+    """peft under transformers 5 reads transformers 4's names of a mixture of experts' expert layers (Qwen3-MoE's
+    ``gate_proj``, ``up_proj``, ``down_proj``; Mixtral's ``w1``, ``w2``, ``w3``) in ``target_modules`` as the experts'
+    weights and moves them to ``target_parameters``, in training and when it reloads the adapter: such a name would
+    leave a dense layer's MLP (``mlp_only_layers``) without adapters. Refused; ``model`` (empty) gets adapters."""
+    from peft import inject_adapter_in_model
+
+    given = peft_config(lora, model.config)
+    inject_adapter_in_model(given, model, adapter_name=ADAPTER)  # peft rewrites given's targets
+    moved = [name for name in lora.target_modules if name not in given.target_modules]
+    if moved:
+        raise ValueError(
+            f"model.lora.target_modules has {moved[0]!r}, which peft reads on {source} as transformers 4's name of the "
+            f"experts' weights (a dense layer's MLP would get no adapters): leave it out; the experts get adapters "
+            f"from model.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]"
+        )
 
 
 def adapter_source(source: TensorSource, seed: int) -> TensorSource:
@@ -180,7 +236,7 @@ def _peft_model(
     """An empty peft model of ``config`` holding ``tensors`` (state-dict names; the others stay on meta)."""
     from peft import get_peft_model
 
-    model = get_peft_model(build_empty_model(config), peft_config(lora, base_path), adapter_name=ADAPTER)
+    model = get_peft_model(build_empty_model(config), peft_config(lora, config, base_path), adapter_name=ADAPTER)
     model.base_model.model.load_state_dict(tensors, strict=False, assign=True)
     return model
 

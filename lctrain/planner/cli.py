@@ -105,6 +105,12 @@ def parser() -> argparse.ArgumentParser:
         help="model.lora.trainable, comma-separated: modules trained in full (embed_tokens, norm, lm_head)",
     )
     p.add_argument(
+        "--lora-experts",
+        action="store_true",
+        help="model.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]: adapters on a mixture of "
+        "experts' expert weights too (expert parallelism refused)",
+    )
+    p.add_argument(
         "--reference",
         choices=("none", "adapters", "copy"),
         default="none",
@@ -135,12 +141,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     trainable = tuple(name for name in args.lora_trainable.split(",") if name)
     if args.reference == "adapters" and not args.lora_rank:
         raise SystemExit("lctrain plan: --reference adapters is LoRA's base: give --lora-rank (else --reference copy)")
-    if args.lora_rank < 0 or (trainable and not args.lora_rank):
-        raise SystemExit("lctrain plan: --lora-rank must be >= 1 for LoRA (0 = full fine-tuning, no --lora-trainable)")
+    if args.lora_rank < 0 or ((trainable or args.lora_experts) and not args.lora_rank):
+        raise SystemExit(
+            "lctrain plan: --lora-rank must be >= 1 for LoRA (0 = full fine-tuning, no --lora-trainable or "
+            "--lora-experts)"
+        )
     unknown = sorted(set(trainable) - {"embed_tokens", "norm", "lm_head"})
     if unknown:
         raise SystemExit(
             f"lctrain plan: --lora-trainable {','.join(unknown)}: the planner knows embed_tokens, norm, lm_head"
+        )
+    if args.lora_experts and not model.moe:
+        raise SystemExit(
+            "lctrain plan: --lora-experts puts adapters on a mixture of experts' experts: this model has none"
         )
     work = Workload(
         seq_len=args.seq_len,
@@ -154,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cpu_offload=args.cpu_offload,
         lora_rank=args.lora_rank,
         lora_trainable=trainable,
+        lora_experts=args.lora_experts,
         reference=args.reference,
         mfu=args.mfu,
         link_efficiency=args.link_efficiency,

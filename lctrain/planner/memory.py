@@ -13,20 +13,30 @@ LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the layers mode
 
 @dataclass(frozen=True)
 class Lora:
-    """``model.lora``: adapters of ``rank`` on every projection of each layer (the default targets), and the
-    modules trained in full (``trainable``: ``embed_tokens``, ``norm`` (every RMSNorm), ``lm_head``)."""
+    """``model.lora``: adapters of ``rank`` on every projection of each layer (the default targets; a mixture of
+    experts': the attention's), with ``experts`` on its expert weights too (``target_parameters``), and the modules
+    trained in full (``trainable``: ``embed_tokens``, ``norm`` (every RMSNorm), ``lm_head``)."""
 
     rank: int
     trainable: tuple[str, ...] = ()
+    experts: bool = False
 
     def trains(self, module: str) -> bool:
         return module in self.trainable
 
     def layer_adapter_params(self, model: ModelSpec) -> int:
         """One decoder layer's adapter parameters: rank · (in + out) for each projection (a mixture of experts':
-        the attention's only)."""
+        the attention's), and with ``experts`` rank · (in + out) for each expert weight of each expert
+        (``gate_up_proj`` h -> 2I, ``down_proj`` I -> h: rank · E · (2h + 3I))."""
         h, q, kv, inter = model.hidden, model.q_dim, model.kv_dim, model.intermediate
-        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (0 if model.moe else (h + inter) * 3))
+        experts = model.experts * (2 * h + 3 * model.expert_intermediate) if self.experts else 0
+        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (0 if model.moe else (h + inter) * 3) + experts)
+
+    def adapted_expert_bytes(self, model: ModelSpec, e: int) -> int:
+        """What one layer's expert adapters add beside the per-token terms: peft adds each expert's update to the
+        weights, a new tensor of the experts' size (``expert_params`` in the compute dtype) that the experts' GEMMs
+        keep for the backward, whose gradient is as large again while that layer's backward runs."""
+        return model.expert_params * e if self.experts else 0
 
     def layer_trained_params(self, model: ModelSpec) -> int:
         """One decoder layer's trained parameters: its adapters and, with ``norm``, copies of its RMSNorms."""
@@ -149,7 +159,8 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     e = work.dtype_bytes
     tokens = work.seq_len // layout.cp  # local tokens of one row on one GPU
     chunked = work.mlp_chunk_tokens > 0
-    lora = Lora(work.lora_rank, work.lora_trainable) if work.lora_rank else None
+    lora = Lora(work.lora_rank, work.lora_trainable, work.lora_experts) if work.lora_rank else None
+    adapted = 0 if lora is None else lora.adapted_expert_bytes(model, e)  # per layer, not per token
     full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, ring=layout.ring, lora=lora)
     kept_input = 0 if (work.offload and work.device == "cuda") else model.hidden * e  # a checkpointed layer's input
     h, vocab, layer = model.hidden, model.vocab, model.layer_params
@@ -159,7 +170,7 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     layer_trained = layer if lora is None else lora.layer_trained_params(model)
     not_here = model.expert_params * (layout.ep - 1) // layout.ep  # a layer's experts held by the other EP ranks
     layer_unit = layer - not_here + (0 if lora is None else layer_trained)  # what FSDP gathers of one layer
-    # a layer's unsharded gradient (LoRA on a mixture of experts: adapters on attention only, no expert's gradient)
+    # a layer's unsharded gradient (LoRA on a mixture of experts: no expert weight's gradient, the adapters' only)
     layer_grads = layer_trained - (not_here if lora is None else 0)
     norm_kept = e if lora is None or lora.trains("norm") else 0  # a norm's normalized value, for its weight gradient
     estimates = []
@@ -188,12 +199,14 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
         per_token += final_norm
         if not first:
             per_token += h * e  # the activations received from the previous stage
-        activations = in_flight * tokens * per_token
+        kept_adapted = adapted * sum(not layout.checkpointed(i) for i in layers)  # the adapted expert weights
+        activations = in_flight * (tokens * per_token + kept_adapted)
         activations_bwd = activations - tokens * final_norm  # its backward ran before the last layer's
         # the rebuilt layer; in fp32 its first norm keeps the layer's input itself, which the checkpoint holds already
         rebuilt = full - (h * FP32 if e == FP32 else 0)
-        recompute = tokens * rebuilt if any(layout.checkpointed(i) for i in layers) else 0
+        recompute = tokens * rebuilt + adapted if any(layout.checkpointed(i) for i in layers) else 0
         backward = tokens * layer_backward_bytes(model, e, layout.ring, layout.ulysses, mlp_chunked=chunked)
+        backward += adapted  # the adapted expert weights' gradient
         if chunked:  # one MLP chunk rebuilt in the backward (gate, SiLU, up, product) with two gradients
             backward += min(work.mlp_chunk_tokens, tokens) * 6 * model.token_mlp_width * e
         loss_fwd = loss_bwd = 0

@@ -302,6 +302,9 @@ class Workload:
     cpu_offload: bool = False  # parallel.cpu_offload (FSDP-sharded weights, gradients, AdamW states in host memory)
     lora_rank: int = 0  # model.lora.rank (adapters on every projection); 0 = full fine-tuning
     lora_trainable: tuple[str, ...] = ()  # model.lora.trainable: embed_tokens, norm, lm_head
+    # model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]: adapters on a mixture of experts'
+    # expert weights too (expert parallelism refused)
+    lora_experts: bool = False
     # the preference objective's reference model (objective.*): none (LM, reference-free losses or precomputed
     # log-probs), adapters (LoRA's base with the adapters disabled: one more forward) or copy (a frozen copy of the
     # weights, or another model: its weights too)

@@ -16,7 +16,8 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
     dtype = {2: "bf16", 4: "fp32"}[work.dtype_bytes]
     if work.lora_rank:
         trained = f" (+ {', '.join(work.lora_trainable)})" if work.lora_trainable else ""
-        dtype += f", LoRA rank {work.lora_rank}{trained} on a frozen base"
+        experts = " and the experts" if work.lora_experts else ""
+        dtype += f", LoRA rank {work.lora_rank}{experts}{trained} on a frozen base"
     experts = ""
     if model.moe:
         experts = (
@@ -149,6 +150,8 @@ def recipe_text(model: ModelSpec, plan: Plan, hw: Hardware, work: Workload, *, n
         lines += ["  lora:", f"    rank: {work.lora_rank}", f"    alpha: {2.0 * work.lora_rank}"]
         if work.lora_trainable:
             lines.append(f"    trainable: [{', '.join(work.lora_trainable)}]")
+        if work.lora_experts:
+            lines.append("    target_parameters: [experts.gate_up_proj, experts.down_proj]")
     lines += [
         "",
         "parallel:",

@@ -8,7 +8,13 @@ from dataclasses import asdict, dataclass, field
 from lctrain.planner.memory import MemoryEstimate, estimate_memory
 from lctrain.planner.presets import GIB, Hardware, Layout, ModelSpec, Workload
 from lctrain.planner.timing import RingStep, StepTime, ring_step, step_time
-from lctrain.rules import check_activation_offload, check_expert_parallel, check_pipeline, check_ulysses_heads
+from lctrain.rules import (
+    check_activation_offload,
+    check_expert_adapters,
+    check_expert_parallel,
+    check_pipeline,
+    check_ulysses_heads,
+)
 
 NEAR_BEST = 0.03  # layouts within this fraction of the best estimated throughput count as equally fast
 # activation checkpointing tried by --activation-checkpointing auto, least recomputation first: (mode, ac_every)
@@ -24,6 +30,7 @@ def layout_problems(model: ModelSpec, layout: Layout, work: Workload) -> list[st
         lambda: layout.check_sequence_length(work.seq_len),
         lambda: check_activation_offload(work.offload, layout.ac),
         lambda: check_expert_parallel(layout.ep, layout.dp_cp, model.experts),
+        lambda: check_expert_adapters(work.lora_experts and bool(work.lora_rank), layout.ep),
     ]
     if layout.pp > 1:
         pipeline = (layout.pp, "1F1B", 1, (), model.layers, work.batch)

@@ -39,11 +39,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from lctrain.config import JobConfig
-from lctrain.models import materialize, random_init_source
 from lctrain.testing import run_distributed
+from tests.helpers.models import exported_lora_logits
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
@@ -269,20 +268,11 @@ def test_lora_checkpoint_holds_the_trained_state_and_the_optimizer_only(parity_w
 
 @pytest.mark.parametrize("name", ["C", "E"])
 def test_adapter_reloads_with_peft_and_equals_the_merged_export(parity_workdir: str, name: str) -> None:
-    from peft import PeftModel
-
     out, root = results_for(2, parity_workdir), Path(parity_workdir)
     adapter = root / name / "adapter"
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
     assert (root / name / "hf").is_dir() is (name == "C")  # E: checkpoint.export_merged=false
-    merged = AutoModelForCausalLM.from_pretrained(root / "C" / "hf").eval()  # E exports C's final state
-    base = AutoModelForCausalLM.from_config(merged.config)
-    materialize(base, random_init_source(merged.config, seed=0), torch.device("cpu"))  # the frozen base
-    input_ids = torch.randint(0, merged.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        expected = merged(input_ids=input_ids).logits
-        untrained = base(input_ids=input_ids).logits
-        adapted = PeftModel.from_pretrained(base, adapter).eval()(input_ids=input_ids).logits
+    expected, adapted, untrained = exported_lora_logits(adapter, root / "C" / "hf", SEQ)  # E exports C's final state
     torch.testing.assert_close(adapted, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["C_logits"], expected, atol=1e-5, rtol=1e-5)  # the trained sharded model's
     assert not torch.allclose(untrained, expected, atol=1e-3)  # the adapters were trained

@@ -3,6 +3,8 @@ materialized on the CPU from the seeded random init."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from lctrain.config import ModelConfig
@@ -38,3 +40,21 @@ def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
     return sum(saved.values())
+
+
+def exported_lora_logits(adapter: Path, merged: Path, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits ``[1, seq, V]`` on seeded random tokens of a LoRA run's merged export ``merged`` loaded with
+    ``from_pretrained``, of its ``adapter`` loaded with ``PeftModel.from_pretrained`` on the base model (the seeded
+    init of ``train.seed`` 0), and of that base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    base = AutoModelForCausalLM.from_config(model.config)
+    materialize(base, random_init_source(model.config, seed=0), torch.device("cpu"))  # the frozen base
+    input_ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+        untrained = base(input_ids=input_ids).logits
+        adapted = PeftModel.from_pretrained(base, adapter).eval()(input_ids=input_ids).logits
+    return expected, adapted, untrained
