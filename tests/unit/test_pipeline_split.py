@@ -15,7 +15,7 @@ import torch
 
 from lctrain.config import load_config
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
-from lctrain.parallel.pipeline import PipelineStageModule, merge_stages, rank_stages
+from lctrain.parallel.pipeline import PipelineStageModule, merge_stages, rank_stages, step_inputs
 from lctrain.rules import stage_layers
 from lctrain.train.loss import chunked_cross_entropy
 
@@ -40,16 +40,18 @@ def test_chained_stages_compute_the_models_loss_and_gradients() -> None:
     materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
     layers = stage_layers(5, 3, ["model.layers.2", "model.layers.4"])
 
-    def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(hidden, weight, labels, chunk_tokens=7)[0]
+    def loss(hidden: torch.Tensor, weight: torch.Tensor, row: dict) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, weight, row["labels"], chunk_tokens=7)[0]
 
-    stages = [PipelineStageModule(model, layers[i], stage_index=i, num_stages=3, loss=loss) for i in range(3)]
+    stages = [PipelineStageModule(model, layers[i], stage_index=i, num_stages=3) for i in range(3)]
     input_ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([input_ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     meta = {
         "position_ids": torch.arange(24)[None],
         "cu_seqlens": torch.tensor([[0, 24, -1]]),  # padded with -1, as the trainer pads a step's rows
-        "labels": labels,
+        "doc_prefix": None,
+        "head": loss,
+        "row": {"labels": labels},
     }
     x = input_ids
     for stage in stages:
@@ -71,3 +73,28 @@ def test_chained_stages_compute_the_models_loss_and_gradients() -> None:
         for name in names
         if name.startswith(("model.layers.2.", "model.layers.3.", "model.layers.4.", "model.norm", "lm_head"))
     }
+
+
+def test_step_inputs_stack_the_rows_of_a_step() -> None:
+    """A step's micro-batches as a schedule's inputs: per-token fields concatenated, bounds and shared prefixes padded
+    with -1, per-row lists stacked (ints as a host tensor, tensors padded: each row's item a prefix of its row)."""
+    batch = {
+        "input_ids": torch.arange(8).view(2, 4),
+        "position_ids": torch.arange(8).view(2, 4),
+        "labels": torch.arange(8).view(2, 4),
+        "cu_seqlens": [torch.tensor([0, 4]), torch.tensor([0, 1, 3, 4])],
+        "doc_prefix": [torch.tensor([-1]), torch.tensor([-1, 0, 0])],
+        "pair_counts": [0, 1],
+        "reference_logps": [torch.zeros(0, dtype=torch.float64), torch.tensor([-1.0, -2.0], dtype=torch.float64)],
+    }
+    second = {key: value[:1] for key, value in batch.items()}
+    inputs = step_inputs([batch, second], ("labels", "pair_counts", "reference_logps"), torch.device("cpu"))
+    assert inputs["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert inputs["cu_seqlens"].tolist() == [[0, 4, -1, -1], [0, 1, 3, 4], [0, 4, -1, -1]]
+    assert inputs["doc_prefix"].tolist() == [[-1, -1, -1], [-1, 0, 0], [-1, -1, -1]]
+    row = inputs["row"]
+    assert row["labels"].shape == (3, 4) and row["pair_counts"].tolist() == [0, 1, 0]
+    assert row["reference_logps"].tolist() == [[-1.0, -1.0], [-1.0, -2.0], [-1.0, -1.0]]
+    assert step_inputs([second], ("labels",), torch.device("cpu"))["doc_prefix"].shape == (1, 1)
+    no_pairs = {key: batch[key] for key in ("input_ids", "position_ids", "labels", "cu_seqlens")}
+    assert step_inputs([no_pairs], ("labels",), torch.device("cpu"))["doc_prefix"] is None
