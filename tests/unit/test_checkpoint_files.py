@@ -403,3 +403,28 @@ def test_trainer_resume_into_another_model_names_key_and_fix(process_group: None
     assert message.endswith(
         f"the model.* settings must match the run that saved it (they are in {path.parents[1] / 'config.yaml'})"
     )
+
+
+def test_an_optimizer_of_matrices_only_resumes(process_group: None, tmp_path: Path) -> None:
+    """LoRA adapters alone (every trained parameter a matrix, no norm or bias): ``build_optimizer`` makes one group,
+    whose state a checkpoint saves and loads back."""
+    from lctrain.config.schema import OptimConfig
+    from lctrain.train.optim import build_optimizer
+
+    def adapters_only(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(OrderedDict(inp=nn.Linear(4, 8, bias=False), out=nn.Linear(8, 3)))
+        model.out.requires_grad_(False)
+        optimizer = build_optimizer(model, OptimConfig())
+        model(torch.randn(5, 4)).square().sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = adapters_only(0)
+    assert len(optimizer.param_groups) == 1
+    path = Checkpointer(tmp_path, keep=1).save(1, model, optimizer, {"step": 1})
+    other, other_optimizer = adapters_only(1)
+    Checkpointer(tmp_path, keep=1).load(path, other, other_optimizer)
+    assert torch.equal(other.inp.weight, model.inp.weight)
+    saved_state, loaded_state = optimizer.state[model.inp.weight], other_optimizer.state[other.inp.weight]
+    assert torch.equal(saved_state["exp_avg"], loaded_state["exp_avg"])
