@@ -247,10 +247,10 @@ class PreferenceLoss:
         if self.reference is None:
             return
         for micro_batches in steps:
-            logps = self.reference_logps(micro_batches)
-            for batch, rows in zip(micro_batches, logps):
-                for pair_ids, row_logps in zip(batch["pair_ids"], rows):
-                    if self.last_stage:
+            logps = self.reference_logps(micro_batches)  # every pipeline stage takes part; the last keeps them
+            if self.last_stage:
+                for batch, rows in zip(micro_batches, logps):
+                    for pair_ids, row_logps in zip(batch["pair_ids"], rows):
                         cache.add(pair_ids, row_logps)
         if self.cp_rank == 0 and self.last_stage:
             cache.save()
