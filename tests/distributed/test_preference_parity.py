@@ -13,7 +13,11 @@ combination, without the optimizer step:
 - ``lora``: LoRA (every ``lora_B`` set to 0.05) with the reference = the base with the adapters disabled;
 - ``window``: a Mistral with a 6-token sliding window (counted in positions, through each answer's shared prompt);
 - ``unshared``: the same pairs packed with the prompt repeated for each answer, against the shared rows;
-- ``initial``: the reference = the initial policy (a frozen copy): ``sigmoid`` gives ln 2 and zero rewards.
+- ``initial``: the reference = the initial policy (a frozen copy): ``sigmoid`` gives ln 2 and zero rewards;
+- ``pp2_ring2``: pp 2 x ring 2 (1F1B), the reference by path through a forward-only schedule of its own stages;
+  ``pp2_precomputed`` the same with the reference's log-probs precomputed through it first and looked up;
+- ``pp2_lora``: pp 2 x ring 2 with Interleaved1F1B (two stages a rank, 4 layers), 2 accumulation micro-batches and
+  LoRA, the reference = the policy's own stages with the adapters disabled.
 
 Tolerances (fp32): the loss within 1e-5 relative, TRL's metrics within 1e-5 relative (1e-6 absolute), every
 parameter's full gradient within 1e-5 absolute + 1e-4 relative (the trainer parity tests' tolerances).
@@ -65,6 +69,7 @@ CASES = {
     "unshared": (MESH, (), 2, 1, "path", (["sigmoid"], ["ipo"]), False, False),
     "initial": (MESH, (), 2, 1, "initial", (["sigmoid"],), False, True),
     "pp2_ring2": (PIPELINE, (), 2, 1, "path", (["sigmoid"], ["ipo"], ["simpo"], ["sigmoid", "sft"]), False, True),
+    "pp2_precomputed": (PIPELINE, (), 2, 1, "path", (["sigmoid"], ["ipo"]), False, True),
     "pp2_lora": (
         [*PIPELINE, "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=2"],
         ("model.lora.rank=4", "model.num_layers=4"),
@@ -76,6 +81,9 @@ CASES = {
         True,
     ),
 }
+
+
+PRECOMPUTED = {"pp2_precomputed"}  # the reference's log-probs precomputed through the pipeline, then looked up
 
 
 def case_job(workdir: str, name: str):  # noqa: ANN201
@@ -117,7 +125,7 @@ def results_for(workdir: str) -> dict:
     cases = {}
     for name, (_, _, _, _, _, types, adapters, shared) in CASES.items():
         rows = packed_rows(case_pairs(name), shared=shared)
-        cases[name] = (case_job(workdir, name), rows, [list(t) for t in types], adapters)
+        cases[name] = (case_job(workdir, name), rows, [list(t) for t in types], adapters, name in PRECOMPUTED)
     return run_distributed(world_cases, 4, cases)[0]
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lctrain.config import JobConfig, ObjectiveConfig
 from lctrain.models.hf import hf_name
 from lctrain.train.preference import PreferenceLoss
+from lctrain.train.reference import ReferenceCache
 from lctrain.train.trainer import Trainer
 from testbed.pairs import Pair, Row, pack_pairs, shard_rows
 from tests.helpers.pairs import sequence_logps, trl_loss, trl_metrics
@@ -66,15 +67,25 @@ ADAPTER_B = 0.05  # every lora_B entry, so that the adapted policy differs from 
 
 
 def run_losses(
-    cfg: JobConfig, rows: Sequence[Row], loss_types: Sequence[Sequence[str]], *, adapters: bool = False
+    cfg: JobConfig,
+    rows: Sequence[Row],
+    loss_types: Sequence[Sequence[str]],
+    *,
+    adapters: bool = False,
+    precompute: bool = False,
 ) -> dict | None:
     """For each loss combination: the step's loss, the objective's report and the full gradients (HF names), from
     ``Trainer.forward_backward`` over the step's ``rows`` (no optimizer step). Rank 0 returns them. ``adapters``:
-    every ``lora_B`` set to ``ADAPTER_B`` first."""
+    every ``lora_B`` set to ``ADAPTER_B`` first; ``precompute``: the reference's log-probs of the rows precomputed
+    first (``PreferenceLoss.precompute_reference``), the steps looking them up."""
     trainer = Trainer(cfg)
     if adapters:
         set_adapters(trainer.model)
     batches = rank_micro_batches(cfg, trainer, rows)
+    reference, cache = trainer.objective.reference, None
+    if precompute:
+        cache = ReferenceCache(Path(cfg.train.run_dir) / "reference_logps.pt", "the test's reference")
+        trainer.objective.precompute_reference([batches], cache)
     results = {}
     for types in loss_types:
         base = trainer.objective
@@ -85,9 +96,11 @@ def run_losses(
             cp_group=base.cp_group,
             device=base.device,
             chunk_tokens=base.chunk_tokens,
-            reference=base.reference,
+            reference=reference,
             last_stage=base.last_stage,
         )
+        if cache is not None:
+            trainer.objective.use_cache(cache)
         step = trainer.forward_backward(batches)
         shares = torch.cat([step.loss.view(1).double(), step.sums])
         dist.all_reduce(shares)
@@ -115,9 +128,11 @@ def set_adapters(model: torch.nn.Module) -> None:
 
 
 def world_cases(cases: dict) -> dict | None:
-    """Every case (name -> (cfg, rows, loss types, adapters)) on one process group, one after the other."""
+    """Every case (name -> (cfg, rows, loss types, adapters, precompute)) on one process group, one after the
+    other."""
     results = {
-        name: run_losses(cfg, rows, types, adapters=adapters) for name, (cfg, rows, types, adapters) in cases.items()
+        name: run_losses(cfg, rows, types, adapters=adapters, precompute=precompute)
+        for name, (cfg, rows, types, adapters, precompute) in cases.items()
     }
     return results if dist.get_rank() == 0 else None
 
