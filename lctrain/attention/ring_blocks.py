@@ -23,6 +23,11 @@ the keys are the document's own, a full rectangle when the keys come earlier. A 
 carries ``window_left``, which the kernel applies as a band; blocks wholly inside the window stay plain, blocks
 wholly outside it are skipped, and so is every (query, key) pair of two documents that do not see each other.
 
+``merge_blocks`` then joins the blocks of a step whose union is one rectangle (a shared prompt's answers against
+it; the documents of a chunk against an earlier chunk holding their prefix) or one causal square (a prompt and its
+first answer, which continues it; the two chunks of a zigzag piece against themselves when the second sees all of
+the first): fewer, larger kernel calls for the same pairs, the same in every pass and every layer.
+
 ``group_documents`` merges the document rectangles of a step that lie end to end (block-diagonal: the documents
 of a chunk against the same chunk) into one block with ``segments``, for kernels with a varlen mode: one kernel
 call per group instead of one per document.
