@@ -16,12 +16,13 @@ shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its p
 - Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA), so that
   drift in the machine's load hits both alike; each step is ``Trainer.forward_backward`` (the reference pass, the
   policy's forward and backward; the optimizer step is the same for both), timed on every rank after one warm-up
-  step, the median over ``--steps`` of the slowest rank. Memory, the largest over ranks, measured with glibc
-  returning freed buffers (``memory.malloc_env``): the activations (the resident set when the row's forward and
-  loss return, less the one before the step: what the forward keeps for the backward), and the step's peak growth
-  (``memory.StepPeak``: activations, the backward's working set and the gradients, the same gradients on both
-  sides). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its ``max_memory_allocated`` (both
-  trainers' weights and states are resident: growth is what the sides differ by).
+  step, the median over ``--steps`` of the slowest rank; beside it the step's CPU time (the process's, the median
+  of the busiest rank's), which other jobs on a shared machine disturb less than the wall time. Memory, the largest
+  over ranks, measured with glibc returning freed buffers (``memory.malloc_env``): the activations (the resident set
+  when the row's forward and loss return, less the one before the step: what the forward keeps for the backward),
+  and the step's peak growth (``memory.StepPeak``: activations, the backward's working set and the gradients, the
+  same gradients on both sides). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its
+  ``max_memory_allocated`` (both trainers' weights and states are resident: growth is what the sides differ by).
 - Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
   copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
   the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
@@ -91,6 +92,7 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
             cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
             trainers[name].objective.precompute_reference([[batch(name, s)] for s in range(warmup + steps)], cache)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
     kept: dict[str, list[int]] = {name: [] for name in names}
     peaks: dict[str, list[int]] = {name: [] for name in names}
@@ -100,16 +102,17 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
         trainer, micro_batch = trainers[name], batch(name, index // len(names))
         dist.barrier()
         with memory.StepPeak(trainer.device) as peak:  # synchronizes CUDA on entry and exit: the step's whole time
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             trainer.forward_backward([micro_batch])
-        elapsed = time.perf_counter() - started
+        elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
         trainer.optimizer.zero_grad(set_to_none=True)
         if index >= warmup * len(names):
             times[name].append(elapsed)
+            cpu[name].append(cpu_elapsed)
             growth[name].append(peak.growth)
             peaks[name].append(peak.peak)
             kept[name].append(trainer.forward_loss.in_use - peak.before)
-    return {"times": times, "growth": growth, "kept": kept, "peak": peaks}
+    return {"times": times, "cpu": cpu, "growth": growth, "kept": kept, "peak": peaks}
 
 
 def _recording_memory(forward_loss: Any, device: Any) -> Any:
@@ -148,8 +151,10 @@ def run(
     result = {}
     for name in specs:
         slowest = [max(rank["times"][name][step] for rank in per_rank) for step in range(steps)]
+        busiest = [max(rank["cpu"][name][step] for rank in per_rank) for step in range(steps)]
         result[name] = {
             "time": statistics.median(slowest),
+            "cpu": statistics.median(busiest),
             "growth": max(max(rank["growth"][name]) for rank in per_rank),
             "kept": max(max(rank["kept"][name]) for rank in per_rank),
             "peak": max(max(rank["peak"][name]) for rank in per_rank),
@@ -178,6 +183,8 @@ def sharing(args: argparse.Namespace) -> None:
                 f"{prompt:,} + 2 x {args.completion}",
                 f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
                 f"{shared['time'] / unshared['time']:.2f}",
+                f"{shared['cpu']:.3f} s / {unshared['cpu']:.3f} s",
+                f"{shared['cpu'] / unshared['cpu']:.2f}",
                 f"{shared['kept'] / MIB:,.1f} / {unshared['kept'] / MIB:,.1f} MiB",
                 f"{shared['kept'] / unshared['kept']:.2f}",
                 f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
@@ -190,7 +197,8 @@ def sharing(args: argparse.Namespace) -> None:
         cases.append({"ratio": ratio, "prompt": prompt, "completion": args.completion, **result})
         if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
             Path(args.json).write_text(json.dumps({"command": command(), "cases": cases}, indent=1))
-    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "activations", "ratio"]
+    header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step CPU", "ratio"]
+    header += ["activations", "ratio"]
     header += ["step peak growth", "ratio", "step peak", "ratio"]
     print("\n" + table(header, rows))
 

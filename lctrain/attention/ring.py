@@ -43,7 +43,7 @@ from torch import Tensor
 
 from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.merge import merge_block
-from lctrain.attention.ring_blocks import Block, Step, group_documents, plan_ring
+from lctrain.attention.ring_blocks import Block, Step, group_documents, plain, plan_ring
 from lctrain.attention.transport import (
     PIECES,
     Arriving,
@@ -57,11 +57,6 @@ from lctrain.attention.transport import (
 )
 
 
-def _plain(block: Block) -> bool:
-    """A full rectangle: it can be cut at any key column."""
-    return not block.causal and block.window_left is None and block.segments is None
-
-
 def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, Block]]:
     """The kernel calls of a step whose key rows arrive (or whose dK/dV leave) in pieces ``cuts``, in order, each
     with the last piece it needs: the full rectangles cut at the pieces' boundaries, piece by piece, then every
@@ -71,11 +66,11 @@ def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, B
         return [(0, block) for block in blocks]
     parts = []
     for index, cut in enumerate(cuts):
-        for block in filter(_plain, blocks):
+        for block in filter(plain, blocks):
             cols = slice(max(block.cols.start, cut.start), min(block.cols.stop, cut.stop))
             if cols.start < cols.stop:
                 parts.append((index, Block(block.rows, cols, causal=False)))
-    return parts + [(last, block) for block in blocks if not _plain(block)]
+    return parts + [(last, block) for block in blocks if not plain(block)]
 
 
 def _calls(step: Step, kernel: AttentionKernel) -> tuple[Block, ...]:
@@ -211,7 +206,7 @@ def _ring_backward(
         current = Returning(peers, step, dk_step, dv_step)
         calls = _calls(step, kernel)
         parts = _by_piece(calls, row_cuts(row_count(step.keys), PIECES))
-        piecewise = all(map(_plain, calls))  # else some block needs every row: its gradients are complete at the end
+        piecewise = all(map(plain, calls))  # else some block needs every row: its gradients are complete at the end
         for position, (piece, block) in enumerate(parts):
             started = timeline.now()
             dq_block, dk_block, dv_block = _compute_block(kernel, block, scale, q, k_step, v_step, backward_of)

@@ -23,6 +23,11 @@ the keys are the document's own, a full rectangle when the keys come earlier. A 
 carries ``window_left``, which the kernel applies as a band; blocks wholly inside the window stay plain, blocks
 wholly outside it are skipped, and so is every (query, key) pair of two documents that do not see each other.
 
+``merge_blocks`` then joins the blocks of a step whose union is one rectangle (a shared prompt's answers against
+it; the documents of a chunk against an earlier chunk holding their prefix) or one causal square (a prompt and its
+first answer, which continues it; the two chunks of a zigzag piece against themselves when the second sees all of
+the first): fewer, larger kernel calls for the same pairs, the same in every pass and every layer.
+
 ``group_documents`` merges the document rectangles of a step that lie end to end (block-diagonal: the documents
 of a chunk against the same chunk) into one block with ``segments``, for kernels with a varlen mode: one kernel
 call per group instead of one per document.
@@ -204,7 +209,74 @@ def _source_blocks(
     local = piece_chunks(rank, size, piece_len, layout)
     remote = piece_chunks(source, size, piece_len, layout)
     options = dict(causal=causal, window=window)
-    return [b for q in local for k in remote for b in _chunk_blocks(q, k, bounds, prefixes, **options)]
+    return merge_blocks([b for q in local for k in remote for b in _chunk_blocks(q, k, bounds, prefixes, **options)])
+
+
+def plain(block: Block) -> bool:
+    """A full rectangle (no mask, one segment): it can be cut or joined at any row or column."""
+    return not block.causal and block.window_left is None and block.segments is None
+
+
+def _square(block: Block) -> bool:
+    return block.causal and block.window_left is None and block.segments is None
+
+
+def _join_rectangles(blocks: list[Block], *, along_cols: bool) -> list[Block]:
+    """``blocks`` with plain rectangles of the same rows whose columns meet (``along_cols``), or of the same
+    columns whose rows meet, joined into one."""
+    others, runs = [], {}
+    for block in blocks:
+        if not plain(block):
+            others.append(block)
+            continue
+        fixed, moving = (block.rows, block.cols) if along_cols else (block.cols, block.rows)
+        runs.setdefault((fixed.start, fixed.stop), []).append((moving, fixed))
+    joined = []
+    for run in runs.values():
+        run.sort(key=lambda part: part[0].start)
+        start, stop, fixed = run[0][0].start, run[0][0].stop, run[0][1]
+        for moving, _ in run[1:] + [(slice(-1, -1), fixed)]:  # a sentinel closes the last part
+            if moving.start == stop:
+                stop = moving.stop
+                continue
+            part = slice(start, stop)
+            joined.append(Block(fixed, part, causal=False) if along_cols else Block(part, fixed, causal=False))
+            start, stop = moving.start, moving.stop
+    return others + joined
+
+
+def _join_squares(blocks: list[Block]) -> list[Block]:
+    """``blocks`` with each causal square ``x`` followed on the diagonal by another, ``y``, joined into one when
+    the rectangle of ``y``'s rows against ``x``'s columns is a block too (a document continuing the one before, as
+    a shared prompt and its first answer; the two chunks of a zigzag piece against themselves)."""
+    squares = sorted((b for b in blocks if _square(b)), key=lambda b: b.rows.start)
+    rectangles = {(b.rows.start, b.rows.stop, b.cols.start, b.cols.stop): b for b in blocks if plain(b)}
+    others = [b for b in blocks if not _square(b) and not plain(b)]
+    joined: list[Block] = []
+    for square in squares:
+        last = joined[-1] if joined else None
+        if last is not None and (square.rows.start, square.cols.start) == (last.rows.stop, last.cols.stop):
+            between = (square.rows.start, square.rows.stop, last.cols.start, last.cols.stop)
+            if rectangles.pop(between, None) is not None:  # y's rows see all of x's columns: one causal square
+                rows, cols = slice(last.rows.start, square.rows.stop), slice(last.cols.start, square.cols.stop)
+                joined[-1] = Block(rows, cols, causal=True)
+                continue
+        joined.append(square)
+    return others + joined + list(rectangles.values())
+
+
+def merge_blocks(blocks: Sequence[Block]) -> list[Block]:
+    """``blocks`` (of one step, disjoint) with those whose union is one rectangle or one causal square joined into
+    one block, in order of rows then columns: fewer, larger kernel calls for the same pairs. A shared prompt's
+    answers see it as one rectangle per chunk, and the prompt with its first answer is one causal square."""
+    merged = list(blocks)
+    while True:
+        count = len(merged)
+        merged = _join_rectangles(merged, along_cols=True)
+        merged = _join_squares(merged)
+        merged = _join_rectangles(merged, along_cols=False)
+        if len(merged) == count:
+            return sorted(merged, key=lambda b: (b.rows.start, b.cols.start))
 
 
 def _rows_needed(blocks: Sequence[Block]) -> slice:

@@ -226,3 +226,26 @@ def test_shared_prompt_skips_chosen_by_rejected_and_computes_the_prompt_once(lay
     unshared_len = 2 * (prompt + answer)
     unshared = plans_for(ring_size, unshared_len // ring_size, causal=True, layout=layout, cu_seqlens=unshared_bounds)
     assert sum(work(plan) for plan in unshared) - shared == triangle(prompt)
+
+
+def test_shared_prompt_blocks_are_joined() -> None:
+    """One pair [prompt 4,095 | chosen 257 | rejected 257 | padding 7] on a ring of 2 (the preference benchmark's
+    16:1 row): the prompt with the chosen answer, which continues it, is one causal square, the answers against
+    the prompt's keys of a chunk one rectangle; the rank without answers computes what one document would."""
+    bounds, doc_prefix = (0, 4095, 4352, 4609, 4616), (-1, 0, 0, -1)
+    piece_len = bounds[-1] // 2
+    shared = plans_for(2, piece_len, causal=True, layout="zigzag", cu_seqlens=bounds, doc_prefix=doc_prefix)
+    one_document = plans_for(2, piece_len, causal=True, layout="zigzag", cu_seqlens=(0, 4095, bounds[-1]))
+    check_plans(shared, 2, piece_len, "zigzag", list(bounds), True, None, list(doc_prefix))
+    own, other = shared[0]
+    chunk = piece_len // 2  # rank 0 holds chunks 0 and 3, the answers in its second one
+    answers = slice(chunk + 4095 - 3 * chunk, chunk + 4352 - 3 * chunk)  # the chosen answer's local rows
+    assert own.blocks == (
+        Block(slice(0, answers.stop), slice(0, answers.stop), causal=True),  # the prompt, then the chosen answer
+        Block(slice(answers.stop, answers.stop + 257), slice(0, answers.start), causal=False),  # rejected x prompt
+        Block(slice(answers.stop, answers.stop + 257), slice(answers.stop, answers.stop + 257), causal=True),
+        Block(slice(piece_len - 7, piece_len), slice(piece_len - 7, piece_len), causal=True),  # the padding
+    )
+    assert other.blocks == (Block(slice(chunk, piece_len - 7), slice(0, piece_len), causal=False),)
+    assert [step.blocks for step in shared[1]] == [step.blocks for step in one_document[1]]
+    assert [len(step.blocks) for step in shared[1]] == [1, 1]
