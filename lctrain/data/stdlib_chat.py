@@ -15,6 +15,7 @@ import json
 import os
 import random
 import sysconfig
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,17 @@ def module_name(path: str) -> str:
     return ".".join(parts)
 
 
+# CPython 3.11's ast.parse can fail with "SystemError: AST constructor recursion depth mismatch" when threads parse at
+# once (python/cpython#106905), and datasets reads the training and validation sources from threads of its own
+_PARSING = threading.Lock()
+
+
+def parse_python(source: str) -> ast.Module:
+    """``ast.parse(source)``, one thread at a time."""
+    with _PARSING:
+        return ast.parse(source)
+
+
 def public_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef, str]]:
     """(qualified name, node, docstring) of a module's public functions and its public classes' public methods that
     have a docstring, in source order."""
@@ -53,7 +65,8 @@ def public_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | 
 def documented_functions(source: str) -> list[tuple[str, str, str]]:
     """(qualified name, arguments, docstring) of the public functions and public classes' public methods of a
     module's source that have a docstring, in source order."""
-    return [(name, ast.unparse(node.args), docstring) for name, node, docstring in public_functions(ast.parse(source))]
+    functions = public_functions(parse_python(source))
+    return [(name, ast.unparse(node.args), docstring) for name, node, docstring in functions]
 
 
 def stdlib_conversations(paths: list[str]) -> Iterator[dict[str, str]]:

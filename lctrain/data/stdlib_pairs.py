@@ -21,7 +21,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from lctrain.data.stdlib_chat import module_name, public_functions
+from lctrain.data.stdlib_chat import module_name, parse_python, public_functions
 
 SYSTEM_PROMPT = "You write the docstrings of Python standard library functions."
 REQUESTS = (
@@ -58,7 +58,7 @@ def stdlib_pairs(paths: list[str]) -> Iterator[dict[str, str]]:
     for path in paths:
         try:
             source = Path(path).read_text(encoding="utf-8")
-            functions = list(public_functions(ast.parse(source)))
+            functions = list(public_functions(parse_python(source)))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module, lines = module_name(path), source.split("\n")
