@@ -152,7 +152,7 @@ class RouterTotals:
         found = routers(part)
         self.shape, self.device = (len(layers) + 1, num_experts), device
         self.stats = RouterStatistics(part, start) if found else None
-        self.rows = [list(layers).index(layer) for layer in found]
+        self.rows = torch.tensor([list(layers).index(layer) for layer in found], device=device)
 
     def __call__(self, totals: Tensor | None) -> Tensor:
         """``totals`` (None: zeros) plus this part's last forward (``RouterStatistics.take``)."""
@@ -161,8 +161,7 @@ class RouterTotals:
         if self.stats is None:  # a stage without a MoE layer
             return totals
         counts, sums, _ = self.stats.take()
-        rows = torch.tensor(self.rows, device=counts.device)
-        counted = torch.zeros(self.shape[0] - 1, self.shape[1], device=counts.device).index_copy(0, rows, counts)
+        counted = torch.zeros(self.shape[0] - 1, self.shape[1], device=counts.device).index_copy(0, self.rows, counts)
         return totals + torch.cat([counted, sums.sum(0, keepdim=True)])
 
 
@@ -189,14 +188,13 @@ class RouterBalancedLoss:
         coef: float,
         group: dist.ProcessGroup,
         cp_group: dist.ProcessGroup | None,
-        device: torch.device,
         scope: str = "sequence",
         forward: Callable[..., Tensor | None] | None = None,
     ):
         if scope == "global" and forward is None:
             raise ValueError("router_aux_scope=global needs forward, the model's forward-only run of a step's rows")
         self.inner, self.totals, self.coef, self.scope, self.forward = inner, totals, coef, scope, forward
-        self.group, self.cp_group, self.device = group, cp_group, device
+        self.group, self.cp_group = group, cp_group
         self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.fields, self.counted = inner.fields, inner.counted
         self.layers, self.experts = list(layers), num_experts
@@ -297,7 +295,6 @@ def with_router_loss(
         coef=coef,
         group=group,
         cp_group=cp_group,
-        device=device,
         scope=scope,
         forward=forward,
     )
