@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lctrain.config.ruler import RulerConfig
 from lctrain.data.config import DataConfig
 from lctrain.models.config import ModelConfig
 from lctrain.parallel.config import ParallelConfig
 
-EVAL_TASKS = ("passkey", "perplexity")
+EVAL_TASKS = ("passkey", "perplexity", "ruler")
 
 
 @dataclass
@@ -63,6 +64,9 @@ class TrainConfig:
     stages: list[dict[str, Any]] = field(default_factory=list)
     val_every: int = 0  # score data.val_sources every this many steps, and at the end; 0 = only at the end
     val_rows: int = 8  # packed rows of data.val_sources scored each time (the same rows every time)
+    # also the key-token loss: the tokens the model predicts far better with the whole row than with this many tokens
+    # before them (lctrain.train.key_tokens); 0 = off
+    val_key_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "loss_chunk_tokens", "val_rows"):
@@ -78,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r} must be auto, cuda or cpu")
         if self.val_every < 0:
             raise ValueError(f"train.val_every={self.val_every} must be >= 0 (0 = only at the end)")
+        if self.val_key_window < 0 or self.val_key_window % 2:
+            raise ValueError(f"train.val_key_window={self.val_key_window} must be an even number of tokens (0 = off)")
 
 
 @dataclass
@@ -121,7 +127,8 @@ class EvalConfig:
     """``python -m lctrain eval``: passkey retrieval and perplexity of model.path on the job's mesh. Whether the mesh
     cuts the lengths whole is ``lctrain.eval.evaluator.check_eval``'s."""
 
-    tasks: list[str] = field(default_factory=lambda: ["passkey", "perplexity"])  # passkey and/or perplexity
+    # passkey, perplexity and/or ruler (the suite of the ruler section)
+    tasks: list[str] = field(default_factory=lambda: ["passkey", "perplexity"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # passkey sample lengths (tokens)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depths, 0 = start
     samples: int = 5  # passkey samples (different keys) per (length, depth) cell
@@ -222,3 +229,4 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    ruler: RulerConfig = field(default_factory=RulerConfig)

@@ -25,6 +25,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.dims import flat_mesh
 from lctrain.runtime import resolve_device
+from lctrain.train.ruler_suite import SuiteScorer, check_job_suite
 from lctrain.train.validate import dp_turns, score_rows
 
 logger = logging.getLogger("lctrain")
@@ -55,19 +57,28 @@ def check_eval(cfg: JobConfig) -> None:
 
 
 def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
-    """Every check of an eval job, before any process group exists: a model to evaluate, no pipeline, the eval
-    settings, and the job (mesh, heads, RoPE) against the longest evaluated sequence."""
+    """Every check of an eval job, before any process group exists: a model to evaluate, no pipeline (but for the
+    ruler suite alone), the eval settings, the suite, and the job (mesh, heads, RoPE) against the longest evaluated
+    sequence."""
     if cfg.model.path is None:
         raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
-    if cfg.parallel.pp > 1:
+    if cfg.parallel.pp > 1 and set(cfg.eval.tasks) - {"ruler"}:
         raise ValueError(
-            f"eval does not support parallel.pp={cfg.parallel.pp}: evaluate with parallel.pp=1 and the same dp, ring "
-            f"and ulysses (fold the pipeline ranks into parallel.dp or parallel.ring)"
+            f"eval does not support parallel.pp={cfg.parallel.pp} for passkey and perplexity: evaluate them with "
+            f"parallel.pp=1 and the same dp, ring and ulysses (fold the pipeline ranks into parallel.dp or "
+            f"parallel.ring), or set eval.tasks=[ruler]"
         )
     check_eval(cfg)
     checked = copy.deepcopy(cfg)
-    checked.data.seq_len = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval)])
-    return prepare_model(checked, world_size)
+    ruler_lengths = cfg.ruler.suite_lengths(cfg.data.seq_len) if "ruler" in cfg.eval.tasks else []
+    checked.data.seq_len = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval), *ruler_lengths])
+    prepared = prepare_model(checked, world_size)
+    if ruler_lengths:
+        check_job_suite(cfg, prepared.tokenizer, prepared.config.max_position_embeddings)
+        missing = [path for path in cfg.ruler.compare if not Path(path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"ruler.compare: no such file {missing[0]!r} (a ruler.json of an earlier eval)")
+    return prepared
 
 
 def perplexity_lengths(cfg: EvalConfig) -> list[int]:
@@ -76,7 +87,7 @@ def perplexity_lengths(cfg: EvalConfig) -> list[int]:
 
 class Evaluator:
     """The model of ``model.path`` on the job's mesh (USP attention, FSDP over ``dp_cp``, no optimizer), built as
-    the trainer builds it, on an initialized default process group. ``parallel.pp > 1`` is refused."""
+    the trainer builds it, on an initialized default process group. ``parallel.pp > 1`` only for the ruler suite."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -102,10 +113,13 @@ class Evaluator:
         self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
 
         # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
-        self.model = build_model(
-            prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False
-        ).model
-        self.final_hidden_states = FinalHiddenStates(self.model)
+        built = build_model(prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False)
+        self.model = built.model
+        self.final_hidden_states = None if built.stages else FinalHiddenStates(self.model)
+        self.suite = None
+        if "ruler" in cfg.eval.tasks:  # through the pipeline's stages too
+            suite = (self.final_hidden_states, self.mesh, self.place, self.device)
+            self.suite = SuiteScorer(cfg, self.tokenizer, built, *suite)
         logger.info(
             "eval %s on mesh %s (%s), device %s: %s",
             cfg.model.path,

@@ -19,8 +19,9 @@ where it landed (filler tokens before it / W).
 
 Answer. Tokenizers merge digits in various ways (the embedded BPE gives " 68231" -> " 6" "8" "231"; Llama 3 splits
 groups of three), so the answer is never tokenized alone: the question and the question followed by the answer are
-tokenized, and the answer tokens are the tokens of the second after their longest common prefix. They start at the
-first token that covers an answer character, whatever the merges. ``labels`` hold each answer token at the
+tokenized, and the answer tokens are the tokens of the second after their longest common prefix
+(``lctrain.ruler.prompt.answer_tokens``). They start at the first token that covers an answer character, whatever
+the merges. The filling is ``lctrain.ruler.example.fill``'s, the filler RULER's noise. ``labels`` hold each answer token at the
 position before it (labels are shifted, as in ``lctrain.data.packing``) and -100 everywhere else.
 """
 
@@ -35,12 +36,15 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.data import IGNORE_INDEX
+from lctrain.ruler.example import fill
+from lctrain.ruler.haystack import NOISE as FILLER
+from lctrain.ruler.haystack import units
+from lctrain.ruler.prompt import Frame, answer_tokens, encode
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about it."
 )
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
@@ -71,58 +75,22 @@ def sample_key(seed: int, length: int, depth: float, index: int, digits: int) ->
     return str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def answer_tokens(tokenizer: PreTrainedTokenizerBase, question: str, answer: str) -> tuple[list[int], list[int]]:
-    """(prompt tokens, answer tokens) of ``question + answer`` tokenized as one text: the answer tokens are those
-    after the longest common prefix with the tokens of ``question`` alone (module docstring)."""
-    full = _encode(tokenizer, question + answer)
-    alone = _encode(tokenizer, question)
-    common = 0
-    while common < min(len(full), len(alone)) and full[common] == alone[common]:
-        common += 1
-    if common == len(full) or answer.strip() not in tokenizer.decode(full[common:]):
-        raise ValueError(
-            f"cannot locate the answer {answer!r} in the tokens of {question + answer!r}: {full} (question alone: "
-            f"{alone})"
-        )
-    return full[:common], full[common:]
-
-
 def passkey_sample(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, key: str) -> PasskeySample:
     """A sample of exactly ``length`` tokens with ``key`` at ``depth`` (module docstring)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must be in [0, 1] (the fraction of the filler before the needle)")
-    intro = _encode(tokenizer, INTRO)
-    needle = _encode(tokenizer, " " + NEEDLE.format(key=key))
+    intro = encode(tokenizer, INTRO)
+    needle = encode(tokenizer, " " + NEEDLE.format(key=key))
     question, answer = answer_tokens(tokenizer, " " + QUESTION, " " + key)
-    fixed = 1 + len(intro) + len(needle) + len(question) + len(answer)
-    budget = length - fixed
-    if budget < 0:
-        raise ValueError(f"length={length} is too short for a passkey sample: it needs at least {fixed} tokens")
-    sentences = [_encode(tokenizer, " " + sentence) for sentence in FILLER]
-
-    # whole filler sentences, in order, as many as fit in the budget; `bounds` are the sentence boundaries
-    filler: list[int] = []
-    bounds = [0]
-    while True:
-        sentence = sentences[(len(bounds) - 1) % len(sentences)]
-        if len(filler) + len(sentence) > budget:
-            break
-        filler += sentence
-        bounds.append(len(filler))
-    before = min(bounds, key=lambda b: (abs(b - depth * len(filler)), b))
-    # the few tokens left (fewer than a sentence) are line breaks before the question
-    padding = _encode(tokenizer, "\n")[-1:] * (budget - len(filler))
-    ids = [tokenizer.bos_token_id, *intro, *filler[:before], *needle, *filler[before:], *padding, *question, *answer]
-    assert len(ids) == length, (len(ids), length)
-    input_ids = torch.tensor(ids, dtype=torch.int64)
+    frame = Frame([tokenizer.bos_token_id, *intro], question, answer, ((0, len(answer)),))
+    filler = units([encode(tokenizer, " " + sentence) for sentence in FILLER], None)
+    line_break = encode(tokenizer, "\n")[-1]
+    filled = fill(length, frame, filler, [(depth, needle)], line_break, task="passkey", setting="eval.lengths")
+    input_ids = torch.tensor(filled.ids, dtype=torch.int64)
     answer_start = length - len(answer)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[answer_start - 1 : length - 1] = input_ids[answer_start:]
-    needle_start = 1 + len(intro) + before
+    needle_start = filled.insert_starts[0]
     return PasskeySample(
         input_ids=input_ids,
         labels=labels,
@@ -130,8 +98,8 @@ def passkey_sample(tokenizer: PreTrainedTokenizerBase, length: int, depth: float
         answer_start=answer_start,
         needle_start=needle_start,
         needle_end=needle_start + len(needle),
-        needle_depth=before / len(filler) if filler else depth,
-        filler_tokens=len(filler),
+        needle_depth=filled.insert_depths[0],
+        filler_tokens=filled.haystack_tokens,
     )
 
 

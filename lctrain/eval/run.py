@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 4 -m lctrain eval recipe=tiny_cpu model.path=runs/tiny_cpu/hf \\
         'eval.lengths=[1024,2048,4096]' 'eval.depths=[0,0.5,1]'
 
-writes ``<train.run_dir>/eval/`` (or ``eval.out_dir``): ``passkey.json``, ``passkey.png``, ``perplexity.json``.
+writes ``<train.run_dir>/eval/`` (or ``eval.out_dir``): ``passkey.json``, ``passkey.png``, ``perplexity.json``, and
+with ``ruler`` in ``eval.tasks`` ``ruler.json``, ``ruler_examples.jsonl`` and ``ruler.png``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from lctrain.config import JobConfig
 from lctrain.eval.evaluator import Evaluator, prepare_eval
 from lctrain.eval.report import passkey_table, plot_passkey, write_json
+from lctrain.ruler.report import plot_curves, read_curve, table, write_results
 from lctrain.runtime import run_command
 
 logger = logging.getLogger("lctrain")
@@ -30,7 +32,7 @@ def out_dir(cfg: JobConfig) -> Path:
 
 def evaluate(cfg: JobConfig) -> dict[str, Any]:
     """Run ``eval.tasks`` on an initialized default process group; rank 0 writes the files. Every rank returns the
-    same ``{"passkey": [cells], "perplexity": [lengths]}`` (a task not run is absent)."""
+    same ``{"passkey": [cells], "perplexity": [lengths], "ruler": summary}`` (a task not run is absent)."""
     evaluator = Evaluator(cfg)
     dims = evaluator.dims
     meta = {
@@ -55,6 +57,15 @@ def evaluate(cfg: JobConfig) -> dict[str, Any]:
         if dist.get_rank() == 0:
             data = {"paths": cfg.data.paths, "dataset": cfg.data.dataset}
             write_json(directory / "perplexity.json", {**meta, "data": data, "lengths": results["perplexity"]})
+    if "ruler" in cfg.eval.tasks:
+        records, summary = evaluator.suite.score()
+        results["ruler"] = summary
+        if dist.get_rank() == 0:
+            write_results(directory, {**meta, **evaluator.suite.meta(cfg.model.path)}, summary, records)
+            curves = [read_curve(Path(path)) for path in cfg.ruler.compare]
+            curves.append((cfg.model.path, summary))
+            plot_curves(curves, directory / "ruler.png", "score against length")
+            logger.info("ruler:\n%s", table(summary))
     logger.info("evaluation written to %s", directory)
     return results
 

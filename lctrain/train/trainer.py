@@ -39,9 +39,11 @@ from lctrain.parallel.pipeline import build_schedule, step_inputs
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.forward import model_hidden, row_fields
 from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from lctrain.train.key_tokens import check_key_window
 from lctrain.train.objective import Batch, StepTotals, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from lctrain.train.reference import rows_forward
+from lctrain.train.ruler_suite import check_job_suite, training_suite
 from lctrain.train.stages import check_stages, pending_stages, stage_configs
 from lctrain.train.validate import Validator
 
@@ -96,6 +98,9 @@ class Trainer:
         )
         self.model, num_params = built.model, built.num_params
         self.hidden_states = None if built.stages else FinalHiddenStates(self.model)
+        # the ruler suite every ruler.every steps (None when never), through the same forward
+        suite = (self.tokenizer, built, self.hidden_states, self.mesh, self.place, self.device, self.rank)
+        self.suite = training_suite(cfg, *suite)
         self.objective = build_objective(
             cfg,
             self.loader.names,
@@ -325,6 +330,7 @@ class Trainer:
             devices = dist.get_world_size()
             mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
             validation = self.validator.should_validate(self.step)
+            ruler = self.suite.run(self.step) if self.suite and self.suite.should_run(self.step) else {}
             line = self.metrics.log(
                 self.step,
                 {
@@ -335,8 +341,12 @@ class Trainer:
                     "peak_mem_gib": peak_memory_gib(self.device),
                     "step_time_s": elapsed,
                     **(self.validator.validate(self.hidden_states, self.objective) if validation else {}),
+                    **ruler,
                 },
             )
+            if ruler:  # the effective length in the progress bar and the step's line
+                bar.set_postfix_str(f"effective length {ruler['ruler/effective_length']}")
+                line = line and f"{line} | effective length {ruler['ruler/effective_length']}"
             if line is not None:
                 logger.info(line)  # through tqdm.write (lctrain.runtime.setup_logging): the bar stays below
             bar.update(1)
@@ -393,11 +403,15 @@ def check(cfg: JobConfig, world_size: int) -> None:
     process group exists: ``ValueError`` or ``FileNotFoundError`` naming the setting."""
     if cfg.train.stages:
         check_stages(cfg, world_size)
-        tokenizer = load_tokenizer(tokenizer_path(cfg))
+        tokenizer, max_positions = load_tokenizer(tokenizer_path(cfg)), None
     else:
-        tokenizer = prepare_model(cfg, world_size).tokenizer
+        prepared = prepare_model(cfg, world_size)
+        tokenizer, max_positions = prepared.tokenizer, prepared.config.max_position_embeddings
     for job in stage_configs(cfg):
         check_objective_data(job.objective.name, check_data(job.data, tokenizer))
+        check_key_window(job.train.val_key_window, job.data.seq_len)
+        if job.ruler.every:
+            check_job_suite(job, tokenizer, max_positions)
 
 
 def train(cfg: JobConfig) -> None:

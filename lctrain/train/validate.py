@@ -22,6 +22,7 @@ from lctrain.attention import SequencePlace
 from lctrain.config import TrainConfig
 from lctrain.data import DataConfig, PackedLoader
 from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.train.key_tokens import KeyTokens
 from lctrain.train.loss import chunked_cross_entropy_by_group
 
 Batch = dict[str, Any]
@@ -39,6 +40,13 @@ def position_buckets(seq_len: int) -> list[int]:
         edges.append(first)
         first *= 4
     return [*edges, seq_len]
+
+
+def validation_data(data: DataConfig) -> DataConfig:
+    """The data section of the validation rows: ``data.val_sources`` only, packed with ``truncate``."""
+    return dataclasses.replace(
+        data, paths=[], dataset=None, sources=data.val_sources, val_sources=[], batch_size=1, truncate=True
+    )
 
 
 def dp_turns(count: int, dp_rank: int, dp: int) -> Iterator[tuple[int, bool]]:
@@ -105,15 +113,25 @@ class Validator:
         self.every, self.steps, self.chunk_tokens = train.val_every, train.steps, train.loss_chunk_tokens
         self.dp_rank, self.dp, self.group, self.device = dp_rank, dp, group, device
         self.rows, self.groups = self._rows(data, train.val_rows, place) if self.names else ([], [])
+        self.key_tokens = None  # train.val_key_window: the same rows whole, and each cut in windows
+        if self.rows and train.val_key_window and "pair_counts" not in self.rows[0]:
+            whole = iter(PackedLoader(validation_data(data)))
+            self.key_tokens = KeyTokens(
+                [next(whole) for _ in range(train.val_rows)],
+                train.val_key_window,
+                self.edges,
+                place=place,
+                turns=dp_turns(train.val_rows, dp_rank, dp),
+                group=group,
+                device=device,
+                chunk_tokens=train.loss_chunk_tokens,
+            )
 
     def _rows(self, data: DataConfig, count: int, place: SequencePlace) -> tuple[list[Batch], list[Tensor]]:
         """``count`` rows of ``data.val_sources``, packed with ``truncate``: every row starts at a document start, so a
         token's position is the context it is predicted from. Each token's group: its source x its position bucket
         (``position_buckets``)."""
-        val = dataclasses.replace(
-            data, paths=[], dataset=None, sources=data.val_sources, val_sources=[], batch_size=1, truncate=True
-        )
-        rows = iter(PackedLoader(val, place=place))
+        rows = iter(PackedLoader(validation_data(data), place=place))
         batches = [next(rows) for _ in range(count)]
         inner = torch.tensor(self.edges[1:-1])
         buckets = len(self.edges) - 1
@@ -131,8 +149,10 @@ class Validator:
         """The rows scored through ``hidden_states`` (the training model's forward) without gradients: ``val_loss``
         (the token mean), ``val_tokens``, ``val_loss_by_position`` (``"a-b"``: the mean loss of the tokens predicted
         at document positions [a, b); None where there is none) and, with several validation sources,
-        ``val_loss/<name>``. Rows of preference pairs are scored by the job's ``objective`` instead
-        (``PreferenceLoss.validate``: the pair metrics). Reads the sums back to the host."""
+        ``val_loss/<name>``; with ``train.val_key_window``, the key-token loss (``lctrain.train.key_tokens``:
+        ``val_key_loss``, ``val_key_tokens``, ``val_key_loss_by_position``). Rows of preference pairs are scored by
+        the job's ``objective`` instead (``PreferenceLoss.validate``: the pair metrics). Reads the sums back to the
+        host."""
         if "pair_counts" in self.rows[0]:
             return objective.validate(self.rows, hidden_states, dp_rank=self.dp_rank, dp=self.dp)
         buckets = len(self.edges) - 1
@@ -161,4 +181,6 @@ class Validator:
         }
         if len(self.names) > 1:
             result.update({f"val_loss/{name}": mean(sums[i]) for i, name in enumerate(self.names)})
+        if self.key_tokens is not None:
+            result.update(self.key_tokens.measure(hidden_states))
         return result

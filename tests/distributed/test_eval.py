@@ -29,8 +29,8 @@ from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.eval.passkey import passkey_sample, sample_key
 from lctrain.eval.run import evaluate
-from lctrain.models import build_empty_model, export_hf, materialize, model_config, random_init_source
 from lctrain.testing import run_distributed
+from tests.helpers.models import write_peaked_model
 from testbed.corpus import write_corpus
 
 MESHES = {  # case -> (world size, parallel overrides)
@@ -39,20 +39,6 @@ MESHES = {  # case -> (world size, parallel overrides)
     "ring4": (4, ["parallel.ring=4"]),
     "dp2_ring2": (4, ["parallel.dp=2", "parallel.ring=2"]),
 }
-
-
-def write_model(directory: Path) -> None:
-    """A tiny random Llama with the embedded tokenizer, as a Hugging Face directory (weights std 0.2: peaked
-    predictions, so an argmax is never a near tie)."""
-    tokenizer = load_tokenizer(None)
-    cfg = load_config(
-        ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.init_std=0.2"]
-    )  # fmt: skip
-    config = model_config(cfg.model, len(tokenizer))
-    model = build_empty_model(config)
-    materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
-    export_hf(model, config, directory, tokenizer=tokenizer)
 
 
 def job(workdir: Path, case: str) -> JobConfig:
@@ -82,7 +68,7 @@ def world_job(configs: dict[str, JobConfig]) -> dict | None:
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     workdir = tmp_path_factory.mktemp("eval")
-    write_model(workdir / "model")
+    write_peaked_model(workdir / "model")
     write_corpus(workdir / "corpus.jsonl", 40, long_fraction=1.0, long=(100, 1500))  # rows start at a document
     results = {}
     for world in sorted({world for world, _ in MESHES.values()}):

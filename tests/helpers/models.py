@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from lctrain.config import ModelConfig
-from lctrain.models import build_empty_model, materialize, model_config, random_init_source
+from lctrain.config import ModelConfig, load_config
+from lctrain.data import load_tokenizer
+from lctrain.models import build_empty_model, export_hf, materialize, model_config, random_init_source
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
 
@@ -18,6 +19,20 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     model = build_empty_model(config)
     materialize(model, random_init_source(config, seed), torch.device("cpu"))
     return model
+
+
+def write_peaked_model(directory: Path) -> None:
+    """A tiny random Llama (2 layers, width 64) with the embedded tokenizer, as a Hugging Face directory (weights std
+    0.2: peaked predictions, so an argmax is never a near tie)."""
+    tokenizer = load_tokenizer(None)
+    cfg = load_config(
+        ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.init_std=0.2"]
+    )  # fmt: skip
+    config = model_config(cfg.model, len(tokenizer))
+    model = build_empty_model(config)
+    materialize(model, random_init_source(config, seed=0), torch.device("cpu"))
+    export_hf(model, config, directory, tokenizer=tokenizer)
 
 
 def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256) -> int:

@@ -17,7 +17,7 @@ LAYERS = [
     {"config"},
     {"runtime"},
     {"planner"},
-    {"build"},
+    {"build", "ruler"},
     {"train"},
     {"eval"},
     {"cli"},

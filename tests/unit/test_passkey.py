@@ -101,3 +101,13 @@ def test_heat_map_and_table(tmp_path: Path) -> None:
     assert passkey_table(cells).splitlines()[1].split() == ["0.00", "1.00", "0.25"]
     plot_passkey(cells, tmp_path / "passkey.png", "title")
     assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_pipeline_is_refused_for_passkey_and_perplexity() -> None:
+    # the ruler suite runs on pipelines (tests/distributed/test_ruler.py)
+    from lctrain.eval.evaluator import prepare_eval
+
+    cfg = JobConfig(eval=EvalConfig(tasks=["passkey", "ruler"]), parallel=ParallelConfig(pp=2))
+    cfg.model.path = "runs/x/hf"
+    with pytest.raises(ValueError, match="parallel.pp=2 for passkey and perplexity: .* or set eval.tasks=\\[ruler\\]"):
+        prepare_eval(cfg, 2)

@@ -1,0 +1,150 @@
+"""The cost of the ruler suite: scoring an example against a validation forward of the same tokens, and the in-training
+suite against the run it is part of.
+
+    python -m benchmarks.bench_ruler                        # 16K and 64K on 1 and 4 CPU ranks, then the training run
+    python -m benchmarks.bench_ruler --lengths 4096 --steps 20 --every 10   # a short run
+
+1. Scoring (targets: ≤ 1.2 x): the tiny recipe's model (random init, fp32) on one process and on 4 ranks (ring 2 x
+   Ulysses 2), for each ``--lengths``: one ``niah_single`` example scored by ``lctrain.train.ruler_score.
+   score_examples`` (one forward; logits at the answer positions), and the same tokens as one validation row scored
+   by ``lctrain.train.validate.score_rows`` (one forward; the loss of every token), taken in turn (A, B, B, A, ...),
+   ``--repeats`` times each after one warm-up of each; the medians of the slowest rank's wall and CPU time, and
+   scoring / validation.
+2. In training (target: ≤ 5 %): the tiny recipe (4 ranks, 1024 tokens a row) for ``--steps`` steps with
+   ``ruler.every=--every`` and the default suite: the suite's time over the rest of the run's (the run's wall time
+   less the suite's), i.e. what the suite adds to the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.jobs import bench_job
+from benchmarks.report import command, commit, machine_line, table
+from lctrain.testing import run_distributed
+
+MESHES = {1: [], 4: ["parallel.ring=2", "parallel.ulysses=2"]}
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``fn()``, the slowest rank's."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    times = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times[0].item(), times[1].item()
+
+
+def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int) -> dict[int, dict[str, list]]:
+    """On the spawned group: per length, the (wall, CPU) times of scoring one example and of validating its tokens."""
+    from lctrain.attention import SequencePlace
+    from lctrain.build import build_model, prepare_model
+    from lctrain.config import load_config
+    from lctrain.models.hidden_states import FinalHiddenStates
+    from lctrain.parallel.dims import flat_mesh
+    from lctrain.ruler.tasks import TaskMaker
+    from lctrain.train.forward import ModelForward
+    from lctrain.train.ruler_score import example_row, score_examples
+    from lctrain.train.validate import score_rows
+
+    cfg = load_config([*overrides, f"data.seq_len={max(lengths)}"])
+    prepared = prepare_model(cfg, dist.get_world_size())
+    dims = cfg.parallel.dims()
+    mesh = dims.build_mesh("cpu")
+    place = SequencePlace.from_mesh(mesh, dims.layout)
+    device = torch.device("cpu")
+    built = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=cfg.model.lora, training=False)
+    hidden_states = FinalHiddenStates(built.model)
+    forward = ModelForward(hidden_states, device)
+    group = flat_mesh(mesh, "dp_cp").get_group()
+    maker = TaskMaker(prepared.tokenizer, seed=0)
+    results = {}
+    for length in lengths:
+        example = maker.make("niah_single", length, 0.5, 0)
+        row = example_row(example, place)
+        full_labels = torch.cat([example.input_ids[1:], torch.tensor([-100])])[None]
+        row["labels"] = place.shard(full_labels, dim=1)  # the validation row: every token predicted
+
+        def score() -> None:
+            score_examples([example], lambda _: forward, rows_per_run=1, place=place, dp_rank=0, dp=1,
+                           device=device, tokenizer=prepared.tokenizer)  # fmt: skip
+
+        def validate() -> None:
+            score_rows(hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,
+                       chunk_tokens=cfg.train.loss_chunk_tokens)  # fmt: skip
+
+        score(), validate()  # warm-up
+        times: dict[str, list] = {"score": [], "validate": []}
+        for turn in range(repeats):
+            order = ("score", "validate") if turn % 2 == 0 else ("validate", "score")
+            for name in order:
+                times[name].append(_timed(score if name == "score" else validate))
+        results[length] = times
+    return results
+
+
+def training_overhead(overrides: list[str]) -> dict[str, float]:
+    """On the spawned group: the run's wall time and its suite's."""
+    from lctrain.config import load_config
+    from lctrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(overrides))
+    suite_s = []
+    run_suite = trainer.suite.run
+
+    def timed_run(step: int) -> dict:
+        start = time.perf_counter()
+        figures = run_suite(step)
+        suite_s.append(time.perf_counter() - start)
+        return figures
+
+    trainer.suite.run = timed_run
+    start = time.perf_counter()
+    trainer.train()
+    return {"run_s": time.perf_counter() - start, "suite_s": sum(suite_s), "suite_runs": len(suite_s),
+            "examples": len(trainer.suite.scorer.examples)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100, help="the training run's steps")
+    parser.add_argument("--every", type=int, default=100, help="ruler.every of the training run")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args()
+    print(f"`{command()}` at {commit()}\n{machine_line()}\n")
+    rows = []
+    for world, mesh in MESHES.items():
+        overrides = bench_job("cpu", *mesh, "parallel.activation_checkpointing=none")
+        found = run_distributed(scoring_vs_validation, world, overrides, args.lengths, args.repeats)[0]
+        for length, times in found.items():
+            wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+            cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
+            rows.append([f"{world}" + (" (ring 2 × Ulysses 2)" if world > 1 else ""), f"{length:,}",
+                         f"{wall['score']:.2f} s", f"{wall['validate']:.2f} s", f"{wall['score'] / wall['validate']:.2f}",
+                         f"{cpu['score'] / cpu['validate']:.2f}"])  # fmt: skip
+            print(f"  ranks {world}, {length}: {times}", file=sys.stderr)
+    print("Scoring one example against a validation forward of the same tokens (medians of the slowest rank):\n")
+    print(table(["ranks", "tokens", "scoring", "validation", "wall ratio (target ≤ 1.2)", "CPU ratio"], rows))
+    if args.skip_training:
+        return
+    overrides = bench_job("cpu", f"train.steps={args.steps}", f"ruler.every={args.every}", "checkpoint.every=0",
+                          "train.run_dir=/tmp/bench_ruler_run")  # fmt: skip
+    found = run_distributed(training_overhead, 4, overrides)[0]
+    rest = found["run_s"] - found["suite_s"]
+    print(f"\nIn training (tiny recipe, 4 ranks, {args.steps} steps, ruler.every={args.every}, the default suite of "
+          f"{found['examples']} examples): run {found['run_s']:.1f} s, suite {found['suite_s']:.1f} s in "
+          f"{found['suite_runs']} runs: the suite adds {100 * found['suite_s'] / rest:.1f} % (target ≤ 5 %)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
