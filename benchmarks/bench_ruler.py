@@ -3,6 +3,7 @@ suite against the run it is part of.
 
     python -m benchmarks.bench_ruler                        # 16K and 64K on 1 and 4 CPU ranks, then the training run
     python -m benchmarks.bench_ruler --lengths 4096 --steps 20 --every 10   # a short run
+    python -m benchmarks.bench_ruler --parts training                        # the training run only
 
 1. Scoring (targets: ≤ 1.2 x): the tiny recipe's model (random init, fp32) on one process and on 4 ranks (ring 2 x
    Ulysses 2), for each ``--lengths``: one ``niah_single`` example scored by ``lctrain.train.ruler_score.
@@ -18,6 +19,7 @@ suite against the run it is part of.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -30,7 +32,7 @@ from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
 from lctrain.testing import run_distributed
 
-MESHES = {1: [], 4: ["parallel.ring=2", "parallel.ulysses=2"]}
+MESHES = {1: ["parallel.ring=1", "parallel.ulysses=1"], 4: ["parallel.ring=2", "parallel.ulysses=2"]}
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -73,20 +75,21 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
         full_labels = torch.cat([example.input_ids[1:], torch.tensor([-100])])[None]
         row["labels"] = place.shard(full_labels, dim=1)  # the validation row: every token predicted
 
-        def score() -> None:
-            score_examples([example], lambda _: forward, rows_per_run=1, place=place, dp_rank=0, dp=1,
-                           device=device, tokenizer=prepared.tokenizer)  # fmt: skip
-
-        def validate() -> None:
-            score_rows(hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,
-                       chunk_tokens=cfg.train.loss_chunk_tokens)  # fmt: skip
-
-        score(), validate()  # warm-up
+        jobs = {
+            "score": functools.partial(
+                score_examples, [example], lambda _: forward, rows_per_run=1, place=place, dp_rank=0, dp=1,
+                device=device, tokenizer=prepared.tokenizer,
+            ),
+            "validate": functools.partial(
+                score_rows, hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,
+                chunk_tokens=cfg.train.loss_chunk_tokens,
+            ),
+        }  # fmt: skip
+        jobs["score"](), jobs["validate"]()  # warm-up
         times: dict[str, list] = {"score": [], "validate": []}
         for turn in range(repeats):
-            order = ("score", "validate") if turn % 2 == 0 else ("validate", "score")
-            for name in order:
-                times[name].append(_timed(score if name == "score" else validate))
+            for name in ("score", "validate") if turn % 2 == 0 else ("validate", "score"):
+                times[name].append(_timed(jobs[name]))
         results[length] = times
     return results
 
@@ -119,9 +122,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100, help="the training run's steps")
     parser.add_argument("--every", type=int, default=100, help="ruler.every of the training run")
-    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--parts", nargs="+", choices=("scoring", "training"), default=["scoring", "training"])
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}\n{machine_line()}\n")
+    if "scoring" in args.parts:
+        scoring(args)
+    if "training" in args.parts:
+        training(args)
+
+
+def scoring(args: argparse.Namespace) -> None:
     rows = []
     for world, mesh in MESHES.items():
         overrides = bench_job("cpu", *mesh, "parallel.activation_checkpointing=none")
@@ -129,21 +139,25 @@ def main() -> None:
         for length, times in found.items():
             wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
             cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-            rows.append([f"{world}" + (" (ring 2 × Ulysses 2)" if world > 1 else ""), f"{length:,}",
-                         f"{wall['score']:.2f} s", f"{wall['validate']:.2f} s", f"{wall['score'] / wall['validate']:.2f}",
-                         f"{cpu['score'] / cpu['validate']:.2f}"])  # fmt: skip
+            ranks = f"{world}" + (" (ring 2 × Ulysses 2)" if world > 1 else "")
+            ratio, cpu_ratio = wall["score"] / wall["validate"], cpu["score"] / cpu["validate"]
+            rows.append([ranks, f"{length:,}", f"{wall['score']:.2f} s", f"{wall['validate']:.2f} s", f"{ratio:.2f}",
+                         f"{cpu_ratio:.2f}"])  # fmt: skip
             print(f"  ranks {world}, {length}: {times}", file=sys.stderr)
     print("Scoring one example against a validation forward of the same tokens (medians of the slowest rank):\n")
     print(table(["ranks", "tokens", "scoring", "validation", "wall ratio (target ≤ 1.2)", "CPU ratio"], rows))
-    if args.skip_training:
-        return
+
+
+def training(args: argparse.Namespace) -> None:
     overrides = bench_job("cpu", f"train.steps={args.steps}", f"ruler.every={args.every}", "checkpoint.every=0",
                           "train.run_dir=/tmp/bench_ruler_run")  # fmt: skip
     found = run_distributed(training_overhead, 4, overrides)[0]
     rest = found["run_s"] - found["suite_s"]
-    print(f"\nIn training (tiny recipe, 4 ranks, {args.steps} steps, ruler.every={args.every}, the default suite of "
-          f"{found['examples']} examples): run {found['run_s']:.1f} s, suite {found['suite_s']:.1f} s in "
-          f"{found['suite_runs']} runs: the suite adds {100 * found['suite_s'] / rest:.1f} % (target ≤ 5 %)")  # fmt: skip
+    print(
+        f"\nIn training (tiny recipe, 4 ranks, {args.steps} steps, ruler.every={args.every}, the default suite of "
+        f"{found['examples']} examples): run {found['run_s']:.1f} s, suite {found['suite_s']:.1f} s in "
+        f"{found['suite_runs']} runs: the suite adds {100 * found['suite_s'] / rest:.1f} % (target ≤ 5 %)"
+    )
 
 
 if __name__ == "__main__":

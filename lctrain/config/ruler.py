@@ -47,7 +47,9 @@ class RulerConfig:
         if any(length < 1 for length in self.lengths):
             raise ValueError(f"ruler.lengths={list(self.lengths)} must be positive token counts")
         if not self.depths or any(not 0.0 <= depth <= 1.0 for depth in self.depths):
-            raise ValueError(f"ruler.depths={list(self.depths)} must be fractions in [0, 1] (0 = start of the haystack)")
+            raise ValueError(
+                f"ruler.depths={list(self.depths)} must be fractions in [0, 1] (0 = start of the haystack)"
+            )
         if self.samples < 1:
             raise ValueError(f"ruler.samples={self.samples} must be >= 1")
         if self.haystack not in HAYSTACKS:

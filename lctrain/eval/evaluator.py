@@ -113,7 +113,9 @@ class Evaluator:
         self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
 
         # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
-        built = build_model(prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False)
+        built = build_model(
+            prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False
+        )
         self.model = built.model
         self.final_hidden_states = None if built.stages else FinalHiddenStates(self.model)
         self.suite = None

@@ -21,8 +21,8 @@ Answer. Tokenizers merge digits in various ways (the embedded BPE gives " 68231"
 groups of three), so the answer is never tokenized alone: the question and the question followed by the answer are
 tokenized, and the answer tokens are the tokens of the second after their longest common prefix
 (``lctrain.ruler.prompt.answer_tokens``). They start at the first token that covers an answer character, whatever
-the merges. The filling is ``lctrain.ruler.example.fill``'s, the filler RULER's noise. ``labels`` hold each answer token at the
-position before it (labels are shifted, as in ``lctrain.data.packing``) and -100 everywhere else.
+the merges. The filling is ``lctrain.ruler.example.fill``'s, the filler RULER's noise. ``labels`` hold each answer
+token at the position before it (labels are shifted, as in ``lctrain.data.packing``) and -100 everywhere else.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ FIELDS = ("context", "question", "choice_A", "choice_B", "choice_C", "choice_D",
 INSTRUCTION = "Please read the following text and answer the question below.\n\n<text>"
 QUESTION = (
     "</text>\n\nWhat is the correct answer to this question: {question}\nChoices:\n(A) {choice_A}\n(B) {choice_B}\n"
-    "(C) {choice_C}\n(D) {choice_D}\n\nFormat your response as follows: \"The correct answer is (insert answer here)\"."
+    '(C) {choice_C}\n(D) {choice_D}\n\nFormat your response as follows: "The correct answer is (insert answer here)".'
 )
 ANSWER_PREFIX = "The correct answer is ("
 
@@ -46,8 +46,8 @@ def read_choices(path: str) -> list[dict[str, Any]]:
         missing = [name for name in FIELDS if not isinstance(record, dict) or not isinstance(record.get(name), str)]
         if missing:
             raise ValueError(
-                f"ruler.choice_path: {path} {where} {number} lacks the field(s) {', '.join(missing)}: each record needs "
-                f"{', '.join(FIELDS)} (LongBench v2's)"
+                f"ruler.choice_path: {path} {where} {number} lacks the field(s) {', '.join(missing)}: each record "
+                f"needs {', '.join(FIELDS)} (LongBench v2's)"
             )
         if record["answer"] not in LETTERS:
             raise ValueError(f"ruler.choice_path: {path} {where} {number} has answer={record['answer']!r}; give A-D")

@@ -49,7 +49,8 @@ def corpus_texts(paths: Sequence[str]) -> Iterator[str]:
                 yield Path(file).read_text(encoding="utf-8")
             elif suffix in (".jsonl", ".json"):
                 text = Path(file).read_text(encoding="utf-8")
-                records = json.loads(text) if suffix == ".json" else [json.loads(l) for l in text.splitlines() if l]
+                lines = text.splitlines()
+                records = json.loads(text) if suffix == ".json" else [json.loads(line) for line in lines if line]
                 for number, record in enumerate(records, start=1):
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                         raise ValueError(f"ruler.corpus_paths: {file} record {number} has no string field 'text'")

@@ -77,9 +77,9 @@ def frame(
     chat: bool = False,
 ) -> Frame:
     """The frame of a prompt ``instruction`` (context) ``question`` whose answer ``answer_prefix`` is followed by
-    ``lead`` and ``part1, part2, ...`` (``separator`` between the parts). With ``chat`` the instruction, context and question
-    are the user's message rendered by the tokenizer's chat template with the generation prompt, and the answer's
-    opening words start the assistant's reply."""
+    ``lead`` and ``part1, part2, ...`` (``separator`` between the parts). With ``chat`` the instruction, context and
+    question are the user's message rendered by the tokenizer's chat template with the generation prompt, and the
+    answer's opening words start the assistant's reply."""
     answer = lead + separator.join(parts)
     if chat:
         if not tokenizer.chat_template:

@@ -146,9 +146,11 @@ class TaskMaker:
         def list_tokens(frequency: int, count: int) -> int:
             rare = max(1, frequency // 10)
             listed = number_tokens[: CWE_WORDS * frequency + rare * count]
-            return sum(listed) + sum(word_tokens[w] for w in common) * frequency + sum(
-                word_tokens[w] for w in others[:count]
-            ) * rare
+            return (
+                sum(listed)
+                + sum(word_tokens[w] for w in common) * frequency
+                + sum(word_tokens[w] for w in others[:count]) * rare
+            )
 
         frequency = 30  # RULER's; fewer when the list is short, so that other words fill at least half of it
         while frequency > 2 and list_tokens(frequency, CWE_WORDS * frequency // max(1, frequency // 10)) > budget:
@@ -163,7 +165,9 @@ class TaskMaker:
         rng.shuffle(entries)
         order = list(dict.fromkeys(w for w in entries if w in common))
         frame_ = self.frame(*_cwe_text(), order)
-        spelled = dict(zip(common + others[:low], encode_many(self.tokenizer, [" " + w for w in common + others[:low]])))
+        spelled = dict(
+            zip(common + others[:low], encode_many(self.tokenizer, [" " + w for w in common + others[:low]]))
+        )
         listed = [number + spelled[w] for number, w in zip(numbers, entries)]
         filled = fill(length, frame_, iter(listed), [], self.line_break, task="cwe")
         assert filled.haystack_tokens == sum(map(len, listed)), "the whole list fits"
@@ -204,7 +208,6 @@ def _fwe_text() -> tuple[str, str, str]:
     return (
         "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
         "appeared coded words.",
-        "Question: What are the three most frequently appeared words in the above coded text, the most frequent "
-        "first?",
+        "Question: What are the three most frequently appeared words in the above coded text, the most frequent first?",
         "Answer: According to the coded text above, the three most frequently appeared words are:",
     )

@@ -38,8 +38,8 @@ from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule, step_inputs
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.forward import model_hidden, row_fields
-from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from lctrain.train.key_tokens import check_key_window
+from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from lctrain.train.objective import Batch, StepTotals, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from lctrain.train.reference import rows_forward

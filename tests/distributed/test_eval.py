@@ -30,8 +30,8 @@ from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.eval.passkey import passkey_sample, sample_key
 from lctrain.eval.run import evaluate
 from lctrain.testing import run_distributed
-from tests.helpers.models import write_peaked_model
 from testbed.corpus import write_corpus
+from tests.helpers.models import write_peaked_model
 
 MESHES = {  # case -> (world size, parallel overrides)
     "single": (1, []),

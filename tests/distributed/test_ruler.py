@@ -11,8 +11,8 @@ and 512 (records after a padding document).
   score exactly equal; log-probabilities within 1e-5 relative.
 - The one-process records against transformers (``AutoModelForCausalLM.from_pretrained``, eager attention, each
   example alone without its padding document): the argmax tokens at the answer positions exactly, the answer's
-  log-probability within 1e-5 relative (or 1e-5 absolute, near 0); and ``generate`` (greedy) writes the answer exactly when ``match``, and agrees
-  with the teacher-forced argmax up to its first wrong token.
+  log-probability within 1e-5 relative (or 1e-5 absolute, near 0); and ``generate`` (greedy) writes the answer
+  exactly when ``match``, and agrees with the teacher-forced argmax up to its first wrong token.
 - Training (ring 2 x Ulysses 2, 2 steps, ``ruler.every=1``, validation with ``train.val_key_window=64``): the suite's
   figures at both steps in ``metrics.jsonl``, its files and plot; the last step's records equal ``lctrain eval`` of
   the export on one process; the key-token loss and count equal a computation with transformers on the export.

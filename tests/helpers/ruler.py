@@ -3,7 +3,8 @@ trained and scored on.
 
 A record (LongBench v2's fields) hides its answer in the context: "so the key is C and" among filler words, the
 only place a letter follows a space (the choices list writes "(C)"), so one attention head that finds that token and
-maps it to the letter answers it. Trained with plain PyTorch on the letter's loss only (120 steps of 16 examples), the model answers nearly every record; an untrained one is at chance (0.25).
+maps it to the letter answers it. Trained with plain PyTorch on the letter's loss only (120 steps of 16 examples),
+the model answers every record of up to 90 filler words (60 in training); an untrained one is at chance (0.25).
 """
 
 from __future__ import annotations

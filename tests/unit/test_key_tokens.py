@@ -14,9 +14,12 @@ from lctrain.train.key_tokens import check_key_window, windowed_row
 def test_every_labelled_token_is_predicted_once_from_its_window() -> None:
     # two documents (10 and 7 tokens) in a row of 17; the last token of each has no label
     ids = torch.arange(100, 117)[None]
-    labels = torch.cat([torch.arange(101, 110), torch.tensor([IGNORE_INDEX]), torch.arange(111, 117), torch.tensor([IGNORE_INDEX])])
-    row = {"input_ids": ids, "labels": labels[None], "position_ids": torch.cat([torch.arange(10), torch.arange(7)])[None],
-           "cu_seqlens": [torch.tensor([0, 10, 17], dtype=torch.int32)]}  # fmt: skip
+    labels = torch.cat(
+        [torch.arange(101, 110), torch.tensor([IGNORE_INDEX]), torch.arange(111, 117), torch.tensor([IGNORE_INDEX])]
+    )
+    positions = torch.cat([torch.arange(10), torch.arange(7)])[None]
+    bounds = [torch.tensor([0, 10, 17], dtype=torch.int32)]
+    row = {"input_ids": ids, "labels": labels[None], "position_ids": positions, "cu_seqlens": bounds}
     short, origin = windowed_row(row, window=4, divisor=8)
     bounds = short["cu_seqlens"][0].tolist()
     assert bounds[-1] % 8 == 0 and short["input_ids"].shape == (1, bounds[-1]) == short["labels"].shape

@@ -20,6 +20,7 @@ from lctrain.ruler.choice import choice_example, read_choices
 from lctrain.ruler.haystack import NOISE
 from lctrain.ruler.suite import build_suite, check_suite
 from lctrain.ruler.tasks import CWE_WORDS, NEEDLE, NEEDLES, VT_VARIABLES, TaskMaker
+from lctrain.train.ruler_suite import check_job_suite
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
@@ -137,7 +138,7 @@ def test_a_users_corpus_and_the_embedded_docstrings_as_haystacks(tmp_path: Path)
     (tmp_path / "c.csv").write_text("x")
     for paths, message in (([str(tmp_path / "none.txt")], "no such file"), ([str(tmp_path / "c.csv")], ".txt")):
         with pytest.raises((ValueError, FileNotFoundError), match=message):
-            TaskMaker(tok, seed=0, haystack="corpus", corpus_paths=tuple(paths), corpus_tokens=512).corpus
+            _ = TaskMaker(tok, seed=0, haystack="corpus", corpus_paths=tuple(paths), corpus_tokens=512).corpus
 
 
 def test_chat_prompts_are_rendered_with_the_template() -> None:
@@ -160,7 +161,9 @@ def test_multiple_choice_records_cut_in_the_middle_or_padded_in_front(tmp_path: 
     short = choice_example(tok, choice_record(), 4096, 0, chat=False)  # the context: about 1200 tokens
     long = choice_example(tok, choice_record(), 512, 1, chat=False)
     assert [tok.decode([c]) for c in short.choices] == ["A", "B", "C", "D"] and short.correct_choice == 1
-    assert tok.decode(short.answer_ids) == "B" and tok.decode(short.input_ids[-20:]).endswith("The correct answer is (B")
+    assert tok.decode(short.answer_ids) == "B" and tok.decode(short.input_ids[-20:]).endswith(
+        "The correct answer is (B"
+    )
     # shorter than the length: a padding document first (its own positions), the record exactly as alone
     assert short.start > 0 and short.cu_seqlens.tolist() == [0, short.start, 4096]
     assert short.position_ids[short.start] == 0 and short.input_ids[short.start] == tok.bos_token_id
@@ -222,6 +225,10 @@ def test_lengths_beyond_the_model_or_not_cut_whole_or_too_short_are_refused() ->
         check_suite(RulerConfig(), tokenizer(), [1026], dims, None)
     with pytest.raises(ValueError, match="ruler.lengths: 256 tokens is too short for the task cwe"):
         check_suite(RulerConfig(tasks=["vt", "cwe"]), tokenizer(), [256, 1024], dims, None)
+    # the check train and eval run before any process group: the default lengths from data.seq_len
+    job = load_config(["data.seq_len=1024", "ruler.tasks=[niah_multiquery]", "ruler.every=10"])
+    with pytest.raises(ValueError, match="ruler.lengths: 256 tokens is too short for the task niah_multiquery"):
+        check_job_suite(job, tokenizer(), 131072)
 
 
 def test_the_suite_covers_every_cell_in_order() -> None:
