@@ -54,7 +54,7 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
     from lctrain.parallel.dims import flat_mesh
     from lctrain.ruler.tasks import TaskMaker
     from lctrain.train.forward import ModelForward
-    from lctrain.train.ruler_score import example_row, score_examples
+    from lctrain.train.ruler_score import packed_row, score_examples
     from lctrain.train.validate import score_rows
 
     cfg = load_config([*overrides, f"data.seq_len={max(lengths)}"])
@@ -71,14 +71,14 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
     results = {}
     for length in lengths:
         example = maker.make("niah_single", length, 0.5, 0)
-        row = example_row(example, place)
+        row = packed_row([example], 1, example.length - example.answer_start, place)
         full_labels = torch.cat([example.input_ids[1:], torch.tensor([-100])])[None]
         row["labels"] = place.shard(full_labels, dim=1)  # the validation row: every token predicted
 
         jobs = {
             "score": functools.partial(
-                score_examples, [example], lambda _: forward, rows_per_run=1, place=place, dp_rank=0, dp=1,
-                device=device, tokenizer=prepared.tokenizer,
+                score_examples, [example], lambda _: forward, pack_tokens=length, rows_per_run=1, place=place,
+                dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer,
             ),
             "validate": functools.partial(
                 score_rows, hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,

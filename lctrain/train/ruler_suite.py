@@ -49,10 +49,12 @@ class SuiteScorer:
     ):
         self.cfg, self.tokenizer, self.place, self.device = cfg, tokenizer, place, device
         self.built, self.hidden_states, self.mesh = built, hidden_states, mesh
-        self.examples = build_suite(cfg.ruler, tokenizer, cfg.ruler.suite_lengths(cfg.data.seq_len))
+        lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
+        self.examples = build_suite(cfg.ruler, tokenizer, lengths)
+        self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
         self.forwards: dict[int, RowsForward] = {}
         self.dp_rank, self.dp = mesh.get_local_rank("dp"), mesh["dp"].size()
-        # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per length (shapes are fixed)
+        # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per row length (its shapes)
         self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if built.stages else 1
 
     def forward_for(self, length: int) -> RowsForward:
@@ -65,6 +67,7 @@ class SuiteScorer:
         records = score_examples(
             self.examples,
             self.forward_for,
+            pack_tokens=self.pack_tokens,
             rows_per_run=self.rows_per_run,
             place=self.place,
             dp_rank=self.dp_rank,

@@ -3,9 +3,9 @@ mesh; a model trained on the task's format scores above chance; the suite runs d
 ``metrics.jsonl``, and the key-token loss equals a direct computation.
 
 Models: a tiny random Llama with peaked predictions (``write_peaked_model``: argmaxes are never near ties) scored on
-the seven generated tasks at 512 tokens (needles at depths 0 and 1), and a tiny Llama trained in the test on the
-multiple-choice format (``tests/helpers/ruler.py``) scored on a choice file at 192 tokens (records cut in the middle)
-and 512 (records after a padding document).
+the seven generated tasks at 320 tokens (two examples to a row) and 640 (needles at depths 0 and 1), and a tiny Llama trained in the test on the
+multiple-choice format (``tests/helpers/ruler.py``) scored on a choice file at 192 tokens (records cut in the middle,
+two to a row) and 512 (records after a padding document).
 
 - One process, ring 2 x Ulysses 2 and pp 2 x ring 2 (GPipe): every example's predicted tokens, match, parts and
   score exactly equal; log-probabilities within 1e-5 relative.
@@ -46,7 +46,7 @@ MESHES = {
 }
 GENERATED = [
     "ruler.tasks=[niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe]",
-    "ruler.lengths=[512]",
+    "ruler.lengths=[320,640]",  # two 320-token examples to a row
     "ruler.depths=[0.0,1.0]",
     "ruler.samples=1",
 ]
@@ -134,7 +134,7 @@ def test_teacher_forcing_equals_the_hugging_face_model_and_greedy_decoding(workd
     hf = AutoModelForCausalLM.from_pretrained(workdir / model, attn_implementation="eager").eval()
     hf.generation_config.eos_token_id = None  # generate exactly as many tokens as the answer has
     found = records(workdir / "eval" / f"{model}_single")
-    assert len(found) == (11 if model == "random" else 16)
+    assert len(found) == (22 if model == "random" else 16)
     matches = 0
     for record in found:
         prompt = torch.tensor(record["prompt_ids"][record["prompt_start"] :])[None]
