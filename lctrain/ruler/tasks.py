@@ -86,7 +86,8 @@ class TaskMaker:
 
     def niah(self, task: str, length: int, depth: float, index: int, rng: random.Random) -> Example:
         count = 1 if task == "niah_single" else NEEDLES
-        keys = ["-".join(pseudo_words(rng, 2)) for _ in range(count)]
+        words = pseudo_words(rng, 2 * count)  # distinct keys
+        keys = [f"{words[2 * i]}-{words[2 * i + 1]}" for i in range(count)]
         if task == "niah_multivalue":
             keys = keys[:1] * count
         values = [str(rng.randint(1_000_000, 9_999_999)) for _ in range(count)]
@@ -116,7 +117,10 @@ class TaskMaker:
         )  # fmt: skip
 
     def vt(self, length: int, index: int, rng: random.Random) -> Example:
-        names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(VT_VARIABLES)]
+        variables: dict[str, None] = {}  # distinct names, in the order drawn
+        while len(variables) < VT_VARIABLES:
+            variables["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))] = None
+        names = list(variables)
         value = str(rng.randint(10_000, 99_999))
         statements = [f" VAR {names[0]} = {value}."] + [
             f" VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, VT_VARIABLES)
