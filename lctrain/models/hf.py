@@ -222,6 +222,15 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
     return read
 
 
+def checkpoint_layout(path: str | Path) -> str:
+    """The layout of the Hugging Face checkpoint in ``path``, in words (``LAYOUT_WORDS``), planned as
+    ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
+    config = AutoConfig.from_pretrained(path)
+    source = model_source(str(path), config.model_type)
+    _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source)
+    return LAYOUT_WORDS[plan.layout]
+
+
 @torch.no_grad()
 def materialize(
     model: nn.Module, source: TensorSource, device: torch.device, *, params_device: torch.device | None = None

@@ -41,6 +41,7 @@ class ModelSpec:
     experts: int = 0  # routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0  # the router's top-k
     expert_intermediate: int = 0  # one expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size)
+    layout: str | None = None  # the layout of the weights in ``path`` (lctrain.models.layouts), in words; None: none
 
     @property
     def moe(self) -> bool:
@@ -204,7 +205,13 @@ def load_model(spec: str) -> ModelSpec:
             f"directory with a config.json"
         )
     model_dir = config_file.parent.resolve()
-    return ModelSpec.from_hf_config(json.loads(config_file.read_text()), name=model_dir.name, path=str(model_dir))
+    model = ModelSpec.from_hf_config(json.loads(config_file.read_text()), name=model_dir.name, path=str(model_dir))
+    if any(model_dir.glob("*.safetensors")):
+        # imported here: torch and transformers, only for a directory with weights
+        from lctrain.models.hf import checkpoint_layout
+
+        model = replace(model, layout=checkpoint_layout(model_dir))
+    return model
 
 
 @dataclass(frozen=True)
