@@ -192,7 +192,9 @@ def test_the_plan_says_which_layout_a_checkpoint_has(family: str, layout: str, w
     save_checkpoint(hf_model(family), tmp_path, layout=layout)
     model = load_model(str(tmp_path))
     assert model.layout.startswith(words)
-    assert f"weights: {tmp_path.resolve()}, {words}" in describe(model, HARDWARE["h100"], Workload(4096, gpus_per_node=8))
+    assert f"weights: {tmp_path.resolve()}, {words}" in describe(
+        model, HARDWARE["h100"], Workload(4096, gpus_per_node=8)
+    )
     for file in tmp_path.glob("*.safetensors"):  # no weights: nothing said
         file.unlink()
     assert load_model(str(tmp_path)).layout is None
