@@ -21,6 +21,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from lctrain.config import JobConfig, ParallelConfig, check_model_job
 from lctrain.data import load_tokenizer
+from lctrain.families import num_experts
 from lctrain.models import (
     LoraConfig,
     build_empty_model,
@@ -38,7 +39,6 @@ from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.pipeline import PipelineStageModule, apply_pipeline, merge_stages
-from lctrain.rules import num_experts
 from lctrain.runtime import resolve_dtype
 
 

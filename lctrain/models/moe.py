@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lctrain.models.families import moe_layers
+from lctrain.families import moe_layers, num_experts
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:
@@ -280,7 +280,7 @@ def with_router_loss(
     layers = moe_layers(config)
     if not layers:
         return objective
-    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    experts = num_experts(config)
     totals = None
     if stages:
         for stage in stages:

@@ -27,9 +27,9 @@ from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
 from lctrain.config.checks import check_objective_data
 from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
+from lctrain.families import active_parameters, layer_windows
 from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
-from lctrain.models.families import active_parameters, layer_windows
 from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora

@@ -45,8 +45,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lctrain.attention import unshard_sequence
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
+from lctrain.families import apply_sliding_window, layer_windows
 from lctrain.models import random_init_source
-from lctrain.models.families import apply_sliding_window, layer_windows
 from lctrain.testing import run_distributed
 from testbed.corpus import corpus_overrides, write_corpus
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.attention import SequencePlace
+from lctrain.families import layer_windows
 from lctrain.models import patch_attention
-from lctrain.models.families import layer_windows
 from lctrain.parallel.dims import ParallelDims, flat_mesh
 from lctrain.testing import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
