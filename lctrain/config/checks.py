@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lctrain.config.schema import JobConfig
 from lctrain.families import check_experts, check_model_features, family_of, model_source, num_experts
 from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("lctrain")
 
@@ -82,7 +85,7 @@ def check_job(
         )
 
 
-def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:
+def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, vocab_size: int) -> None:
     """The model first (a family lctrain runs exactly, the config features and ``model.sliding_window`` it can
     honour: ``lctrain.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
     builds (after its ``model.*`` settings) and the processes per node from torchrun's environment
