@@ -133,11 +133,12 @@ def default_job_steps(steps: int) -> list[float] | None:
     import torch.distributed as dist
 
     from lctrain.config import load_config
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(tiny_job(f"train.run_dir={run_dir}", "checkpoint.resume=none", f"train.steps={steps}"))
-        trainer = Trainer(cfg)
+        trainer = Trainer(build_training_job(cfg))
         batches, times = iter(trainer.loader), []
         for _ in range(steps):
             batch = next(batches)

@@ -45,6 +45,7 @@ from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, model_config
 from lctrain.testing import run_distributed
+from lctrain.train.job import build_training_job
 from lctrain.train.trainer import Trainer
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -70,7 +71,7 @@ def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[st
 def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
     """In each rank of a spawned group: the median wall time and CPU time of ``forward_backward`` over one batch of
     all the rows."""
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer(build_training_job(load_config(overrides)))
     shape, generator = (trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), torch.Generator().manual_seed(0)
     batch = packed_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator), None)
     wall, cpu = [], []

@@ -73,6 +73,7 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
     import torch.distributed as dist
 
     from lctrain.config import load_config
+    from lctrain.train.job import build_training_job
     from lctrain.train.reference import ReferenceCache
     from lctrain.train.trainer import Trainer
     from testbed.pairs import pack_pairs, shard_rows
@@ -87,7 +88,7 @@ def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: 
 
     trainers = {}
     for index, (name, spec) in enumerate(specs.items()):
-        trainers[name] = Trainer(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"]))
+        trainers[name] = Trainer(build_training_job(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"])))
         if spec.get("precompute"):  # the reference's log-probs of every step's pair, then the model dropped
             cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
             trainers[name].objective.precompute_reference([[batch(name, s)] for s in range(warmup + steps)], cache)

@@ -47,26 +47,19 @@ def _timed(fn: Any) -> tuple[float, float]:
 
 def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int) -> dict[int, dict[str, list]]:
     """On the spawned group: per length, the (wall, CPU) times of scoring one example and of validating its tokens."""
-    from lctrain.attention import SequencePlace
-    from lctrain.build import build_model, prepare_model
+    from lctrain.build import build_job
     from lctrain.config import load_config
     from lctrain.models.hidden_states import FinalHiddenStates
-    from lctrain.parallel.dims import flat_mesh
     from lctrain.ruler.tasks import TaskMaker
     from lctrain.train.forward import ModelForward
     from lctrain.train.ruler_score import packed_row, score_examples
     from lctrain.train.validate import score_rows
 
     cfg = load_config([*overrides, f"data.seq_len={max(lengths)}"])
-    prepared = prepare_model(cfg, dist.get_world_size())
-    dims = cfg.parallel.dims()
-    mesh = dims.build_mesh("cpu")
-    place = SequencePlace.from_mesh(mesh, dims.layout)
-    device = torch.device("cpu")
-    built = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=cfg.model.lora, training=False)
-    hidden_states = FinalHiddenStates(built.model)
+    job = build_job(cfg, training=False)  # the model as lctrain eval builds it
+    prepared, place, device, group = job.prepared, job.mesh.place, job.device, job.mesh.dp_cp
+    hidden_states = FinalHiddenStates(job.model.model)
     forward = ModelForward(hidden_states, device)
-    group = flat_mesh(mesh, "dp_cp").get_group()
     maker = TaskMaker(prepared.tokenizer, seed=0)
     results = {}
     for length in lengths:
@@ -97,9 +90,10 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
 def training_overhead(overrides: list[str]) -> dict[str, float]:
     """On the spawned group: the run's wall time and its suite's."""
     from lctrain.config import load_config
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer(build_training_job(load_config(overrides)))
     suite_s = []
     run_suite = trainer.suite.run
 

@@ -2,9 +2,9 @@
 process or a rank of a spawned group: ``runs.py``): the same model, initial weights (lctrain's seeded init),
 optimizer, schedule, clipping and rows on both.
 
-- ``lctrain``: ``Trainer(cfg).train_step([batch])`` on the default process group: USP attention, FSDP2 (also at
-  world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
-  feeds its zigzag shard of the rows.
+- ``lctrain``: ``Trainer(build_training_job(cfg)).train_step([batch])`` on the default process group: USP attention,
+  FSDP2 (also at world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by
+  default); each rank feeds its zigzag shard of the rows.
 - ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
   under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
   Face's loss), ``backward``, ``clip_grad_norm_`` to ``optim.max_grad_norm``, lctrain's AdamW (fused, the same
@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lctrain.attention import shard_sequence
 from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
@@ -69,21 +68,15 @@ class LctrainSide:
     """``Trainer.train_step`` on the default process group; each rank feeds its shard of the rows."""
 
     def __init__(self, cfg: JobConfig):
+        from lctrain.train.job import build_training_job
         from lctrain.train.trainer import Trainer  # imported here: a process that runs the other side never needs it
 
-        self.trainer = Trainer(cfg)
+        self.trainer = Trainer(build_training_job(cfg))
         self.model, self.hf_config = self.trainer.model, self.trainer.hf_config
-        mesh = self.trainer.mesh
-        self.coords = {
-            "ring_rank": mesh.get_local_rank("ring"),
-            "ring_size": cfg.parallel.ring,
-            "ulysses_rank": mesh.get_local_rank("ulysses"),
-            "ulysses_size": cfg.parallel.ulysses,
-            "layout": cfg.parallel.layout,
-        }
+        self.place = self.trainer.place
 
     def shard(self, x: Tensor) -> Tensor:
-        return shard_sequence(x, dim=1, **self.coords).contiguous()
+        return self.place.shard(x, dim=1).contiguous()
 
     def step(self, input_ids: Tensor, doc_len: int | None = None) -> tuple[float, float]:
         """One optimizer step on the full rows ``input_ids`` (documents of ``doc_len``); (loss, grad norm), read back

@@ -107,6 +107,7 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: 
 
     from lctrain.config import load_config
     from lctrain.runtime import init_distributed, resolve_device
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     device = resolve_device(device_type)
@@ -120,7 +121,7 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: 
         if cuda:
             torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device) if cuda else memory.reset_peak()
-        trainer = Trainer(cfg)
+        trainer = Trainer(build_training_job(cfg))
         batches = iter(trainer.loader)
         rows = [next(batches) for _ in range(2)]
         trainer.train_step(rows[:1])

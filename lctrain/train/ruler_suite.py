@@ -9,19 +9,21 @@ and returns its figures for ``metrics.jsonl`` and W&B (``lctrain.ruler.report.me
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from lctrain.attention import SequencePlace
+from lctrain.build import Job
 from lctrain.config import JobConfig
 from lctrain.models.hidden_states import FinalHiddenStates
+from lctrain.parallel.pipeline import build_schedule
 from lctrain.ruler.report import metrics, plot_curves, read_curve, summarize, table, write_results
 from lctrain.ruler.suite import build_suite, check_suite
-from lctrain.train.forward import RowsForward
-from lctrain.train.reference import rows_forward
+from lctrain.train.forward import ModelForward, PipelineForward, RowsForward
 from lctrain.train.ruler_score import score_examples
 
 logger = logging.getLogger("lctrain")
@@ -33,34 +35,30 @@ def check_job_suite(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, max_posi
     check_suite(cfg.ruler, tokenizer, lengths, cfg.parallel.dims(), max_positions)
 
 
+def suite_forward(job: Job, hidden_states: FinalHiddenStates | None, rows: int) -> RowsForward:
+    """A forward-only run of ``rows`` rows through the job's model: the whole model's ``hidden_states``, or a
+    forward-only schedule of its own over the pipeline's stages (its shapes are those of the first rows it runs)."""
+    if not job.model.stages:
+        return ModelForward(hidden_states, job.device)
+    pp, kind = job.mesh.sub_mesh("pp"), job.cfg.parallel.pp_schedule
+    schedule = build_schedule(job.model.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=False)
+    return PipelineForward(schedule, job.device)
+
+
 class SuiteScorer:
-    """The suite's examples (made here, on every rank alike) and their scoring through a built model (a
-    ``lctrain.build.BuiltModel`` and its ``hidden_states``, None with pipeline stages) on ``mesh``."""
+    """The suite's examples (made here, on every rank alike) and their scoring through a job's model (``job``:
+    ``lctrain.build.build_job``'s; ``hidden_states`` its forward, None with pipeline stages) on its mesh."""
 
-    def __init__(
-        self,
-        cfg: JobConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        built: Any,
-        hidden_states: FinalHiddenStates | None,
-        mesh: Any,
-        place: SequencePlace,
-        device: Any,
-    ):
-        self.cfg, self.tokenizer, self.place, self.device = cfg, tokenizer, place, device
-        self.built, self.hidden_states, self.mesh = built, hidden_states, mesh
+    def __init__(self, job: Job, hidden_states: FinalHiddenStates | None):
+        cfg = self.cfg = job.cfg
+        self.tokenizer, self.device, self.place = job.prepared.tokenizer, job.device, job.mesh.place
+        self.dp_rank, self.dp = job.mesh.dp_rank, job.mesh.dims.dp
         lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
-        self.examples = build_suite(cfg.ruler, tokenizer, lengths)
+        self.examples = build_suite(cfg.ruler, self.tokenizer, lengths)
         self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
-        self.forwards: dict[int, RowsForward] = {}
-        self.dp_rank, self.dp = mesh.get_local_rank("dp"), mesh["dp"].size()
         # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per row length (its shapes)
-        self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if built.stages else 1
-
-    def forward_for(self, length: int) -> RowsForward:
-        if length not in self.forwards:
-            self.forwards[length] = rows_forward(self.built, self.hidden_states, self.cfg, self.mesh, self.device)
-        return self.forwards[length]
+        self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if job.model.stages else 1
+        self.forward_for = functools.cache(lambda _row_length: suite_forward(job, hidden_states, self.rows_per_run))
 
     def score(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(every example's record, the summary), the same on every rank."""
@@ -108,10 +106,11 @@ class TrainingSuite:
         return metrics(summary)
 
 
-def training_suite(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, built: Any, hidden_states: Any, mesh: Any,
-                   place: SequencePlace, device: Any, rank: int) -> TrainingSuite | None:  # fmt: skip
+def training_suite(job: Job, hidden_states: FinalHiddenStates | None) -> TrainingSuite | None:
     """The run's suite (``ruler.every`` > 0), or None."""
+    cfg = job.cfg
     if not cfg.ruler.every:
         return None
-    scorer = SuiteScorer(cfg, tokenizer, built, hidden_states, mesh, place, device)
+    scorer = SuiteScorer(job, hidden_states)
+    rank = dist.get_rank()
     return TrainingSuite(scorer, Path(cfg.train.run_dir), every=cfg.ruler.every, steps=cfg.train.steps, rank=rank)

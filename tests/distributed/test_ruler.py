@@ -3,9 +3,9 @@ mesh; a model trained on the task's format scores above chance; the suite runs d
 ``metrics.jsonl``, and the key-token loss equals a direct computation.
 
 Models: a tiny random Llama with peaked predictions (``write_peaked_model``: argmaxes are never near ties) scored on
-the seven generated tasks at 320 tokens (two examples to a row) and 640 (needles at depths 0 and 1), and a tiny Llama trained in the test on the
-multiple-choice format (``tests/helpers/ruler.py``) scored on a choice file at 192 tokens (records cut in the middle,
-two to a row) and 512 (records after a padding document).
+the seven generated tasks at 320 tokens (two examples to a row) and 640 (needles at depths 0 and 1), and a tiny Llama
+trained in the test on the multiple-choice format (``tests/helpers/ruler.py``) scored on a choice file at 192 tokens
+(records cut in the middle, two to a row) and 512 (records after a padding document).
 
 - One process, ring 2 x Ulysses 2 and pp 2 x ring 2 (GPipe): every example's predicted tokens, match, parts and
   score exactly equal; log-probabilities within 1e-5 relative.
@@ -33,6 +33,7 @@ from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.eval.run import evaluate
 from lctrain.testing import run_distributed
+from lctrain.train.job import build_training_job
 from lctrain.train.key_tokens import ALPHA, BETA
 from lctrain.train.trainer import Trainer
 from lctrain.train.validate import validation_data
@@ -76,7 +77,7 @@ def train_job(workdir: Path) -> JobConfig:
 
 def world_job(jobs: dict[str, JobConfig]) -> None:
     for name, cfg in jobs.items():
-        Trainer(cfg).train() if name == "train" else evaluate(cfg)
+        Trainer(build_training_job(cfg)).train() if name == "train" else evaluate(cfg)
     dist.barrier()
 
 
