@@ -15,7 +15,8 @@ trained in the test on the multiple-choice format (``tests/helpers/ruler.py``) s
   exactly when ``match``, and agrees with the teacher-forced argmax up to its first wrong token.
 - Training (ring 2 x Ulysses 2, 2 steps, ``ruler.every=1``, validation with ``train.val_key_window=64``): the suite's
   figures at both steps in ``metrics.jsonl``, its files and plot; the last step's records equal ``lctrain eval`` of
-  the export on one process; the key-token loss and count equal a computation with transformers on the export.
+  the export on one process, and the same run's on pp 2 x ring 2; the key-token loss and count equal a computation
+  with transformers on the export.
 """
 
 from __future__ import annotations
@@ -65,19 +66,22 @@ def eval_job(workdir: Path, model: str, case: str, suite: list[str]) -> JobConfi
     )  # fmt: skip
 
 
-def train_job(workdir: Path) -> JobConfig:
+def train_job(workdir: Path, case: str = "ring2_ulysses2") -> JobConfig:
+    """Two steps with the suite at each; on ring 2 x Ulysses 2 also the validation with the key-token loss (a
+    pipeline validates nothing)."""
+    validation = [f"data.val_sources=[{{name: choices, paths: [{workdir}/val.jsonl]}}]", "train.val_rows=2",
+                  f"train.val_key_window={KEY_WINDOW}"]  # fmt: skip
     return load_config(
-        [f"model.path={workdir}/trained", f"data.paths=[{workdir}/docs.jsonl]",
-         f"data.val_sources=[{{name: choices, paths: [{workdir}/val.jsonl]}}]", "data.seq_len=512",
-         "train.steps=2", "train.val_rows=2", f"train.val_key_window={KEY_WINDOW}", "train.device=cpu",
-         f"train.run_dir={workdir}/train", "optim.lr=1e-5", "optim.warmup_steps=1", "checkpoint.every=0",
-         "logging.progress_bar=false", "ruler.every=1", *choice_suite(workdir), *MESHES["ring2_ulysses2"]]
+        [f"model.path={workdir}/trained", f"data.paths=[{workdir}/docs.jsonl]", "data.seq_len=512",
+         "train.steps=2", "train.device=cpu", f"train.run_dir={workdir}/train_{case}", "optim.lr=1e-5",
+         "optim.warmup_steps=1", "checkpoint.every=0", "logging.progress_bar=false", "ruler.every=1",
+         *choice_suite(workdir), *MESHES[case], *(validation if case == "ring2_ulysses2" else [])]
     )  # fmt: skip
 
 
-def world_job(jobs: dict[str, JobConfig]) -> None:
-    for name, cfg in jobs.items():
-        Trainer(build_training_job(cfg)).train() if name == "train" else evaluate(cfg)
+def world_job(jobs: list[tuple[str, JobConfig]]) -> None:
+    for kind, cfg in jobs:
+        Trainer(build_training_job(cfg)).train() if kind == "train" else evaluate(cfg)
     dist.barrier()
 
 
@@ -97,17 +101,16 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         records_ = write_choices(workdir / f"{name}.json", seed, count, words, words[1])
         texts = [choice_text(tokenizer, r) for r in records_]
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    four = {"train": train_job(workdir)}
-    for case in ("ring2_ulysses2", "pp2_ring2"):
-        four[f"random_{case}"] = eval_job(workdir, "random", case, GENERATED)
-    four["trained_ring2_ulysses2"] = eval_job(workdir, "trained", "ring2_ulysses2", choice_suite(workdir))
+    four = [("train", train_job(workdir)), ("train", train_job(workdir, "pp2_ring2"))]
+    four += [("eval", eval_job(workdir, "random", case, GENERATED)) for case in ("ring2_ulysses2", "pp2_ring2")]
+    four.append(("eval", eval_job(workdir, "trained", "ring2_ulysses2", choice_suite(workdir))))
     run_distributed(world_job, 4, four)
-    one = {
-        "random_single": eval_job(workdir, "random", "single", GENERATED),
-        "trained_single": eval_job(workdir, "trained", "single", choice_suite(workdir)),
-        "export_single": eval_job(workdir, "train/hf", "single", ["ruler.tasks=[choice]", *choice_suite(workdir)[1:]]),
-    }
-    run_distributed(world_job, 1, one)
+    one = [
+        eval_job(workdir, "random", "single", GENERATED),
+        eval_job(workdir, "trained", "single", choice_suite(workdir)),
+        eval_job(workdir, "train_ring2_ulysses2/hf", "single", choice_suite(workdir)),  # the export of training
+    ]
+    run_distributed(world_job, 1, [("eval", cfg) for cfg in one])
     return workdir
 
 
@@ -167,7 +170,7 @@ def test_a_model_trained_on_the_format_scores_above_chance(workdir: Path) -> Non
 
 
 def test_the_suite_runs_during_training(workdir: Path) -> None:
-    run = workdir / "train"
+    run = workdir / "train_ring2_ulysses2"
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
@@ -175,7 +178,13 @@ def test_the_suite_runs_during_training(workdir: Path) -> None:
         assert set(line["ruler/score_by_length"]) == {"192", "512"} and set(line["ruler/choice"]) == {"192", "512"}
     assert (run / "ruler" / "step_00000001" / "ruler.json").is_file() and (run / "ruler.png").is_file()
     # the last step's weights are the export's: the same scores as lctrain eval of the export on one process
-    assert_same_records(records(run / "ruler" / "step_00000002"), records(workdir / "eval" / "train/hf_single"))
+    assert_same_records(
+        records(run / "ruler" / "step_00000002"), records(workdir / "eval" / "train_ring2_ulysses2/hf_single")
+    )
+    # and on a pipeline (pp 2 x ring 2), whose two steps give the same weights up to rounding
+    pipeline = workdir / "train_pp2_ring2"
+    assert_same_records(records(pipeline / "ruler" / "step_00000002"), records(run / "ruler" / "step_00000002"))
+    assert json.loads((pipeline / "metrics.jsonl").read_text().splitlines()[-1])["ruler/effective_length"] == 512
 
 
 def key_tokens_reference(workdir: Path) -> tuple[int, float]:
@@ -183,9 +192,10 @@ def key_tokens_reference(workdir: Path) -> tuple[int, float]:
     alone for the whole row's log-probabilities; each block of KEY_WINDOW / 2 tokens after the block before it, from
     position 0, for the window's."""
     cfg = train_job(workdir)
-    model = AutoModelForCausalLM.from_pretrained(workdir / "train" / "hf", attn_implementation="eager").eval()
+    export = workdir / "train_ring2_ulysses2" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
     data = validation_data(cfg.data)
-    data.tokenizer = str(workdir / "train" / "hf")
+    data.tokenizer = str(export)
     rows = iter(PackedLoader(data))
     half, count, total = KEY_WINDOW // 2, 0, 0.0
     with torch.no_grad():
@@ -208,7 +218,8 @@ def key_tokens_reference(workdir: Path) -> tuple[int, float]:
 
 
 def test_the_key_token_loss_equals_a_direct_computation(workdir: Path) -> None:
-    last = [json.loads(line) for line in (workdir / "train" / "metrics.jsonl").read_text().splitlines()][-1]
+    metrics = (workdir / "train_ring2_ulysses2" / "metrics.jsonl").read_text()
+    last = [json.loads(line) for line in metrics.splitlines()][-1]
     count, loss = key_tokens_reference(workdir)
     assert count >= 3 and last["val_key_tokens"] == count  # at least the answers of the whole documents
     assert math.isclose(last["val_key_loss"], loss, rel_tol=1e-4)
