@@ -76,7 +76,7 @@ class Measured:
         """What every result of this run shares: the device, its peak FLOP/s, the allocator setting, the model."""
         import torch
 
-        from lctrain.train.metrics import peak_flops
+        from lctrain.train.meter import peak_flops
 
         cuda = self.device.type == "cuda"
         return {

@@ -11,7 +11,6 @@ import functools
 import itertools
 import logging
 import math
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,9 +26,7 @@ from lctrain.checkpoint import Checkpointer, complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
 from lctrain.config.checks import check_objective_data
 from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
-from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
-from lctrain.models.families import active_parameters, layer_windows
 from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
@@ -38,7 +35,8 @@ from lctrain.parallel.dims import flat_mesh
 from lctrain.parallel.pipeline import build_schedule, step_inputs
 from lctrain.runtime import resolve_device, run_command
 from lctrain.train.forward import model_hidden, row_fields
-from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
+from lctrain.train.metrics import MetricsLogger
 from lctrain.train.objective import Batch, StepTotals, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from lctrain.train.reference import rows_forward
@@ -145,14 +143,13 @@ class Trainer:
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
         config = self.hf_config
-        self.flops_per_token = flops_per_token(
-            active_parameters(config, num_params),
-            config.num_hidden_layers,
-            config.hidden_size,
-            cfg.data.seq_len,
-            layer_windows(config),
+        self.meter = StepMeter(
+            self.device,
+            tokens=cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp,
+            per_token=model_flops_per_token(config, num_params, cfg.data.seq_len),
+            peak=peak_flops(self.device, cfg.train.peak_tflops),
+            devices=world_size,
         )
-        self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(
             "model %s: %.2fM parameters, mesh %s, seq_len %d, device %s",
             config.model_type,
@@ -307,7 +304,6 @@ class Trainer:
         """Run to ``train.steps``; returns the losses of the steps run here."""
         cfg = self.cfg
         batches: Iterator[Batch] = iter(self.loader)
-        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp
         bar = tqdm(
             total=cfg.train.steps,
             initial=self.step,
@@ -316,24 +312,17 @@ class Trainer:
         )
         losses = []
         while self.step < cfg.train.steps:
-            start = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
-            result = self.train_step([next(batches) for _ in range(cfg.train.grad_accum)])
+            with self.meter.measure() as figures:  # time, tokens/s, MFU and this step's peak memory
+                result = self.train_step([next(batches) for _ in range(cfg.train.grad_accum)])
             self.step += 1
-            elapsed = time.perf_counter() - start
-            tokens_per_s = tokens_per_step / elapsed
-            devices = dist.get_world_size()
-            mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
             validation = self.validator.should_validate(self.step)
             line = self.metrics.log(
                 self.step,
                 {
                     **result,
                     "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": mfu,
-                    "peak_mem_gib": peak_memory_gib(self.device),
-                    "step_time_s": elapsed,
+                    **figures,
                     **(self.validator.validate(self.hidden_states, self.objective) if validation else {}),
                 },
             )
