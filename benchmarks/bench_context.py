@@ -53,10 +53,10 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import command, fit_line, machine_line, table
-from benchmarks.runs import Run, run_group
+from benchmarks.report import command, fit_line, machine_line, percent, table
+from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
-from lctrain.flops import flops_per_token
+from lctrain.flops import flops_per_token, mfu
 
 MIB, GIB = 2**20, 2**30
 SECTIONS = ("search", "layers", "offload")
@@ -187,27 +187,18 @@ class Bench:
         return probe
 
     def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
-        """A probe's figures: over its ranks the largest step time, peak and step peak of its measured steps, with
-        the run's description (``Run.ready``)."""
-        if ranks == 1:
-            with Run(spec, timeout_s=self.args.probe_timeout) as run:
-                run.step(warmup_seq, seed=1)
-                per_rank = [{"ready": run.ready, "steps": [run.step(seq, 0, budget=self.budget) for _ in range(steps)]}]
-        else:
-            per_rank, stopped = run_group(spec, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=self.budget)
-            if stopped is not None:
-                return {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": stopped}
-        results = [step for rank in per_rank for step in rank["steps"]]
-        failed = next((r for r in [per_rank[0]["ready"], *results] if not r["ok"]), None)
+        """A probe's figures (``runs.run_steps``: over its ranks the largest): its steps' times, their largest peak and
+        step peak, with the run's description; or the first failure."""
+        steps_of = [(seq, 0)] * steps
+        side = run_steps(
+            {"probe": spec}, ranks, [(warmup_seq, 1)], steps_of, budget=self.budget, timeout_s=self.args.probe_timeout
+        )["probe"]
+        failed = next((r for r in [side["ready"], *side["steps"]] if not r["ok"]), None)
         if failed is not None:
             return failed
-        per_step = [[rank["steps"][i] for rank in per_rank] for i in range(steps)]
-        return {
-            **per_rank[0]["ready"],
-            "step_s": [max(r["step_s"] for r in step) for step in per_step],
-            "peak": max(r["peak"] for r in results),
-            "step_peak": max(r["step_peak"] for r in results),
-        }
+        results = side["steps"]
+        peaks = {key: max(r[key] for r in results) for key in ("peak", "step_peak")}
+        return {**side["ready"], "step_s": [r["step_s"] for r in results], **peaks}
 
 
 def memory_cell(value: float) -> str:
@@ -220,8 +211,7 @@ def step_figures(args: argparse.Namespace, probe: Probe) -> list[str]:
     step, model = result["step_s"][-1], result["model"]
     peak = args.peak_tflops * 1e12 if args.peak_tflops else result["peak_flops"]
     per_token = flops_per_token(model["params"], model["layers"], model["hidden"], probe.seq)
-    mfu = "n/a" if peak is None else f"{100 * probe.seq / step * per_token / peak:.1f}%"
-    return [f"{step:.2f}", mfu, memory_cell(result["peak"])]
+    return [f"{step:.2f}", percent(mfu(probe.seq / step, per_token, peak)), memory_cell(result["peak"])]
 
 
 def probe_cell(probe: Probe, budget: bool) -> str:

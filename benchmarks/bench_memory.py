@@ -47,7 +47,7 @@ from pathlib import Path
 from benchmarks import memory
 from benchmarks.jobs import REPO, bench_job
 from benchmarks.report import command, fit_line, machine_line, table
-from benchmarks.runs import run_group
+from benchmarks.runs import run_steps
 
 MIB, GIB = 2**20, 2**30
 SIDES = ("lctrain", "baseline")
@@ -120,20 +120,20 @@ def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namesp
     """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group."""
     ring, ulysses = MESHES[ranks] if side == "lctrain" else (1, 1)
     log(f"  {side}, {ranks} rank(s) (ring {ring} × ulysses {ulysses}): S = {', '.join(f'{s:,}' for s in seqs)}")
-    spec = {"side": "hf" if side == "baseline" else "lctrain", "job": job_for(side, ranks, args), "doc_len": None}
+    spec = {"side": "hf" if side == "baseline" else "lctrain", "job": job_for(side, ranks, args), "threads": 1}
     guard = int(args.safe_gib * GIB / ranks)
     started = time.perf_counter()
     with memory.malloc_env(for_memory=True):
         warmup = [(2 * ring * ulysses * 32, 1)]
-        per_rank, stopped = run_group(spec, ranks, warmup, [(seq, 0) for seq in seqs], budget=guard)
-    done = len(per_rank[0]["steps"])
-    if stopped is not None:
+        result = run_steps({side: spec}, ranks, warmup, [(seq, 0) for seq in seqs], budget=guard)[side]
+    done = sum(step["ok"] for step in result["steps"])
+    if done < len(seqs):
         log(
             f"  stopped at S={seqs[done]:,}: a rank's step passed its {guard / MIB:,.0f} MiB share of --safe-gib "
-            f"({stopped / MIB:,.0f} MiB); the {done} shorter lengths are kept"
+            f"({result['steps'][done]['step_peak'] / MIB:,.0f} MiB); the {done} shorter lengths are kept"
         )
     log(f"  ({time.perf_counter() - started:.0f} s)")
-    steps = [rank["steps"] for rank in per_rank]
+    steps = result["per_rank"]
     return [
         Point(
             side,
@@ -142,7 +142,7 @@ def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namesp
             [r[i]["step_peak"] for r in steps],
             [r[i]["pss_before"] for r in steps],
             [r[i]["before"] for r in steps],
-            max(r[i]["step_s"] for r in steps),
+            result["steps"][i]["step_s"],
         )
         for i, seq in enumerate(seqs[:done])
     ]

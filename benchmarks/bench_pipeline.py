@@ -9,10 +9,11 @@ Run from the repository root::
 
 A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
 stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
-runs in a fresh spawned gloo group of 2 processes (one per core, one thread each): ``--warmup`` untimed steps, then
-the medians of ``--steps`` timed ones. The rows are synthetic: ``--seq`` random tokens, one document each.
+runs in a fresh spawned gloo group of 2 processes (one per core, one thread each: ``runs.run_steps``): ``--warmup``
+untimed steps, then the medians of ``--steps`` timed ones. The rows are synthetic: ``--seq`` random tokens, one
+document each.
 
-- ``measured``: the step's wall time (the ranks start and end together, at barriers).
+- ``measured``: the step's wall time (the ranks start together, at a barrier), the slower rank's.
 - ``busy``: each rank's CPU time in the step (``time.process_time``: its compute, plus the little its gloo threads
   use to move data; a rank that waits for the other stage sleeps, it does not spin). ``ideal`` = the busier rank's
   busy time: the step could be no shorter, whatever the schedule. ``bubble`` = 1 − ideal / measured: the fraction
@@ -31,21 +32,15 @@ vary by about ±15 % between runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-
-import torch
-import torch.distributed as dist
 
 from benchmarks.jobs import bench_job
 from benchmarks.report import command, machine_line, table
-from benchmarks.sides import packed_batch
+from benchmarks.runs import run_steps
+from benchmarks.timing import median
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, model_config
-from lctrain.testing import run_distributed
-from lctrain.train.trainer import Trainer
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 
@@ -63,28 +58,16 @@ def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[st
         f"data.seq_len={args.seq}",
         f"data.batch_size={microbatches}",
         *pipeline,
-        "train.run_dir=/tmp/lctrain_bench_pipeline",
     )
 
 
-def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
-    """In each rank of a spawned group: the median wall time and CPU time of ``forward_backward`` over one batch of
-    all the rows."""
-    trainer = Trainer(load_config(overrides))
-    shape, generator = (trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), torch.Generator().manual_seed(0)
-    batch = packed_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator), None)
-    wall, cpu = [], []
-    for index in range(warmup + steps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        trainer.forward_backward([batch])
-        busy = time.process_time() - start_cpu
-        dist.barrier()
-        if index >= warmup:
-            wall.append(time.perf_counter() - start)
-            cpu.append(busy)
-        trainer.optimizer.zero_grad(set_to_none=True)
-    return statistics.median(wall), statistics.median(cpu)
+def time_steps(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> tuple[float, list[float]]:
+    """The median wall time of ``forward_backward`` over one batch of all the rows (the slower rank's), and each
+    rank's median CPU time in it."""
+    spec = {"side": "lctrain", "job": job_overrides(args, microbatches, pipeline), "batch": microbatches}
+    steps = [(args.seq, 0)] * (args.warmup + args.steps)
+    result = run_steps({"pp": spec | {"part": "forward_backward"}}, 2, steps[: args.warmup], steps[args.warmup :])["pp"]
+    return median(result["steps"], "step_s"), [median(rank, "cpu_s") for rank in result["per_rank"]]
 
 
 def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str]:
@@ -140,9 +123,7 @@ def main() -> None:
             f"parallel.pp_split_points=[{','.join(split)}]",
         ]
         for m in args.microbatches:
-            ranks = run_distributed(time_steps, pp, job_overrides(args, m, pipeline), args.warmup, args.steps)
-            measured = max(wall for wall, _ in ranks)
-            busy = [cpu for _, cpu in ranks]
+            measured, busy = time_steps(args, m, pipeline)
             ideal = max(busy)
             textbook = (pp - 1) / (stages_per_rank * m + pp - 1)
             rows.append(

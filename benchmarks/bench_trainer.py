@@ -54,7 +54,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,10 +62,11 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import command, commit, machine_line, percent, table
 from benchmarks.runs import Run
 from benchmarks.sides import ROWS, SIDES, document_lengths
-from lctrain.flops import document_flops_per_token, flops_per_token
+from benchmarks.timing import median, rounds
+from lctrain.flops import document_flops_per_token, flops_per_token, mfu
 
 MIB, GIB = 2**20, 2**30
 CHECKPOINTING = ("none", "full")
@@ -163,32 +163,35 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
 
 
 def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: int, profiles: bool) -> list[dict]:
-    """Run ``cases`` side by side, one step each in turn, the order reversed every step; returns each one's
-    ``ready``, ``first`` and measured ``steps`` and, with ``profiles``, the profiled step it asks for (``--profile``,
-    FSDP2's share)."""
+    """Run ``cases`` side by side, one step each in turn, the order reversed every step (``timing.rounds``); returns
+    each one's ``ready``, ``first`` and measured ``steps`` and, with ``profiles``, the profiled step it asks for
+    (``--profile``, FSDP2's share)."""
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         runs = []
         for case in cases:
             spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None}
             spec["doc_len"] = args.doc_len if args.rows == "packed" else None
-            runs.append(stack.enter_context(Run(spec, timeout_s=args.run_timeout, allocator=case.allocator)))
-            outcomes.append({"ready": runs[-1].ready, "steps": []})
-        for step in range(warmup + steps):
-            order = list(range(len(cases)))
-            latest = {}
-            for index in order if step % 2 == 0 else order[::-1]:
-                latest[index] = result = runs[index].step(cases[index].seq, seed=step)
+            runs.append(
+                stack.enter_context(Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator))
+            )
+            outcomes.append({"ready": runs[-1].describe(case.side)})
+
+        def stepper(index: int) -> Any:
+            def step(seed: int) -> dict[str, Any]:
+                result = runs[index].step(cases[index].side, cases[index].seq, seed)
                 outcomes[index].setdefault("first", result)
-                if step >= warmup:
-                    outcomes[index]["steps"].append(result)
-            kind = "warm-up" if step < warmup else "measured"
-            times = [f"{r['step_s']:.2f} s" if r["ok"] else r["error"] for _, r in sorted(latest.items())]
-            labels = ", ".join(f"{case.label} {shown}" for case, shown in zip(cases, times))
-            print(f"  step {step + 1}/{warmup + steps} ({kind}): {labels}", file=sys.stderr, flush=True)
-        for case, run, outcome in zip(cases, runs, outcomes):
+                shown = f"{result['step_s']:.2f} s" if result["ok"] else result["error"]
+                print(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}", file=sys.stderr, flush=True)
+                return result
+
+            return step
+
+        measured = rounds({str(i): stepper(i) for i in range(len(cases))}, warmup, steps, timed=False)
+        for index, (case, run, outcome) in enumerate(zip(cases, runs, outcomes)):
+            outcome["steps"] = measured[str(index)]
             if profiles and (args.profile or case.fsdp_share) and run.failure is None:
-                outcome["profile"] = run.profile(case.seq, seed=99, top=args.top if args.profile else 0)
+                outcome["profile"] = run.profile(case.side, case.seq, seed=99, top=args.top if args.profile else 0)
     return outcomes
 
 
@@ -224,31 +227,22 @@ def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Step and CPU time, tokens/s, MFU (and the document MFU for packed rows), memory of one finished case."""
     ready, steps, memory = case.result["ready"], case.result["steps"], case.result["memory"]
     model = ready["model"]
-    step = statistics.median(r["step_s"] for r in steps)
+    step = median(steps, "step_s")
     tokens_per_s = case.seq / step
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ready["peak_flops"]
-    causal = flops_per_token(model["params"], model["layers"], model["hidden"], case.seq)
-    mfu = None if peak is None else tokens_per_s * causal / peak
-    document_mfu = None
-    if args.rows == "packed" and peak is not None:
-        lengths = document_lengths(case.seq, args.doc_len)
-        per_token = document_flops_per_token(model["params"], model["layers"], model["hidden"], lengths)
-        document_mfu = tokens_per_s * per_token / peak
+    sizes = (model["params"], model["layers"], model["hidden"])
+    document = document_flops_per_token(*sizes, document_lengths(case.seq, args.doc_len))
     reserved = [r["reserved"] for r in memory if r["reserved"] is not None]
     return {
         "step": step,
-        "cpu": statistics.median(r["cpu_s"] for r in steps),
+        "cpu": median(steps, "cpu_s"),
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu,
-        "document_mfu": document_mfu,
+        "mfu": mfu(tokens_per_s, flops_per_token(*sizes, case.seq), peak),
+        "document_mfu": mfu(tokens_per_s, document, peak) if args.rows == "packed" else None,
         "peak": max(r["peak"] for r in memory),
         "step_peak": max(r["step_peak"] for r in memory),
         "reserved": max(reserved) if reserved else None,
     }
-
-
-def percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -> str:

@@ -25,8 +25,8 @@ each a fresh ``Trainer`` on the same process group:
 2. one training step (AdamW's states now exist, as in every later step);
 3. the kernel's high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and a second step runs;
 4. measured = ``VmHWM`` after that step − the baseline: everything the training step holds at its peak, the model's
-   sharded states included. The largest over ranks is compared with ``lctrain.planner.estimate_memory`` (the
-   largest over pipeline stages).
+   sharded states included (``runs.Measured``). The largest over ranks is compared with
+   ``lctrain.planner.estimate_memory`` (the largest over pipeline stages).
 
 A warm-up case runs first in every job (imports and kernels that load lazily would otherwise count in the first
 case). The table gives the estimate term by term, the measurement, and the relative error (estimate − measured) /
@@ -50,6 +50,7 @@ from pathlib import Path
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
 from benchmarks.report import command
+from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
 MIB = 2**20
@@ -101,40 +102,29 @@ def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> lis
 
 
 def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: str) -> None:
-    """Runs under torchrun: measure every case, rank 0 writes the results."""
+    """Runs under torchrun: measure every case (``runs.Measured``: its side built, one step, then the measured one,
+    on the job's own rows), rank 0 writes the results."""
     import torch
     import torch.distributed as dist
 
-    from lctrain.config import load_config
     from lctrain.runtime import init_distributed, resolve_device
-    from lctrain.train.trainer import Trainer
 
-    device = resolve_device(device_type)
-    init_distributed(device, timeout_s=1800)
-    cuda = device.type == "cuda"
-    rank = dist.get_rank()
+    init_distributed(resolve_device(device_type), timeout_s=1800)
     results = []
     warmup = [cases[0][0], *cases[0][1:6], 256, *cases[0][7:]]
     for index, case in enumerate([warmup, *cases]):
-        cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}", device_type))
-        if cuda:
+        if device_type == "cuda":
             torch.cuda.empty_cache()
-        baseline = torch.cuda.memory_allocated(device) if cuda else memory.reset_peak()
-        trainer = Trainer(cfg)
-        batches = iter(trainer.loader)
-        rows = [next(batches) for _ in range(2)]
-        trainer.train_step(rows[:1])
-        dist.barrier()
-        start = time.perf_counter()
-        with memory.StepPeak(device) as step:
-            trainer.train_step(rows[1:])
-        seconds, peak = time.perf_counter() - start, step.peak
-        del trainer, batches, rows
+        job = overrides(case, corpus, f"{scratch}/case{index}", device_type)
+        measured = Measured({"case": {"side": "lctrain", "job": job, "rows": "loader"}})
+        measured.step("case", case[6], 1)
+        step = measured.step("case", case[6], 0)
+        del measured
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"baseline": baseline, "peak": peak})
-        if rank == 0 and index > 0:
-            results.append({"case": case, "ranks": per_rank, "step_s": seconds})
-    if rank == 0:
+        dist.all_gather_object(per_rank, {"baseline": step["base"], "peak": step["base"] + step["peak"]})
+        if dist.get_rank() == 0 and index > 0:
+            results.append({"case": case, "ranks": per_rank, "step_s": step["step_s"]})
+    if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from lctrain.flops import flops_per_token
+from lctrain.flops import flops_per_token, mfu
 from lctrain.models.families import active_parameters, layer_windows
 
 GIB = 2**30
@@ -38,12 +38,6 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
             if key in name:
                 return flops
     return None
-
-
-def mfu(tokens_per_s: float, per_token: float, peak: float | None, devices: int = 1) -> float | None:
-    """Model FLOPs utilization: ``tokens_per_s`` (all ``devices`` together) × FLOPs ``per_token`` over the devices'
-    peak FLOP/s (``peak`` each); None when the peak is unknown."""
-    return None if peak is None else tokens_per_s * per_token / (devices * peak)
 
 
 def model_flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
