@@ -9,11 +9,11 @@ Run from the repository root::
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
 iterations after ``--warmup`` untimed ones. Sections 1 and 2 run every implementation (T1 on rank 0 alone) in the
-same P processes, one iteration of each in turn, so a change in machine load hits them all alike. Peak memory is
-the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel (T1, PyTorch's
-ring op, DeepSpeed's local SDPA) computes each pass in the dtype that lctrain's CPU kernel computes that pass in
-on this CPU (``kernels.cpu_compute_dtype``), so the comparisons measure the distribution, not the dtype. The
-output is markdown.
+same P processes, one iteration of each in turn (``timing.rounds``), so a change in machine load hits them all
+alike. Peak memory is the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel
+(T1 and DeepSpeed's local SDPA: lctrain's kernel on one device; PyTorch's ring op, cast) computes each pass in the
+dtype that lctrain's CPU kernel computes that pass in on this CPU (``kernels.cpu_compute_dtype``), so the
+comparisons measure the distribution, not the dtype. The output is markdown.
 """
 
 from __future__ import annotations
@@ -107,30 +107,6 @@ def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
     return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
 
 
-class CausalCpuFlash(torch.autograd.Function):
-    """PyTorch's fused causal CPU flash op on ``[B, H, S, D]``, each pass computing in the dtype lctrain's CPU kernel
-    computes that pass in; it keeps its inputs in their own dtype, as lctrain does, and returns theirs."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205 (autograd signature)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*map(cpu_compute, (q, k, v)), 0.0, True)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
-        operands = (cpu_compute(t, "backward") for t in (dout, q, k, v, out))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*operands, lse, 0.0, True)
-        return tuple(g.to(q.dtype) for g in grads)
-
-
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Fused causal attention on ``[B, H, S, D]``, each pass in the dtype lctrain's CPU kernel computes it in."""
-    return CausalCpuFlash.apply(q, k, v)
-
-
 def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
     """``op`` with its tensor arguments cast like lctrain's CPU kernel casts a pass's blocks (``cpu_compute``)."""
 
@@ -143,13 +119,12 @@ def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Cal
 
 
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
-    """T1: fused causal SDPA on the whole sequence ``[B, H, S, D]``, computed by rank 0 alone (the others idle)."""
+    """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
+    kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
     if dist.get_rank() != 0:
         return Case(lambda: None)
-    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in full)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    return Case(autograd_step(causal_sdpa, q, k, v, dout))
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
+    return Case(autograd_step(ring_attention, q, k, v, dout))
 
 
 def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
@@ -190,10 +165,8 @@ def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
         deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
     group = dist.group.WORLD
 
-    def local_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, S, H/P, D]
-        return causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    attention = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
+    # the local attention on [B, S, H/P, D]: the fused CPU op, as T1
+    attention = DistributedAttention(ring_attention, group, scatter_idx=2, gather_idx=1)
     q, k, v, dout = rings.rank_shards(full, "contiguous")
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ import argparse
 from typing import Any
 
 from benchmarks import memory
-from benchmarks.jobs import bench_job
+from benchmarks.jobs import bench_job, shape_overrides
 from benchmarks.report import command, commit, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
@@ -40,17 +40,9 @@ SIDES = ("full", "lora")
 def jobs(args: argparse.Namespace) -> dict[str, list[str]]:
     """The full fine-tuning job and the LoRA job: the same model, mesh, seed and schedule."""
     ring, ulysses = MESHES[args.ranks]
-    base = bench_job(
-        "cpu",
-        f"model.hidden_size={args.hidden}",
-        f"model.intermediate_size={args.intermediate}",
-        f"model.num_layers={args.layers}",
-        "model.num_heads=8",
-        "model.num_kv_heads=4",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        f"train.steps={args.warmup + 2 * args.steps}",
-    )
+    shape = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers, "heads": 8, "kv_heads": 4}
+    mesh = (f"parallel.ring={ring}", f"parallel.ulysses={ulysses}")
+    base = bench_job("cpu", *shape_overrides(shape), *mesh, f"train.steps={args.warmup + 2 * args.steps}")
     trainable = [f"model.lora.trainable=[{args.trainable}]"] if args.trainable else []
     lora = [f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}", *trainable]
     return {"full": base, "lora": [*base, *lora]}

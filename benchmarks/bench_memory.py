@@ -52,13 +52,8 @@ from benchmarks.runs import run_steps
 MIB, GIB = 2**20, 2**30
 SIDES = ("lctrain", "baseline")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # ranks -> (ring, ulysses)
-MODEL = (
-    "model.hidden_size=256",
-    "model.intermediate_size=1024",
-    "model.num_layers=4",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-)
+MODEL = ("model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4", "model.num_heads=4")
+MODEL += ("model.num_kv_heads=2",)
 PLOT = REPO / "docs" / "memory_per_rank.png"
 
 
@@ -104,16 +99,9 @@ def job_for(side: str, ranks: int, args: argparse.Namespace) -> list[str]:
     if side == "baseline":
         return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *base)
     ring, ulysses = MESHES[ranks]
-    return bench_job(
-        "cpu",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        *base,
-        "parallel.activation_checkpointing=full",
-        "parallel.activation_offload=true",
-        f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}",
-        f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
-    )
+    savers = ("parallel.activation_checkpointing=full", "parallel.activation_offload=true")
+    chunks = (f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}", f"train.loss_chunk_tokens={args.loss_chunk_tokens}")
+    return bench_job("cpu", f"parallel.ring={ring}", f"parallel.ulysses={ulysses}", *base, *savers, *chunks)
 
 
 def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace) -> list[Point]:
@@ -214,72 +202,35 @@ def scaling_report(points: list[Point], min_per_rank: int) -> str:
     rows = []
     for p in sorted(points, key=lambda p: (p.side != "lctrain", p.ranks, p.seq)):
         role = "fitted" if id(p) in used else ("check" if not p.fitted else "floor")
-        rows.append(
-            [
-                mesh_label(p.side, p.ranks),
-                str(p.ranks),
-                f"{p.seq:,}",
-                f"{p.per_rank_tokens:,}",
-                f"**{mib(p.peak)}**",
-                f"{mib(min(p.growth))} … {mib(p.peak)}",
-                mib(max(p.rss_before)),
-                gib(p.total),
-                f"{p.seconds:.1f}",
-                role,
-            ]
-        )
-    header = [
-        "side",
-        "P",
-        "S",
-        "S/P",
-        "step peak/rank (MiB, max)",
-        "min … max over ranks",
-        "RSS before (MiB)",
-        "total, all ranks (GiB)",
-        "step (s)",
-        "use",
-    ]
-    out = [table(header, rows), ""]
+        cells = [
+            mesh_label(p.side, p.ranks),
+            str(p.ranks),
+            f"{p.seq:,}",
+            f"{p.per_rank_tokens:,}",
+            f"**{mib(p.peak)}**",
+        ]
+        cells += [f"{mib(min(p.growth))} … {mib(p.peak)}", mib(max(p.rss_before)), gib(p.total), f"{p.seconds:.1f}"]
+        rows.append([*cells, role])
+    header = ["side", "P", "S", "S/P", "step peak/rank (MiB, max)", "min … max over ranks", "RSS before (MiB)"]
+    out = [table([*header, "total, all ranks (GiB)", "step (s)", "use"], rows), ""]
     fit_rows = []
 
     def fit_row(label: str, ranks: str, own: list[Point], per_global: str) -> None:
         fit = Fit.of(own)
         lengths = ", ".join(f"{n:,}" for n in sorted({p.per_rank_tokens for p in own}))
-        fit_rows.append(
-            [
-                label,
-                ranks,
-                lengths,
-                f"{fit.slope / 1024:.2f}",
-                per_global,
-                mib(fit.intercept),
-                f"{fit.max_residual / MIB:.1f}",
-            ]
-        )
+        cells = [label, ranks, lengths, f"{fit.slope / 1024:.2f}", per_global, mib(fit.intercept)]
+        fit_rows.append([*cells, f"{fit.max_residual / MIB:.1f}"])
 
     for side, ranks in groups(points):
         own = fitted(points, side, min_per_rank, ranks)
         if fittable(own):
-            fit = Fit.of(own)
-            fit_row(mesh_label(side, ranks), str(ranks), own, f"{fit.slope / ranks / 1024:.2f}")
+            fit_row(mesh_label(side, ranks), str(ranks), own, f"{Fit.of(own).slope / ranks / 1024:.2f}")
     pooled = pooled_points(points, min_per_rank)
     if len({p.ranks for p in pooled}) > 1 and fittable(pooled):
-        fit_row(
-            "**lctrain, every P ≥ 2 together**",
-            ", ".join(str(n) for n in sorted({p.ranks for p in pooled})),
-            pooled,
-            "—",
-        )
-    header = [
-        "fit: step peak per rank = a + b·(S/P)",
-        "P",
-        "fitted S/P",
-        "b: KiB per token of the rank",
-        "b/P: KiB per token of the sequence",
-        "a (MiB)",
-        "max residual (MiB)",
-    ]
+        ranks = ", ".join(str(n) for n in sorted({p.ranks for p in pooled}))
+        fit_row("**lctrain, every P ≥ 2 together**", ranks, pooled, "—")
+    header = ["fit: step peak per rank = a + b·(S/P)", "P", "fitted S/P", "b: KiB per token of the rank"]
+    header += ["b/P: KiB per token of the sequence", "a (MiB)", "max residual (MiB)"]
     out.append(table(header, fit_rows))
     return "\n".join(out)
 

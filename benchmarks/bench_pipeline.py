@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.jobs import bench_job
+from benchmarks.jobs import bench_job, shape_overrides
 from benchmarks.report import command, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
@@ -46,19 +46,15 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> list[str]:
-    return bench_job(
-        "cpu",
-        "parallel.ring=1",
-        "parallel.ulysses=1",
-        "model.hidden_size=" + str(args.hidden),
-        "model.intermediate_size=" + str(args.hidden * 8 // 3),
-        f"model.num_layers={args.layers}",
-        "model.num_heads=8",
-        "model.num_kv_heads=4",
-        f"data.seq_len={args.seq}",
-        f"data.batch_size={microbatches}",
-        *pipeline,
-    )
+    shape = {
+        "hidden": args.hidden,
+        "intermediate": args.hidden * 8 // 3,
+        "layers": args.layers,
+        "heads": 8,
+        "kv_heads": 4,
+    }
+    rows = (f"data.seq_len={args.seq}", f"data.batch_size={microbatches}")
+    return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *shape_overrides(shape), *rows, *pipeline)
 
 
 def time_steps(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> tuple[float, list[float]]:

@@ -100,22 +100,13 @@ def sharing(args: argparse.Namespace) -> None:
         }
         result = run(specs, args.warmup, args.steps, RANKS[args.device])
         shared, unshared = result["shared"], result["unshared"]
-        rows.append(
-            [
-                f"{ratio}:1",
-                f"{prompt:,} + 2 x {args.completion}",
-                f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
-                f"{shared['time'] / unshared['time']:.2f}",
-                f"{shared['cpu']:.3f} s / {unshared['cpu']:.3f} s",
-                f"{shared['cpu'] / unshared['cpu']:.2f}",
-                f"{shared['kept'] / MIB:,.1f} / {unshared['kept'] / MIB:,.1f} MiB",
-                f"{shared['kept'] / unshared['kept']:.2f}",
-                f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
-                f"{shared['growth'] / unshared['growth']:.2f}",
-                f"{shared['peak'] / MIB:,.0f} / {unshared['peak'] / MIB:,.0f} MiB",
-                f"{shared['peak'] / unshared['peak']:.2f}",
-            ]
-        )
+        cells = [f"{ratio}:1", f"{prompt:,} + 2 x {args.completion}"]
+        forms = {"time": "{:.3f} s", "cpu": "{:.3f} s", "kept": "{:,.1f}", "growth": "{:,.0f}", "peak": "{:,.0f}"}
+        for key, form in forms.items():
+            unit, scale = ("", 1) if form.endswith(" s") else (" MiB", MIB)
+            both = f"{form.format(shared[key] / scale)} / {form.format(unshared[key] / scale)}{unit}"
+            cells += [both, f"{shared[key] / unshared[key]:.2f}"]
+        rows.append(cells)
         print(f"  {rows[-1]}", flush=True)
         cases.append({"ratio": ratio, "prompt": prompt, "completion": args.completion, **result})
         if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured

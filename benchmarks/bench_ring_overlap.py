@@ -307,58 +307,33 @@ def blocks(waits: dict[str, float]) -> float:
 
 def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     """Print the tables; returns one summary per (P, shape, rate) for the figure."""
-    rows, summaries, baseline = [], [], []
+    rows, knee_rows, baseline, summaries = [], [], [], []
     for ranks, points in results.items():
         for point in points:
             heads, kv_heads = SHAPES[point["shape"]]
-            compute, comm, ring = point["compute"]["total"], point["comm"]["total"], point["ring"]["total"]
+            compute, comm, ring = (point[side]["total"] for side in ("compute", "comm", "ring"))
             threshold, link = predicted_threshold(point["hardware"], ranks, heads, kv_heads, point["tokens"])
-            waits = point["waits"]
-            rows.append(
-                [
-                    str(ranks),
-                    point["shape"],
-                    point["rate"] or "none",
-                    f"{point['tokens']:,}",
-                    f"{compute:.3f}",
-                    f"{comm:.3f}",
-                    f"{compute / comm:.2f}",
-                    f"{ring:.3f}",
-                    f"**{(ring - compute) / comm:.2f}**",
-                    f"{waited(point) / comm:.2f}",
-                    f"{ring / max(compute, comm):.2f}",
-                    " / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS)
-                    + f" ({1e3 * sum(point['waits_free'][kind] for kind in WAITS):.0f})",
-                    f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}",
-                    f"{threshold:,.0f} ({link})",
-                    f"{point['torch']['total']:.3f}",
-                ]
-            )
-        by_group: dict[tuple[str, str], list[dict]] = {}
-        for point in points:
-            by_group.setdefault((point["shape"], point["rate"]), []).append(point)
-        for (shape, rate), group in by_group.items():
-            heads, kv_heads = SHAPES[shape]
-            threshold, _ = predicted_threshold(group[0]["hardware"], ranks, heads, kv_heads, group[0]["tokens"])
-            knee = knees(group, ranks, kv_heads)
-            summaries.append(
-                {"ranks": ranks, "shape": shape, "rate": rate, "threshold": threshold, "knee": knee, "points": group}
-            )
-        seen = set()
-        for point in points:
-            if (point["shape"], point["tokens"]) in seen:
-                continue
-            seen.add((point["shape"], point["tokens"]))
+            waits, free = point["waits"], sum(point["waits_free"][kind] for kind in WAITS)
+            cells = [str(ranks), point["shape"], point["rate"] or "none", f"{point['tokens']:,}", f"{compute:.3f}"]
+            cells += [f"{comm:.3f}", f"{compute / comm:.2f}", f"{ring:.3f}", f"**{(ring - compute) / comm:.2f}**"]
+            cells += [f"{waited(point) / comm:.2f}", f"{ring / max(compute, comm):.2f}"]
+            cells.append(" / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS) + f" ({1e3 * free:.0f})")
+            cells.append(f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}")
+            rows.append([*cells, f"{threshold:,.0f} ({link})", f"{point['torch']['total']:.3f}"])
+        for shape, rate in dict.fromkeys((point["shape"], point["rate"]) for point in points):
+            group = [point for point in points if (point["shape"], point["rate"]) == (shape, rate)]
+            threshold, _ = predicted_threshold(group[0]["hardware"], ranks, *SHAPES[shape], group[0]["tokens"])
+            knee = knees(group, ranks, SHAPES[shape][1])
+            summaries.append({"ranks": ranks, "shape": shape, "rate": rate, "threshold": threshold, "points": group})
+            cells = [str(ranks), shape, rate or "none", f"{threshold:,.0f}"]
+            cells += [f"{knee['forward']:,.0f} / {knee['backward']:,.0f}", f"{max(knee.values()):,.0f}"]
+            knee_rows.append([*cells, f"**{threshold / max(knee.values()):.2f}**"])
+        for shape, tokens in dict.fromkeys((point["shape"], point["tokens"]) for point in points):
+            point = next(p for p in points if (p["shape"], p["tokens"]) == (shape, tokens))
             ours, theirs = point["compute"], point["torch_free"]
+            passes = [" / ".join(f"{side[n]:.3f}" for n in ("forward", "backward", "total")) for side in (ours, theirs)]
             baseline.append(
-                [
-                    str(ranks),
-                    point["shape"],
-                    f"{point['tokens'] * ranks:,}",
-                    f"{ours['forward']:.3f} / {ours['backward']:.3f} / {ours['total']:.3f}",
-                    f"{theirs['forward']:.3f} / {theirs['backward']:.3f} / {theirs['total']:.3f}",
-                    f"**{ours['total'] / theirs['total']:.2f}**",
-                ]
+                [str(ranks), shape, f"{tokens * ranks:,}", *passes, f"**{ours['total'] / theirs['total']:.2f}**"]
             )
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
     header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
@@ -366,26 +341,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     print("\n## Overlap on the limited link\n")
     print(table(header, rows))
     print("\n## Predicted threshold and measured knee (tokens per rank)\n")
-    knee_rows = []
-    for s in summaries:
-        measured = max(s["knee"].values())
-        knee_rows.append(
-            [
-                str(s["ranks"]),
-                s["shape"],
-                s["rate"] or "none",
-                f"{s['threshold']:,.0f}",
-                f"{s['knee']['forward']:,.0f} / {s['knee']['backward']:,.0f}",
-                f"{measured:,.0f}",
-                f"**{s['threshold'] / measured:.2f}**",
-            ]
-        )
-    print(
-        table(
-            ["P", "shape", "link", "planner threshold", "knee fwd / bwd", "measured knee", "threshold / knee"],
-            knee_rows,
-        )
-    )
+    header = ["P", "shape", "link", "planner threshold", "knee fwd / bwd", "measured knee", "threshold / knee"]
+    print(table(header, knee_rows))
     print("\n## lctrain's ring and PyTorch's on the links without a limit (forward / backward / total s)\n")
     print(table(["P", "shape", "S", "lctrain", "PyTorch", "lctrain / PyTorch"], baseline))
     if not namespaces:

@@ -257,21 +257,17 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     device = next((c.result["ready"]["device_name"] for c in done), args.device)
     model = next((c.result["ready"]["model"] for c in done), None)
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers"))
-    lines = [
-        "# Trainer benchmark: lctrain vs a plain Hugging Face loop",
-        "",
-        f"- command: `{command()}`",
-        f"- {f'device: {device}; {versions}' if args.device == 'cuda' else f'machine: {machine_line()}'}; "
-        f"lctrain at {commit()}",
-        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`"
-        + (f"; {model['params']:,} parameters" if model else ""),
-        f"- rows: {args.rows}"
-        + (f" (documents of {args.doc_len} tokens)" if args.rows == "packed" else "")
-        + f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
-        + (f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""),
-        f"- total wall time {seconds:.0f} s",
-        "",
+    where = f"device: {device}; {versions}" if args.device == "cuda" else f"machine: {machine_line()}"
+    rows = f"- rows: {args.rows}" + (f" (documents of {args.doc_len} tokens)" if args.rows == "packed" else "")
+    rows += f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
+    rows += f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""
+    lines = ["# Trainer benchmark: lctrain vs a plain Hugging Face loop", "", f"- command: `{command()}`"]
+    lines += [
+        f"- {where}; lctrain at {commit()}",
+        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`",
     ]
+    lines[-1] += f"; {model['params']:,} parameters" if model else ""
+    lines += [rows, f"- total wall time {seconds:.0f} s", ""]
     if args.device == "cuda":
         memory_note = (
             "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the memory "
@@ -285,36 +281,23 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
         )
     header = ["run", "S", "AC", "step (s)", "CPU time (s)", "tokens/s", "MFU", "MFU (document)"]
     header += [f"peak memory ({unit_name})", f"step peak ({unit_name})", f"reserved − allocated ({unit_name})"]
-    header.append("loss first → last")
     rows = []
     for c in cases:
         where = [c.label, f"{c.seq:,}", c.checkpointing]
         if not c.ok:
-            rows.append([*where, f"**{c.error[:100]}**", *[""] * (len(header) - 4)])
+            rows.append([*where, f"**{c.error[:100]}**", *[""] * (len(header) - 3)])
             continue
         f = figs[id(c)]
         fragmentation = None if f["reserved"] is None else f["reserved"] - f["peak"]
-        rows.append(
-            [
-                *where,
-                f"{f['step']:.3f}",
-                f"{f['cpu']:.3f}",
-                f"{f['tokens_per_s']:,.0f}",
-                percent(f["mfu"]),
-                percent(f["document_mfu"]) if args.rows == "packed" else "—",
-                mem(f["peak"]),
-                mem(f["step_peak"]),
-                mem(fragmentation),
-                f"{c.result['first']['loss']:.4f} → {c.result['steps'][-1]['loss']:.4f}",
-            ]
-        )
-    lines += [table(header, rows), "", f"Memory: {memory_note} (`benchmarks/runs.py`).", ""]
-    lines += ratio_section(cases, figs)
-    lines += fsdp_section(cases)
-    lines += allocator_section(cases, mem, unit_name)
-    lines += offload_section(cases, figs, mem, unit_name)
-    if args.profile:
-        lines += profile_section(cases, args.device == "cuda")
+        cells = [f"{f['step']:.3f}", f"{f['cpu']:.3f}", f"{f['tokens_per_s']:,.0f}", percent(f["mfu"])]
+        cells += [percent(f["document_mfu"]) if args.rows == "packed" else "—", mem(f["peak"]), mem(f["step_peak"])]
+        losses = f"{c.result['first']['loss']:.4f} → {c.result['steps'][-1]['loss']:.4f}"
+        rows.append([*where, *cells, mem(fragmentation), losses])
+    lines += [table([*header, "loss first → last"], rows), "", f"Memory: {memory_note} (`benchmarks/runs.py`).", ""]
+    lines += ratio_section(cases, figs) + fsdp_section(cases) + allocator_section(cases, mem, unit_name)
+    lines += offload_section(cases, figs, mem, unit_name) + (
+        profile_section(cases, args.device == "cuda") if args.profile else []
+    )
     return "\n".join(lines)
 
 
@@ -333,7 +316,6 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
             rows.append([*cells, "—" if not ours.ok else "", "—" if not theirs.ok else "", "—", "—", "—", "—", "—"])
             continue
         a, b = figs[id(ours)], figs[id(theirs)]
-        first_a, first_b = ours.result["first"], theirs.result["first"]
         cells += [
             f"{a['tokens_per_s']:,.0f}",
             f"{b['tokens_per_s']:,.0f}",
@@ -341,14 +323,12 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
         ]
         cells += [f"{a['peak'] / b['peak']:.2f}", f"{a['step_peak'] / b['step_peak']:.2f}"]
         for key in ("loss", "grad_norm"):
-            diff = abs(first_a[key] - first_b[key])
-            cells.append(f"{first_a[key]:.6f} / {first_b[key]:.6f} ({diff:.1e})")
+            first_a, first_b = ours.result["first"][key], theirs.result["first"][key]
+            cells.append(f"{first_a:.6f} / {first_b:.6f} ({abs(first_a - first_b):.1e})")
         rows.append(cells)
-    if not rows:
-        return []
     header = ["S", "AC", "lctrain tokens/s", "HF loop tokens/s", "ratio lctrain / HF", "peak memory lctrain / HF"]
     header += ["step peak lctrain / HF", "step 1 loss lctrain / HF (diff)", "step 1 grad norm lctrain / HF (diff)"]
-    return ["## Ratio", "", table(header, rows), ""]
+    return ["## Ratio", "", table(header, rows), ""] if rows else []
 
 
 def fsdp_section(cases: list[Case]) -> list[str]:
@@ -362,42 +342,35 @@ def fsdp_section(cases: list[Case]) -> list[str]:
             rows.append([*where, f"profiler failed: {profile['error'][:80]}", "", "", "", ""])
             continue
         kernel = profile.get("kernel_ms")
-        rows.append(
-            [
-                *where,
-                "—" if kernel is None else f"{kernel:.1f}",
-                "—" if kernel is None else f"{profile['fsdp_kernel_ms']:.1f}",
-                percent(profile.get("fsdp_kernel_share")),
-                f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}",
-                percent(profile["fsdp_host_share"]),
-            ]
-        )
-    if not rows:
-        return []
+        cells = ["—", "—"] if kernel is None else [f"{kernel:.1f}", f"{profile['fsdp_kernel_ms']:.1f}"]
+        cells += [
+            percent(profile.get("fsdp_kernel_share")),
+            f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}",
+        ]
+        rows.append([*where, *cells, percent(profile["fsdp_host_share"])])
     header = ["S", "AC", "step kernel time (ms)", "in FSDP2's ranges (ms)", "kernel share", "FSDP2 host time (ms)"]
-    header.append("host share of the step")
     note = (
         "FSDP2 at world size 1, one profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges "
         "(all-gather, reduce-scatter, their copies and casts) over all kernels of the step; target ≤ 3 %."
     )
-    return ["## FSDP2 at world size 1", "", note, "", table(header, rows), ""]
+    return (
+        ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] if rows else []
+    )
 
 
 def allocator_section(cases: list[Case], mem: Any, unit_name: str) -> list[str]:
     off = next((c for c in cases if c.allocator == ALLOCATOR_OFF), None)
     if off is None:
         return []
-    on = _find(cases, "lctrain", off.seq, off.checkpointing)
     rows = []
-    for c in (on, off):
+    for c in (_find(cases, "lctrain", off.seq, off.checkpointing), off):
         if c is None:
             continue
         setting = c.allocator or c.result["ready"].get("allocator") or "(unset)"
         if not c.ok:
             rows.append([setting, f"**{c.error[:100]}**", "", ""])
             continue
-        allocated = max(r["peak"] for r in c.result["memory"])
-        reserved = max(r["reserved"] for r in c.result["memory"])
+        allocated, reserved = (max(r[key] for r in c.result["memory"]) for key in ("peak", "reserved"))
         rows.append([setting, mem(allocated), mem(reserved), mem(reserved - allocated)])
     header = ["PYTORCH_CUDA_ALLOC_CONF", f"peak allocated ({unit_name})", f"peak reserved ({unit_name})"]
     header.append(f"fragmentation ({unit_name})")
@@ -415,25 +388,20 @@ def offload_section(cases: list[Case], figs: dict[int, dict], mem: Any, unit_nam
         if not (base and base.ok and c.ok):
             rows.append([*cells, "—", "—", "—", "—"])
             continue
-        step, base_step = figs[id(c)]["step"], figs[id(base)]["step"]
-        saved = figs[id(base)]["peak"] - figs[id(c)]["peak"]
-        rows.append([*cells, f"{step:.3f}", f"{step / base_step - 1:+.1%}", mem(figs[id(c)]["peak"]), mem(saved)])
-    if not rows:
-        return []
+        (step, peak), (base_step, base_peak) = ((figs[id(x)]["step"], figs[id(x)]["peak"]) for x in (c, base))
+        rows.append([*cells, f"{step:.3f}", f"{step / base_step - 1:+.1%}", mem(peak), mem(base_peak - peak)])
     header = ["run", "S", "AC", "step (s)", "slowdown vs lctrain", f"peak memory ({unit_name})", f"saved ({unit_name})"]
-    return ["## Offload", "", table(header, rows), ""]
+    return ["## Offload", "", table(header, rows), ""] if rows else []
 
 
 def profile_section(cases: list[Case], cuda: bool) -> list[str]:
     lines = ["## Top kernels" if cuda else "## Top operators (self CPU time)", ""]
-    for c in cases:
-        profile = c.result.get("profile") or {}
-        if "top" not in profile:
-            continue
-        lines += [f"{c.label}, S={c.seq:,}, checkpointing {c.checkpointing}:", ""]
+    for c in (c for c in cases if "top" in (c.result.get("profile") or {})):
         rows = [
-            [name[:100], f"{ms:.2f}", str(count), f"{100 * share:.1f}%"] for name, ms, count, share in profile["top"]
+            [name[:100], f"{ms:.2f}", str(n), f"{100 * share:.1f}%"]
+            for name, ms, n, share in c.result["profile"]["top"]
         ]
+        lines += [f"{c.label}, S={c.seq:,}, checkpointing {c.checkpointing}:", ""]
         lines += [table(["kernel" if cuda else "operator", "ms", "calls", "share"], rows), ""]
     return lines
 

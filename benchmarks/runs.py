@@ -46,17 +46,10 @@ OUT_OF_MEMORY = "out of memory"
 Steps = list[tuple[int, int]]  # (seq, seed) of each step
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Inside the run's processes
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def with_run_dirs(specs: dict[str, dict[str, Any]], directory: str) -> dict[str, dict[str, Any]]:
     """``specs`` with each side's trainer writing under ``directory`` (a directory of its own)."""
-    return {
-        name: spec | {"job": [*spec["job"], f"train.run_dir={directory}/side{index}"]}
-        for index, (name, spec) in enumerate(specs.items())
-    }
+    directories = {name: f"train.run_dir={directory}/side{index}" for index, name in enumerate(specs)}
+    return {name: spec | {"job": [*spec["job"], directories[name]]} for name, spec in specs.items()}
 
 
 class Measured:
@@ -91,19 +84,22 @@ class Measured:
 
         side, cuda = self.sides[name], self.device.type == "cuda"
         parameters = list(side.model.parameters())  # FSDP2's DTensors count in full
-        return {
+        model = {
+            "params": sum(p.numel() for p in parameters),
+            "trained": sum(p.numel() for p in parameters if p.requires_grad),
+        }
+        model |= {"layers": side.hf_config.num_hidden_layers, "hidden": side.hf_config.hidden_size}
+        description = {
             "ok": True,
             "error": None,
             "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
-            "peak_flops": peak_flops(self.device, None),  # a known GPU's dense bf16 peak; None on CPU
-            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "model": {
-                "params": sum(p.numel() for p in parameters),
-                "trained": sum(p.numel() for p in parameters if p.requires_grad),
-                "layers": side.hf_config.num_hidden_layers,
-                "hidden": side.hf_config.hidden_size,
-            },
         }
+        # a known GPU's dense bf16 peak FLOP/s (None on CPU), the allocator setting
+        description |= {
+            "peak_flops": peak_flops(self.device, None),
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        }
+        return description | {"model": model}
 
     def step(self, name: str, seq: int, seed: int, *, budget: int | None = None, marker: Path | None = None) -> dict:
         """One step of side ``name`` on rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
@@ -124,16 +120,13 @@ class Measured:
             with watchdog, clock(self.device) as seconds:
                 figures = side.step(batch)
         in_use = figures.pop("in_use", None)
-        return {
-            "ok": True,
-            "error": None,
-            "seq": seq,
-            "step_s": seconds["wall"],
-            "cpu_s": seconds["cpu"],
-            **figures,
+        record = {"ok": True, "error": None, "seq": seq, "step_s": seconds["wall"], "cpu_s": seconds["cpu"], **figures}
+        record |= {
             "kept": None if in_use is None else in_use - peak.before,
             "before": peak.before,
             "pss_before": pss_before,
+        }
+        return record | {
             "step_peak": peak.growth,
             "peak": peak.peak - self.base,
             "base": self.base,
@@ -223,11 +216,6 @@ def serve(specs: dict[str, dict[str, Any]], conn: Connection) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The parent
-# ---------------------------------------------------------------------------------------------------------------
 
 
 class Run:

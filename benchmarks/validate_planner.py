@@ -85,20 +85,10 @@ CUDA_CASES = [
 
 def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> list[str]:
     _, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
-    return bench_job(
-        device,
-        f"parallel.pp={pp}",
-        f"parallel.dp={dp}",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        f"parallel.activation_checkpointing={ac}",
-        f"data.seq_len={seq_len}",
-        f"data.batch_size={rows}",
-        f"train.loss_chunk_tokens={chunk}",
-        f"data.paths=['{corpus}']",
-        "train.steps=2",
-        f"train.run_dir={run_dir}",
-    )
+    layout = (f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.ring={ring}", f"parallel.ulysses={ulysses}")
+    rows = (f"data.seq_len={seq_len}", f"data.batch_size={rows}", f"data.paths=['{corpus}']")
+    memory = (f"parallel.activation_checkpointing={ac}", f"train.loss_chunk_tokens={chunk}")
+    return bench_job(device, *layout, *memory, *rows, "train.steps=2", f"train.run_dir={run_dir}")
 
 
 def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: str) -> None:
