@@ -5,39 +5,30 @@ slow to run) and what activation offload saves.
     python -m benchmarks.bench_context                # CPU: lctrain on 4 ranks vs one HF process (about 5 minutes)
     python -m benchmarks.bench_context --device cuda  # one GPU: all three sections (a 10-minute call on an H200, est.)
     python -m benchmarks.bench_context --device cuda --sections layers --fit-seqs 524288 1048576 --check-seq 524288
-    python -m benchmarks.bench_context --ring 1 --hidden 64 ...    # tiny shapes on CPU, tests/unit
 
-The job is that of ``bench_trainer`` (``jobs.job_from_args``: on CPU the tiny recipe, fp32; on CUDA Llama-3.2-1B's
-sizes with an untied head, bf16; the shape flags and ``--override``). lctrain runs on ``--ring`` × ``--ulysses``
-ranks (CPU default ring 4: pure ring keeps every activation at S/4 tokens per rank, and the tiny model's 2 KV heads
-would allow Ulysses 2 at most; CUDA default one GPU) with activation checkpointing ``full`` and the chunked loss
-(``--loss-chunk-tokens``, default the job's); the HF loop runs in one process, with ``--hf-checkpointing`` (CPU
-default none, full logits: the usual loop; CUDA default full, Hugging Face's gradient checkpointing).
-
-Every probe is a fresh process (``runs.Run``; several ranks: a fresh gloo group, ``runs.run_group``): one warm-up
-step at ``--warmup-seq`` (AdamW's states then exist, as in every later step), then one step at S. On CUDA a probe
-fits when it finishes (an out-of-memory is a clean "does not fit"; so is a probe past ``--probe-timeout``); on CPU
-when, moreover, every process's step peak (the resident set it adds during the step, ``memory.py``, measured with
-``MALLOC_MMAP_THRESHOLD_=65536``) stays within ``--budget-mib``, a watchdog ending a step as it passes it.
+The job is ``bench_trainer``'s (``jobs.job_from_args``). lctrain runs on ``--ring`` × ``--ulysses`` ranks (CPU
+default ring 4: every activation at S/4 tokens per rank; CUDA default one GPU) with activation checkpointing
+``full`` and the chunked loss (``--loss-chunk-tokens``); the HF loop in one process with ``--hf-checkpointing``
+(CPU default none, CUDA full). Every probe is a fresh process or group (``runs.run_steps``): one warm-up step at
+``--warmup-seq``, then one step at S. It fits when it finishes (an out-of-memory or ``--probe-timeout`` is a clean
+"does not fit") and, on CPU, every process's step peak (``MALLOC_MMAP_THRESHOLD_=65536``) stays within
+``--budget-mib``, a watchdog ending a step as it passes it.
 
 Sections (``--sections``; CPU default ``search``, CUDA all three):
 
-1. ``search``: the longest S of each side. The HF loop doubles from ``--start-seq`` while it fits (halving while
-   the start does not), then bisects (``--bisect`` steps) between its longest fit and its shortest failure; lengths
-   are multiples of ``--seq-unit``, none above ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's
-   result (a fit there meets the target), then tries ``--max-seq``: the step peak grows with S, so a fit there
-   means every length in between fits ("≥ max-seq", the ratio then a lower bound); otherwise it doubles and bisects
-   like the HF loop. ``--max-seq`` bounds the run time: a step's attention work grows as S². At each side's
-   longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the largest of several
-   phases' (the loss chunks' logits, a recomputed decoder layer, ...) that grow with S at different rates.
-2. ``layers``: lctrain's peak at the same width with ``--layer-counts`` layers at each of ``--fit-seqs``; a line
-   fixed + per-layer memory through them per S predicts the full depth; the prediction is checked against a real
-   full-depth step at ``--check-seq`` (the search's probe when it ran that length), with the error.
-3. ``offload``: activation offload's memory saving and slowdown: lctrain with ``--offload-layers`` layers at
-   ``--offload-seq``, without and with ``parallel.activation_offload`` (a no-op on CPU), the second step timed.
+1. ``search``: the longest S of each side (``search.py``). The HF loop doubles from ``--start-seq`` (halving while
+   the start does not fit), then bisects ``--bisect`` times; lengths are multiples of ``--seq-unit``, none above
+   ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's result, then tries ``--max-seq`` (the step
+   peak grows with S, so a fit there means every length in between fits: "≥ max-seq"), else doubles and bisects.
+   At each side's longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the
+   largest of several phases' that grow with S at different rates.
+2. ``layers``: lctrain's peak with ``--layer-counts`` layers at each of ``--fit-seqs``; a line fixed + per-layer
+   memory per S predicts the full depth, checked against a real full-depth step at ``--check-seq``.
+3. ``offload``: lctrain with ``--offload-layers`` layers at ``--offload-seq`` without and with
+   ``parallel.activation_offload`` (a no-op on CPU): memory saved and slowdown, the second step timed.
 
-A full 16-layer step at 1M tokens takes many minutes on one GPU, which is why depth is predicted from shallow
-models (the third command above; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
+A full 16-layer step at 1M tokens takes many minutes on one GPU, hence depth predicted from shallow models (the
+third command; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
 """
 
 from __future__ import annotations

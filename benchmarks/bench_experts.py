@@ -7,21 +7,14 @@ parallelism against none on 4 ranks, on CPU; the first on one GPU too.
 
 - ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
   ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
-  default experts implementation (``grouped_mm``), its ``eager`` loop over experts, and lctrain's
-  (``lctrain.parallel.expert``) with each local kernel and with the one ``expert_kernel`` picks for this CPU. The same
-  weights and rows on every side; steps taken in turn (A, B, C, ..., then again) so that drift in the machine's load
-  hits them alike; the median step time and its ratio to transformers' default. ``--device cuda``: the same in
-  bf16 on one GPU (every step synchronized), lctrain's ``grouped_mm`` being ``torch._grouped_mm``; by default at
-  Qwen3-30B-A3B's layer sizes (hidden 2,048, 128 experts of width 768, top 8) on a row of 16,384 tokens.
-- ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
-  on every rank (``ep`` 1) and spread over 2 and 4 ranks, the three side by side in each process and their steps
-  taken in turn: the median step time, the expert weights each rank holds and how much its resident memory grows
-  during a step (the resident set's high-water mark from ``/proc``, reset before the step: ``benchmarks/memory.py``),
-  the local kernel the one ``expert_kernel`` picks. Without FSDP: each rank holds
-  its experts whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on one machine's
-  loopback here, not a network).
-
-Figures are printed, never asserted; ``docs/benchmarks.md`` records a run.
+  default experts implementation (``grouped_mm``), its ``eager`` loop, and lctrain's (``lctrain.parallel.expert``)
+  with each local kernel, the one ``expert_kernel`` picks here marked; the same weights and rows, steps in turn
+  (``timing.rounds``): the median step time and its ratio to transformers' default. ``--device cuda``: the same in
+  bf16 on one GPU, by default at Qwen3-30B-A3B's layer sizes on a row of 16,384 tokens.
+- ``ep``: the same model on 4 gloo ranks, each with its own row, its experts on every rank (``ep`` 1) and spread
+  over 2 and 4 ranks, side by side, steps in turn: the median step time (slowest rank), the expert weights each rank
+  holds and its step's memory growth (``lctrain.train.meter.StepMemory``). Without FSDP: each rank holds its experts
+  whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on loopback here).
 """
 
 from __future__ import annotations

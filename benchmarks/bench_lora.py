@@ -4,21 +4,14 @@ and step time, split into the forward + backward and the optimizer step (clippin
     python -m benchmarks.bench_lora                     # 2 ranks (ring 2), width 512, 4 layers, S=2048 (~3 min)
     python -m benchmarks.bench_lora --ranks 4 --seq 4096 --lora-rank 8 --trainable embed_tokens,norm
 
-Both jobs are ``jobs.bench_job("cpu")`` (the tiny recipe's data and tokenizer, fp32) with the model of ``--hidden``,
-``--intermediate`` and ``--layers``, on ``--ranks`` ranks (ring × Ulysses as ``MESHES`` says) with the same seed,
-rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on every projection, alpha = 2 × rank) and
-``model.lora.trainable``.
-
-- Time: one gloo group builds both trainers and takes their steps in turn (full, LoRA, LoRA, full, ...:
-  ``runs.run_steps``), so that drift in the machine's load hits both alike; each step's forward + backward
-  (``Trainer.forward_backward``) and optimizer step (``Trainer.optimizer_step``) are timed apart on every rank after
-  ``--warmup`` steps, and the median over ``--steps`` steps of the slowest rank is reported.
-- Memory: each job in a fresh group of its own (``runs.run_group``, glibc returning freed buffers:
-  ``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built
-  (parameters, gradients, optimizer states, activations, buffers), the largest over ranks.
-
-The bar: the adapters may not cost more time than the full step spends in its optimizer work, i.e. the LoRA
-forward + backward may exceed the full one by at most what the LoRA optimizer step saves against the full one.
+Both jobs are ``jobs.bench_job("cpu")`` with the model of ``--hidden``, ``--intermediate`` and ``--layers`` on
+``--ranks`` ranks (``MESHES``), the same seed, rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on
+every projection, alpha = 2 × rank) and ``model.lora.trainable``. Time: both trainers in one gloo group, their steps
+in turn (``runs.run_steps``), each step's ``Trainer.forward_backward`` and ``Trainer.optimizer_step`` timed apart,
+medians over ``--steps`` of the slowest rank after ``--warmup``. Memory: each job in a group of its own
+(``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built, the
+largest over ranks. The bar: the LoRA forward + backward may exceed the full one by at most what the LoRA optimizer
+step saves against the full one.
 """
 
 from __future__ import annotations

@@ -1,37 +1,25 @@
 """Memory per rank against sequence length with every memory saver on, against the plain Hugging Face baseline.
 (The longest context each side trains in one step: ``bench_context.py``.)
 
-Run from the repository root::
-
     python -m benchmarks.bench_memory                    # every P and length (about 15 minutes on 2 shared cores)
     python -m benchmarks.bench_memory --per-rank 1024,2048 --ranks 1,2
     python -m benchmarks.bench_memory --json out.json    # also write the raw measurements
     python -m benchmarks.bench_memory --from-json a.json --from-json b.json   # report (merged), nothing run
 
-The model is the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
-(``--override`` defaults: width 256, MLP 1024, 4 layers, 4 heads / 2 KV heads, vocabulary 8192), fp32, one
-document per row of random tokens. Every configuration trains one step (forward, backward, clipping, AdamW) after
-one warm-up step at 64·ring·ulysses tokens, in a spawned gloo group with one thread per rank.
+The model: the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
+(``MODEL``, then ``--override``), fp32, one document per row of random tokens; one step after a warm-up step at
+64·ring·ulysses tokens, one thread per rank. lctrain = ``Trainer.train_step`` with all the memory savers: sequence
+sharded over P ranks (``MESHES``), activation checkpointing ``full``, activation offload (a no-op on CPU), the
+chunked MLP and loss (``--mlp-chunk-tokens``, ``--loss-chunk-tokens``). Baseline = the ``hf`` side of ``sides.py``
+in one process (sdpa, no checkpointing, full logits).
 
-lctrain = ``Trainer.train_step`` with all the memory savers: sequence sharded over P ranks (P=1: one rank; 2: ring 2;
-4: ring 2 × Ulysses 2; 8: ring 4 × Ulysses 2), activation checkpointing ``full``, activation offload (a no-op on a
-CPU device: the activations are already in host memory), the chunked MLP (``--mlp-chunk-tokens``) and the chunked
-loss (``--loss-chunk-tokens``). Baseline = one process, the same model in plain transformers (sdpa attention), no
-checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: the ``hf`` side of ``sides.py``.
-
-For each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or above the MLP and
-loss chunks, so the chunked tensors no longer grow with S) run in one process group, shortest first; the baseline
-at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line against S/P (least squares):
-if memory per rank is O(S/P), the lines of all P coincide (same slope per local token, same intercept), and the
-slope per *global* token halves as P doubles. A watchdog on every rank ends a run whose step passes its share of
-``--safe-gib`` (default 16 GiB for all ranks, lowered to what the machine has available minus 2 GiB).
-
-Memory (``memory.py``): the step peak is the resident set a step adds on top of the runtime, the parameters and
-the AdamW states (gradients, activations, logits, communication buffers, allocator slack), each process with
-``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large buffers go back to the OS and one phase cannot hide another's
-memory. For the machine total, the memory before the step is each process's PSS (proportional set size: shared
-library pages split between the processes that map them), so the sum over ranks is what the ranks use together;
-the step peaks are private memory and add up (an upper bound: the ranks' peaks need not coincide).
+For each P the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` run in one process group (``runs.run_steps``),
+shortest first; the baseline at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line
+against S/P: if memory per rank is O(S/P), the lines of all P coincide and the slope per *global* token halves as P
+doubles. A watchdog ends a run whose step passes its share of ``--safe-gib`` (lowered to what the machine has
+available minus 2 GiB). The step peak is the resident set a step adds (``MALLOC_MMAP_THRESHOLD_=65536``,
+``memory.py``); the machine total adds each process's PSS before the step (shared pages split between the
+processes), an upper bound: the ranks' peaks need not coincide.
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """Benchmark the pipeline bubble: the measured step time of pp=2 against the ideal, per schedule and micro-batch count,
 beside the textbook bubble fraction.
 
-Run from the repository root::
-
     python -m benchmarks.bench_pipeline            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
     python -m benchmarks.bench_pipeline --quick    # GPipe and 1F1B, m ∈ {2, 4}
     python -m benchmarks.bench_pipeline --schedules GPipe Interleaved1F1B --microbatches 4 16
 
-A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
-stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
-runs in a fresh spawned gloo group of 2 processes (one per core, one thread each: ``runs.run_steps``): ``--warmup``
-untimed steps, then the medians of ``--steps`` timed ones. The rows are synthetic: ``--seq`` random tokens, one
-document each.
-
-- ``measured``: the step's wall time (the ranks start together, at a barrier), the slower rank's.
-- ``busy``: each rank's CPU time in the step (``time.process_time``: its compute, plus the little its gloo threads
-  use to move data; a rank that waits for the other stage sleeps, it does not spin). ``ideal`` = the busier rank's
-  busy time: the step could be no shorter, whatever the schedule. ``bubble`` = 1 − ideal / measured: the fraction
-  of the step the busier rank spent waiting. The other rank's extra idle time is imbalance between the stages.
-- ``textbook`` = (p − 1) / (v·m + p − 1): the idle fraction of a balanced pipeline with v stages per rank (GPipe and
-  1F1B: v = 1; the others here: v = 2). The zero-bubble schedules aim below it by filling the bubble with weight
-  gradients.
-
-The model (Llama, ``--hidden`` wide, ``--layers`` layers, vocabulary 8192) has the embeddings on the first stage and
-the norm, LM head and loss on the last. The split points balance the stages by parameter count, the LM head
-counting as (vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on
-loopback (a P2P send costs little next to a stage's compute here, unlike across nodes), fp32, a VM whose timings
-vary by about ±15 % between runs.
+A step is ``Trainer.forward_backward`` over m rows (``--seq`` random tokens, one document each), the pipeline's m
+micro-batches: the schedule, its P2P sends and the FSDP gradient reduction, no optimizer step. Each configuration
+runs in a fresh gloo group of 2 processes, one thread each (``runs.run_steps``): ``--warmup`` untimed steps, then
+the medians of ``--steps``. ``measured``: the step's wall time, the slower rank's. ``busy``: each rank's CPU time in
+the step (a rank waiting for the other stage sleeps); ``bubble`` = 1 − (the busier rank's busy time) / measured: the
+fraction of the step the busier rank waited. ``textbook`` = (p − 1) / (v·m + p − 1), v stages per rank (GPipe and
+1F1B: 1; the others: 2). The split points balance the stages by parameter count, the LM head counting as
+(vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on loopback (a
+P2P send costs little next to a stage's compute here), fp32, timings that vary by about ±15 % between runs.
 """
 
 from __future__ import annotations

@@ -7,44 +7,25 @@ allocator default saves; each side's top kernels on request.
     python -m benchmarks.bench_trainer --device cuda --seq 16384 32768 --rows packed --doc-len 2048 --profile
     python -m benchmarks.bench_trainer --device cuda --sides lctrain --seq 65536 --checkpointing full \\
         --cpu-offload --activation-offload --no-allocator-compare
-    python -m benchmarks.bench_trainer --hidden 64 --intermediate 128 --layers 2 --seq 128 --warmup 1 --steps 1 \\
-        # a smoke run on CPU (tests/unit/test_gpu_benchmarks.py)
 
 The job (``jobs.bench_job``) at world size 1: on CPU the tiny recipe in fp32, on CUDA Llama-3.2-1B's sizes with an
-untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and each
-``--checkpointing`` mode, each side of ``--sides`` is a run (``runs.Run``, a fresh process): ``--warmup`` steps,
-then ``--steps`` measured ones, step i on the same random rows on both sides (so the first losses and gradient
-norms agree: same weights, same rows, up to rounding). On CPU the runs of one point live side by side and take
-their steps in turn (A,B,B,A,..., one process at a time, the others waiting on their pipes) with ``--threads``
-torch threads each, so that drift in the machine's load hits them alike; on CUDA they run one after the other (two
-models would share the GPU's memory).
+untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and
+``--checkpointing`` mode, each side is a run (``runs.Run``, a fresh process): ``--warmup`` steps, then ``--steps``
+measured ones, step i on the same random rows on both sides (the first losses and gradient norms agree up to
+rounding). On CPU a point's runs take their steps in turn (``timing.rounds``) with ``--threads`` threads each; on
+CUDA they run one after the other. Reported per run: the median step and CPU time, tokens/s, MFU (``lctrain.flops``:
+the GPU's dense bf16 peak, ``--peak-tflops`` otherwise, none on CPU; for packed rows also on the attention the rows
+really have), the peak memory and step peak (``runs.py``), on CUDA the reserved memory beyond the allocated; the
+lctrain / HF ratios. On CPU the memory figures come from a second set of runs with ``MALLOC_MMAP_THRESHOLD_``
+(``memory.py``; one warm-up step, then the peak of two); the timed runs keep glibc's default.
 
-Reported per run: the median step time (a step ends reading back its loss, so the device's work is in it) and CPU
-time (the process's user + system time, less disturbed than wall time by other work on the machine), tokens/s = S
-/ step time, MFU = tokens/s × ``lctrain.flops.flops_per_token`` / the GPU's dense bf16 peak (989 TFLOP/s on
-H100/H200; ``--peak-tflops`` otherwise; none on CPU), for packed rows also the MFU on the attention the rows really
-have (``document_flops_per_token``), the peak memory and the step peak (``runs.py``), on CUDA the reserved memory
-beyond the allocated (fragmentation); then lctrain / HF ratios. On CPU the memory figures come from a second set of
-runs taken the same way with ``MALLOC_MMAP_THRESHOLD_=65536`` (``memory.py``; one warm-up step, then the peak of
-two): glibc then returns freed buffers to the OS, so freed memory cannot hide a later allocation. The timed runs keep
-glibc's default, since with that setting every large temporary costs fresh page faults.
-
-Also, with the defaults:
-
-- FSDP2 at world size 1: one more step of each plain lctrain run under ``torch.profiler``: the kernel time launched
-  inside FSDP2's own ranges (``FSDP::*``: all-gather and reduce-scatter with their copies and casts, at world size 1
-  all overhead) over all kernel time of the step (CUDA), and their host time over the step's wall time (target
-  ≤ 3 %).
-- the allocator (CUDA): lctrain at the longest ``--seq`` and the last ``--checkpointing`` mode once more with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False``: the fragmentation that lctrain's default
-  (``lctrain.cli.ALLOCATOR_SETTINGS``) saves (``--no-allocator-compare`` skips it).
-
+Also: FSDP2 at world size 1 (one profiled step of each plain lctrain run: the kernel time launched inside FSDP2's
+``FSDP::*`` ranges over the step's, on CUDA, and their host time over the step's wall time; target ≤ 3 %); on CUDA
+lctrain once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (``--no-allocator-compare`` skips it).
 On request: ``--cpu-offload`` and ``--activation-offload`` (with ``--checkpointing full``) add an lctrain run with
-``parallel.cpu_offload`` / ``parallel.activation_offload`` at each point (their memory saving and slowdown);
-``--profile`` prints each run's ``--top`` kernels (operators on CPU). ``--json PATH`` writes every result.
-
-On CPU the tiny model's LM head (vocabulary 8192 × width 128) is most of its matmul work, so the loss's
-implementation weighs more in the ratio than on a real model.
+that setting at each point; ``--profile`` prints each run's ``--top`` kernels (operators on CPU); ``--json PATH``
+writes every result. On CPU the tiny model's LM head is most of its matmul work: the loss weighs more in the ratio
+than on a real model.
 """
 
 from __future__ import annotations

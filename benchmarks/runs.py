@@ -331,7 +331,7 @@ def run_group(
                 raise
             logs = [Path(out_dir) / f"rank{rank}.jsonl" for rank in range(ranks)]
             lines = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
-            per_rank = [{name: [r for r in rank if r.pop("side") == name] for name in specs} for rank in lines]
+            per_rank = [{name: [r for r in rank if r["side"] == name] for name in specs} for rank in lines]
             done = {name: min(len(rank[name]) for rank in per_rank) for name in specs}
             return [{"ready": None, "steps": {n: rank[n][: done[n]] for n in specs}} for rank in per_rank], stopped
 

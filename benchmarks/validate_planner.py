@@ -1,37 +1,22 @@
 """Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16).
 
-Run from the repository root::
-
     python -m benchmarks.validate_planner            # every case below, 3-8 minutes on 2 shared cores
     python -m benchmarks.validate_planner --quick    # the one-process cases only, about 2 minutes
     python -m benchmarks.validate_planner --save m.json; python -m benchmarks.validate_planner --load m.json  # re-score
     python -m benchmarks.validate_planner --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
 
-On CUDA (``--device cuda``, ``CUDA_CASES``): Llama-3.2-1B's sizes with an untied head, one GPU, bf16
-(``parallel.param_dtype=bfloat16``), three cases whose peaks lie in different phases (the loss's forward without
-checkpointing, the backward with full checkpointing, small loss chunks); measured = ``torch.cuda.max_memory_allocated``
-over the second step − the memory allocated before the ``Trainer`` was built, against the estimate in bf16 on CUDA.
-The caching allocator's reserve beyond that (fragmentation) is what the planner's ``--headroom`` covers, not this.
-
-For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this module as the worker
-(``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
-to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
-instead of keeping the high-water mark of a heap). The worker trains the tiny model of
-``recipes/tiny_cpu.yaml`` on a small generated jsonl corpus (``testbed/corpus.py``), case after case,
-each a fresh ``Trainer`` on the same process group:
-
-1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
-   leftovers: the baseline, which the planner does not model);
-2. one training step (AdamW's states now exist, as in every later step);
-3. the kernel's high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and a second step runs;
-4. measured = ``VmHWM`` after that step − the baseline: everything the training step holds at its peak, the model's
-   sharded states included (``runs.Measured``). The largest over ranks is compared with
-   ``lctrain.planner.estimate_memory`` (the largest over pipeline stages).
-
-A warm-up case runs first in every job (imports and kernels that load lazily would otherwise count in the first
-case). The table gives the estimate term by term, the measurement, and the relative error (estimate − measured) /
-measured; and the same on the whole resident set (baseline + peak), which is what ``peak_mem_gib`` in
-``metrics.jsonl`` reports on CPU.
+For each world size one ``torchrun --standalone --nproc-per-node P`` job runs this module as the worker
+(``OMP_NUM_THREADS=1``; on CPU ``MALLOC_MMAP_THRESHOLD_=65536``: the resident set then follows the live tensors, as
+``torch.cuda.max_memory_allocated`` does on a GPU). It trains ``recipes/tiny_cpu.yaml``'s model on a small generated
+corpus (``testbed/corpus.py``), case after case, each a fresh ``Trainer`` on the same process group
+(``runs.Measured``): the memory in use before it is built (the baseline: imports, the process group, earlier cases'
+leftovers, which the planner does not model), one step, then a second whose peak is measured; measured = that peak
+− the baseline (on CPU the resident set, on CUDA the allocated bytes; the caching allocator's reserve beyond them is
+what the planner's ``--headroom`` covers), the largest over ranks, against ``lctrain.planner.estimate_memory`` (the
+largest over pipeline stages). ``CUDA_CASES``: Llama-3.2-1B's sizes (untied) in bf16, peaks in different phases.
+A warm-up case runs first in every job (what loads lazily would otherwise count in the first case). The table gives
+the estimate term by term, the measurement and the relative error, and the same on the whole resident set
+(baseline + peak), what ``peak_mem_gib`` in ``metrics.jsonl`` reports on CPU.
 """
 
 from __future__ import annotations
