@@ -70,7 +70,7 @@ def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
         )
     check_model_job(cfg, world_size, config, len(tokenizer))
     if cfg.model.path is not None:
-        source = safetensors_source(cfg.model.path)  # fails now if the weights are missing
+        source = safetensors_source(cfg.model.path, config)  # fails now if the weights cannot make the model
     else:
         source = random_init_source(config, cfg.train.seed)
     return PreparedModel(tokenizer, config, adapter_source(source, cfg.train.seed))

@@ -91,8 +91,14 @@ class CheckpointConfig:
     # LoRA (model.lora.rank > 0): the export writes the adapter to <run_dir>/adapter (peft's format) and, with this,
     # the base model with the adapters merged into <run_dir>/hf
     export_merged: bool = True
+    # the names and shapes of the exported weights: published (what save_pretrained writes and every checkpoint on the
+    # Hub has: a mixture of experts' experts one tensor each) or fused (transformers' in-memory names: the experts
+    # stacked in one tensor per projection); the same for a family transformers converts nothing of
+    export_layout: str = "published"
 
     def __post_init__(self) -> None:
+        if self.export_layout not in ("published", "fused"):
+            raise ValueError(f"checkpoint.export_layout={self.export_layout!r} must be published or fused")
         if self.keep < 1:
             raise ValueError(f"checkpoint.keep={self.keep} must be >= 1")
         if self.every < 0:

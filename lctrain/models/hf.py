@@ -13,7 +13,6 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,11 +34,17 @@ from lctrain.models.families import (
     model_source,
     random_init_window_kwargs,
 )
+from lctrain.models.layouts import (
+    LAYOUT_WORDS,
+    WEIGHTS_NAME,
+    TensorSource,
+    checkpoint_files,
+    checkpoint_source,
+    to_layout,
+)
 
 logger = logging.getLogger("lctrain")
 
-TensorSource = Callable[[str, torch.Size], Tensor]
-WEIGHTS_NAME = "model.safetensors"
 RANDOM_INIT_CONTEXT = 131072  # max_position_embeddings of a randomly initialised model (RoPE has no length limit)
 RANDOM_INIT_ROPE_THETA = 10000.0
 # Wrappers applied by activation checkpointing and FSDP insert this into parameter names; checkpoints use HF names.
@@ -205,29 +210,15 @@ def random_init_source(config: PretrainedConfig, seed: int) -> TensorSource:
     return make
 
 
-def safetensors_source(path: str | Path) -> TensorSource:
-    """Full tensors read lazily (memory-mapped) from a local HF checkpoint's ``*.safetensors`` files."""
-    path = Path(path)
-    index = path / f"{WEIGHTS_NAME}.index.json"
-    if index.is_file():
-        files = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        files = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, "pt") as f:
-                files.update(dict.fromkeys(f.keys(), file))
-    if not files:
-        raise FileNotFoundError(f"model.path={str(path)!r} has no *.safetensors weights")
-
-    def read(name: str, shape: torch.Size) -> Tensor:
-        if name not in files:
-            raise KeyError(f"{path}: the checkpoint has no tensor {name!r} (is it a model of the configured family?)")
-        with safe_open(files[name], "pt") as f:
-            tensor = f.get_tensor(name)
-        if tensor.shape != shape:
-            raise ValueError(f"{files[name]}: {name} has shape {tuple(tensor.shape)}, the model {tuple(shape)}")
-        return tensor
-
+def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSource:
+    """Full tensors by the model's names, read lazily (memory-mapped) from the local Hugging Face checkpoint in
+    ``path`` for a model of ``config``: in the family's published layout or transformers' fused one, converted as
+    ``from_pretrained`` converts them (``lctrain.models.layouts``). Fails now, before any weight is read, if the
+    checkpoint cannot make every tensor of the model."""
+    source = model_source(str(path), config.model_type)
+    files = checkpoint_files(path)
+    read, plan = checkpoint_source(files, build_empty_model(config), source)
+    logger.info("%s: a %s checkpoint in %s", source, plan.model_type, LAYOUT_WORDS[plan.layout])
     return read
 
 
@@ -276,11 +267,13 @@ def export_hf(
     out_dir: str | Path,
     tokenizer=None,
     *,
+    layout: str = "published",
     part: int = 0,
     num_parts: int = 1,
 ) -> None:
     """Write a Hugging Face model directory (``config.json`` + safetensors weights [+ tokenizer]) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Every rank must call it (the shards are gathered).
+    ``AutoModelForCausalLM.from_pretrained`` loads, in ``layout`` (``write_hf``). Every rank must call it (the shards
+    are gathered).
 
     ``model`` holds FSDP-sharded (DTensor) or plain parameters under Hugging Face names. With pipeline stages each pp
     rank passes its parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp (``write_hf``).
@@ -291,6 +284,7 @@ def export_hf(
         config,
         out_dir,
         tokenizer,
+        layout=layout,
         part=part,
         num_parts=num_parts,
     )
@@ -302,16 +296,21 @@ def write_hf(
     out_dir: str | Path,
     tokenizer=None,
     *,
+    layout: str = "published",
     part: int = 0,
     num_parts: int = 1,
 ) -> None:
-    """Write the Hugging Face directory of ``export_hf`` from full ``tensors`` under Hugging Face names (None on the
-    ranks that write nothing). Every rank must call it. With ``num_parts`` > 1 the first rank of each part writes
-    ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index ``model.safetensors.index.json``, the
-    sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``."""
+    """Write the Hugging Face directory of ``export_hf`` from full ``tensors`` under the model's (in-memory) Hugging
+    Face names (None on the ranks that write nothing), in ``layout`` (``checkpoint.export_layout``): ``published``,
+    the names and per-expert tensors ``save_pretrained`` writes, or ``fused``, the model's own
+    (``lctrain.models.layouts.to_layout``). Every rank must call it. With ``num_parts`` > 1 the first rank of each part
+    writes ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index ``model.safetensors.index.json``,
+    the sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``."""
     writer = tensors is not None
     if writer and config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once
+    if writer:
+        tensors = to_layout(tensors, build_empty_model(config), layout)
     out_dir = Path(out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     file = WEIGHTS_NAME if num_parts == 1 else _part_file(part, num_parts)

@@ -257,12 +257,14 @@ def export_lora(
     *,
     base_path: str | None,
     merged: bool,
+    layout: str = "published",
     part: int = 0,
     num_parts: int = 1,
     pp_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Write ``<run_dir>/adapter`` (peft's format) and, with ``merged``, the merged model to ``<run_dir>/hf``
-    (``export_hf``'s layout, with the tokenizer). Every rank calls it.
+    """Write ``<run_dir>/adapter`` (peft's format: peft's names, the experts' adapters under their fused weights'
+    names) and, with ``merged``, the merged model to ``<run_dir>/hf`` in ``layout`` (``write_hf``, with the tokenizer).
+    Every rank calls it.
 
     ``model`` is the trained model (FSDP-sharded or plain, with pipeline stages this rank's parts: ``part`` its pp
     rank of ``num_parts``, ``pp_group`` the pp group). The adapters of every part are gathered to global rank 0,
@@ -283,4 +285,4 @@ def export_lora(
     if dist.is_initialized():
         dist.barrier()  # the adapter is written before any rank returns
     if merged:
-        write_hf(tensors, config, Path(run_dir) / "hf", tokenizer, part=part, num_parts=num_parts)
+        write_hf(tensors, config, Path(run_dir) / "hf", tokenizer, layout=layout, part=part, num_parts=num_parts)

@@ -130,7 +130,7 @@ def build_reference(
     if objective.reference == "initial" and cfg.model.lora.rank:
         return Reference(rows_forward(policy, hidden_states, cfg, mesh, device), adapters_disabled(policy.model))
     if objective.reference == "path":
-        prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path))
+        prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path, prepared.config))
     built = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False)
     built.model.requires_grad_(False)
     hidden = None if built.stages else FinalHiddenStates(built.model)

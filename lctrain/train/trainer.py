@@ -343,7 +343,12 @@ class Trainer:
     def export(self) -> None:
         """The trained model as a Hugging Face directory, ``<run_dir>/hf``; with LoRA the adapter in peft's format,
         ``<run_dir>/adapter``, and (``checkpoint.export_merged``) the merged model in ``hf/``."""
-        cfg, parts = self.cfg, {"part": self.mesh.get_local_rank("pp"), "num_parts": self.dims.pp}
+        cfg = self.cfg
+        parts = {
+            "part": self.mesh.get_local_rank("pp"),
+            "num_parts": self.dims.pp,
+            "layout": cfg.checkpoint.export_layout,
+        }
         if cfg.model.lora.rank:
             merged = cfg.checkpoint.export_merged
             export_lora(
@@ -362,7 +367,9 @@ class Trainer:
             merged = True
             export_hf(self.model, self.hf_config, self.run_dir / "hf", tokenizer=self.tokenizer, **parts)
         if merged:
-            logger.info("Hugging Face model written to %s", self.run_dir / "hf")
+            logger.info(
+                "Hugging Face model written to %s (%s layout)", self.run_dir / "hf", cfg.checkpoint.export_layout
+            )
 
     def _log_skipped(self) -> None:
         """One line with the loader's counts (``PackedLoader.skipped_line``: records skipped, conversations rendered

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from lctrain.build import tokenizer_path
 from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
-from lctrain.models import build_empty_model, materialize, model_config, random_init_source, safetensors_source
+from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.hf import hf_name, router_aux_coef
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.train.optim import build_optimizer, build_scheduler
@@ -95,7 +96,8 @@ def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torc
         if not grads:  # the first step's gradients, before clipping (full_tensor: a collective, every rank calls it)
             for name, param in trainer.model.named_parameters():
                 if param.requires_grad:  # with LoRA: the adapters and trained copies
-                    grads[hf_name(name)] = param.grad.full_tensor()
+                    # a copy: on a mesh of one, full_tensor is the gradient itself, which clipping scales in place
+                    grads[hf_name(name)] = param.grad.full_tensor().clone()
             if trainer.pp_group is not None:
                 stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(trainer.pp_group))]
                 dist.all_gather_object(stages, grads, group=trainer.pp_group)
@@ -199,12 +201,16 @@ def reference(
 
 
 def reference_model(cfg: JobConfig) -> torch.nn.Module:
-    """The plain Hugging Face model of a job with its initial weights (the checkpoint's, or the seeded init)."""
+    """The plain Hugging Face model of a job with its initial weights: the checkpoint's as transformers'
+    ``from_pretrained`` reads them (its own conversion of the checkpoint's layout, not lctrain's reader), or the
+    seeded init."""
     hf_config = model_config(cfg.model, vocab_size=len(load_tokenizer(tokenizer_path(cfg))))
     model = build_empty_model(hf_config)
     apply_lora(model, cfg.model.lora)  # the single-process peft model, built as build_model builds it
     if cfg.model.path is not None:
-        source = safetensors_source(cfg.model.path)
+        loaded = AutoModelForCausalLM.from_pretrained(cfg.model.path, config=hf_config, dtype=torch.float32)
+        weights = loaded.state_dict()
+        source = lambda name, shape: weights[name]  # noqa: E731
     else:
         source = random_init_source(hf_config, cfg.train.seed)
     materialize(model, adapter_source(source, cfg.train.seed), torch.device("cpu"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import HydraException
+from transformers import LlamaConfig
 
 from lctrain.config import RECIPE_DIR, check_job, load_config
 from lctrain.models import model_config, safetensors_source
@@ -306,7 +307,7 @@ def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
     missing.mkdir()
     (missing / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(FileNotFoundError, match=re.escape(f"model.path={str(missing)!r} has no *.safetensors")):
-        safetensors_source(missing)
+        safetensors_source(missing, LlamaConfig())
 
 
 _LOAD_AND_CHECK = """

@@ -38,16 +38,16 @@ def test_safetensors_source_reads_a_saved_model_and_names_what_is_wrong(tmp_path
     model = tiny_model(3)
     save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, tmp_path / "model.safetensors")
     loaded = build_empty_model(model.config)
-    materialize(loaded, safetensors_source(tmp_path), torch.device("cpu"))
+    materialize(loaded, safetensors_source(tmp_path, model.config), torch.device("cpu"))
     for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
-    read = safetensors_source(tmp_path)
-    with pytest.raises(KeyError, match="no tensor 'missing.weight'"):
+    read = safetensors_source(tmp_path, model.config)
+    with pytest.raises(KeyError, match="model has no tensor 'missing.weight'"):
         read("missing.weight", torch.Size([1]))
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight has shape \(50, 32\), the model \(2, 2\)"):
         read("model.embed_tokens.weight", torch.Size([2, 2]))
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        safetensors_source(tmp_path / "empty")
+        safetensors_source(tmp_path / "empty", model.config)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         model_config(ModelConfig(path=str(tmp_path / "nowhere")), vocab_size=50)
 

@@ -1,0 +1,50 @@
+"""Tiny Hugging Face checkpoints of every family lctrain trains, as users have them: a model made by transformers
+(its own seeded init) and written by its ``save_pretrained`` in the published layout (the default: a mixture of
+experts' experts one tensor each), in transformers' fused in-memory layout (``save_original_format=False``), or
+sharded over several files with an index; with lctrain's embedded tokenizer beside it, so a job can take the
+directory as ``model.path`` alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lctrain.data import load_tokenizer
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+_EXPERTS = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def hf_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny ``family`` model with transformers' own random init (seeded), fp32, the embedded tokenizer's vocab."""
+    config = AutoConfig.for_model(family, vocab_size=len(load_tokenizer(None)), **_SIZES, **_EXPERTS.get(family, {}))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_checkpoint(model: PreTrainedModel, directory: Path, *, layout: str = "published", shards: int = 1) -> Path:
+    """``model`` written by ``save_pretrained`` into ``directory`` with the embedded tokenizer: ``layout``
+    ``published`` (its default) or ``fused`` (``save_original_format=False``), in ``shards`` files (> 1: with
+    ``model.safetensors.index.json``)."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(
+        directory,
+        save_original_format=layout == "published",
+        max_shard_size=size // shards + 1 if shards > 1 else "50GB",
+    )
+    load_tokenizer(None).save_pretrained(directory)
+    return directory
