@@ -156,7 +156,7 @@ class Bench:
         key = (side, seq, layers, offload, steps)
         if key in self.done:
             return self.done[key]
-        spec = {"side": side, "job": self.job(side, seq, layers, offload), "doc_len": None, "threads": None}
+        spec = {"side": side, "job": self.job(side, seq, layers, offload)}
         ranks = args.ring * args.ulysses if side == "lctrain" else 1
         warmup_seq = min(args.warmup_seq, seq)
         what = f"{side}, {ranks} rank(s), S={seq}" + (f", {layers} layers" if layers else "")

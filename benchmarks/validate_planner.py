@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import command
+from benchmarks.report import command, machine_line
 from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
@@ -150,11 +148,7 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
         )
     lines = [
         f"command: {command_line}",
-        machine
-        or (
-            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-            f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-        ),
+        machine or f"machine: {machine_line()}",
         model,
         "",
         "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
