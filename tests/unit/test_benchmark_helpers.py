@@ -24,7 +24,8 @@ def test_rounds_alternate_the_sides_after_untimed_warm_ups() -> None:
 
 def test_slowest_takes_each_figure_of_each_round_from_the_worst_rank() -> None:
     rank0 = [{"ok": True, "error": None, "wall": 1.0, "peak": 5}, {"ok": True, "error": None, "wall": 2.0, "peak": 1}]
-    rank1 = [{"ok": True, "error": None, "wall": 3.0, "peak": 2}, {"ok": False, "error": "late", "wall": 1.0, "peak": 9}]
+    late = {"ok": False, "error": "late", "wall": 1.0, "peak": 9}
+    rank1 = [{"ok": True, "error": None, "wall": 3.0, "peak": 2}, late]
     assert slowest([rank0, rank1]) == [
         {"ok": True, "error": None, "wall": 3.0, "peak": 5},
         {"ok": False, "error": "late", "wall": 2.0, "peak": 9},
