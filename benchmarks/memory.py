@@ -18,8 +18,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from lctrain.train.meter import proc_bytes, reset_resident_peak
-
 # glibc serves buffers of 64 KiB or more with mmap and returns them to the OS when freed: the resident set then
 # follows the live buffers (as torch.cuda's allocated bytes do) instead of keeping a heap's high-water mark
 MALLOC_MMAP_THRESHOLD = "65536"
@@ -29,18 +27,26 @@ ABORT_EXIT_CODE = 3  # a process the watchdog ended
 def reset_peak() -> int:
     """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
     gc.collect()
+    from lctrain.train.meter import proc_bytes, reset_resident_peak  # torch: only in the processes that measure
+
     reset_resident_peak()
     return proc_bytes("VmRSS")
 
 
+def _proc_bytes(key: str, path: str = "/proc/self/status") -> int:
+    from lctrain.train.meter import proc_bytes
+
+    return proc_bytes(key, path)
+
+
 def pss() -> int:
     """This process's proportional set size: its private pages plus its share of pages it maps with others."""
-    return proc_bytes("Pss", "/proc/self/smaps_rollup")
+    return _proc_bytes("Pss", "/proc/self/smaps_rollup")
 
 
 def available() -> int:
     """The memory the machine can give without swapping (``MemAvailable``)."""
-    return proc_bytes("MemAvailable", "/proc/meminfo")
+    return _proc_bytes("MemAvailable", "/proc/meminfo")
 
 
 @contextlib.contextmanager
@@ -69,7 +75,7 @@ class BudgetWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            growth = proc_bytes("VmHWM") - self.base
+            growth = _proc_bytes("VmHWM") - self.base
             if growth > self.budget:
                 self.marker.write_text(json.dumps({"growth": growth}))
                 os._exit(ABORT_EXIT_CODE)
