@@ -2,9 +2,9 @@
 process or a rank of a spawned group: ``runs.py``): the same model, initial weights (lctrain's seeded init),
 optimizer, schedule, clipping and rows on both.
 
-- ``lctrain``: ``Trainer(cfg)`` on the default process group: USP attention, FSDP2 (also at world size 1), the
-  chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank feeds its shard of
-  the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the gradients then
+- ``lctrain``: ``Trainer(build_training_job(cfg))`` on the default process group: USP attention, FSDP2 (also at
+  world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
+  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the gradients then
   dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
 - ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
   under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
@@ -83,9 +83,10 @@ class LctrainSide:
     take, whose reference log-probs a preference objective precomputes (the reference model then dropped)."""
 
     def __init__(self, cfg: JobConfig, spec: dict[str, Any]):
+        from lctrain.train.job import build_training_job
         from lctrain.train.trainer import Trainer  # imported here: a process that runs the other side never needs it
 
-        self.trainer = Trainer(cfg)
+        self.trainer = Trainer(build_training_job(cfg))
         self.model, self.hf_config = self.trainer.model, self.trainer.hf_config
         self.spec, self.in_use = spec, None
         if spec.get("rows") == "loader":

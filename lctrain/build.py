@@ -1,8 +1,10 @@
-"""Building a job's model, the one way ``train`` and ``eval`` both use.
+"""Building a job, the one way ``train`` and ``eval`` both use, in dependency order: the prepared model (no process
+group: the tokenizer, the transformers config after the ``model.*`` settings, every check of the job against that
+model, and where the weights come from), then ``build_job``: the device, the dtypes (``Precision``, resolved once),
+the mesh and its groups (``lctrain.parallel.mesh.JobMesh``), the model on it. The training and evaluation jobs add
+their own parts to this ``Job`` (``lctrain.train.job``, ``lctrain.eval.evaluator``).
 
-``prepare_model`` needs no process group: the tokenizer, the transformers config (after the ``model.*`` settings),
-every check of the job against that model, and where the weights come from. ``build_model`` then puts the model
-on the job's mesh (``ParallelDims.build_mesh``), applying parallelism in one fixed order:
+``build_model`` puts a model on the job's mesh, applying parallelism in one fixed order:
 
     empty model (meta) -> LoRA adapters (model.lora) -> USP attention -> experts (a mixture of experts: lctrain's
     experts implementation, spread over parallel.ep ranks) -> pipeline stages -> chunked MLP
@@ -15,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from lctrain.config import JobConfig, ParallelConfig, check_model_job
@@ -34,12 +36,11 @@ from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from lctrain.parallel.dims import flat_mesh
-from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
+from lctrain.parallel.expert import apply_expert_parallel, expert_kernel, experts_modules
 from lctrain.parallel.fsdp import apply_fsdp
+from lctrain.parallel.mesh import JobMesh
 from lctrain.parallel.pipeline import PipelineStageModule, apply_pipeline, merge_stages
-from lctrain.rules import num_experts
-from lctrain.runtime import resolve_dtype
+from lctrain.runtime import Precision, resolve_device
 
 
 def tokenizer_path(cfg: JobConfig) -> str | None:
@@ -87,8 +88,9 @@ class BuiltModel:
 
 def build_model(
     prepared: PreparedModel,
-    mesh: DeviceMesh,
+    mesh: JobMesh,
     device: torch.device,
+    precision: Precision,
     *,
     parallel: ParallelConfig,
     lora: LoraConfig,
@@ -103,24 +105,22 @@ def build_model(
     apply_lora(model, lora)
     patch_attention(
         model,
-        ulysses_group=mesh.get_group("ulysses"),
-        ring_group=mesh.get_group("ring"),
+        ulysses_group=mesh.group("ulysses"),
+        ring_group=mesh.group("ring"),
         layout=parallel.layout,
         kernel=parallel.attention_kernel,
         device=device,
-        dtype=resolve_dtype(parallel.param_dtype, device),
+        dtype=precision.param,
     )
     # as torchtitan: experts placed before the pipeline cuts the model and FSDP shards what each rank holds
-    experts_mesh = None
-    if num_experts(prepared.config):
-        if parallel.ep > 1:
-            experts_mesh = parallel.dims().build_expert_mesh(mesh)
-        kernel = expert_kernel(device, resolve_dtype(parallel.param_dtype, device))
-        apply_expert_parallel(model, None if experts_mesh is None else experts_mesh["ep"], kernel)
+    experts_mesh = mesh.experts_mesh() if parallel.ep > 1 else None
+    if experts_modules(model):
+        ep_mesh = None if experts_mesh is None else experts_mesh["ep"]
+        apply_expert_parallel(model, ep_mesh, expert_kernel(device, precision.param))
     if parallel.pp > 1:
         stages = apply_pipeline(
             model,
-            mesh["pp"],
+            mesh.sub_mesh("pp"),
             schedule=parallel.pp_schedule,
             stages_per_rank=parallel.pp_stages_per_rank,
             split_points=parallel.pp_split_points,
@@ -128,7 +128,6 @@ def build_model(
         parts: list[nn.Module] = list(stages)
     else:
         stages, parts = [], [model]
-    dp_cp = flat_mesh(mesh, "dp_cp")
     for part in parts:
         apply_chunked_mlp(part.model.layers, parallel.mlp_chunk_tokens)
         if training:
@@ -140,9 +139,9 @@ def build_model(
             )
         apply_fsdp(
             part,
-            dp_cp,
-            param_dtype=resolve_dtype(parallel.param_dtype, device),
-            reduce_dtype=resolve_dtype(parallel.reduce_dtype, device),
+            mesh.sub_mesh("dp_cp"),
+            param_dtype=precision.param,
+            reduce_dtype=precision.reduce,
             # a training pipeline keeps its stages gathered over the step's micro-batches; a frozen model (a reference)
             # runs forward only, each layer gathered for its own forward
             reshard_after_forward=parallel.pp == 1 or not training,
@@ -152,3 +151,29 @@ def build_model(
         materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)
     return BuiltModel(merge_stages(stages) if stages else model, stages, num_params)
+
+
+@dataclass
+class Job:
+    """What every command builds first, in dependency order (module docstring)."""
+
+    cfg: JobConfig
+    prepared: PreparedModel
+    device: torch.device
+    precision: Precision
+    mesh: JobMesh
+    model: BuiltModel
+
+
+def build_job(cfg: JobConfig, *, training: bool) -> Job:
+    """The job of ``cfg`` on an initialized default process group, in the order of the module docstring:
+    ``training=False`` builds the model without activation checkpointing, in eval mode."""
+    prepared = prepare_model(cfg, dist.get_world_size())
+    device = resolve_device(cfg.train.device)
+    precision = Precision.resolve(cfg.parallel, device)
+    mesh = JobMesh.build(cfg.parallel.dims(), device.type)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(
+        prepared, mesh, device, precision, parallel=cfg.parallel, lora=cfg.model.lora, training=training
+    )
+    return Job(cfg, prepared, device, precision, mesh, model)

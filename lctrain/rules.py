@@ -189,12 +189,6 @@ def stage_layers(num_layers: int, num_stages: int, split_points: Sequence[str] =
     return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
 
 
-def num_experts(config: object) -> int:
-    """The routed experts per layer of a transformers config (``num_experts`` for Qwen3-MoE, ``num_local_experts``
-    for Mixtral); 0 for a dense model."""
-    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
-
-
 def check_expert_adapters(experts: bool, ep: int) -> None:
     """LoRA adapters on the expert weights (``experts``: ``model.lora.target_parameters``) need every expert on each
     rank: peft holds every expert's adapters in one matrix and adds their update to the whole expert weight, which

@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
-from lctrain.config import JobConfig, load_config
+from lctrain.config import JobConfig, ParallelConfig, load_config
 
 logger = logging.getLogger("lctrain")
 
@@ -49,6 +50,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The job's dtypes, resolved once for its device (``parallel.param_dtype``, ``parallel.reduce_dtype``)."""
+
+    param: torch.dtype  # parameters and compute
+    reduce: torch.dtype  # the gradients' reduce-scatter
+
+    @classmethod
+    def resolve(cls, parallel: ParallelConfig, device: torch.device) -> Precision:
+        return cls(resolve_dtype(parallel.param_dtype, device), resolve_dtype(parallel.reduce_dtype, device))
 
 
 class _ProgressBarSafeHandler(logging.Handler):

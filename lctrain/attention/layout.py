@@ -50,7 +50,7 @@ class SequencePlace:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, layout: str) -> SequencePlace:
-        """This rank's place on a mesh with ``ring`` and ``ulysses`` dims (``ParallelDims.build_mesh``)."""
+        """This rank's place on a mesh with ``ring`` and ``ulysses`` dims (``lctrain.parallel.mesh.JobMesh``)."""
         ring, ulysses = mesh["ring"], mesh["ulysses"]
         return cls(ring.get_local_rank(), ring.size(), ulysses.get_local_rank(), ulysses.size(), layout)
 

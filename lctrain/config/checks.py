@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lctrain.config.schema import JobConfig
-from lctrain.models.families import MOE_FAMILIES, check_experts, check_family, check_model_features, model_source
-from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads, num_experts
+from lctrain.families import check_experts, check_model_features, family_of, model_source, num_experts
+from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("lctrain")
 
@@ -82,19 +85,19 @@ def check_job(
         )
 
 
-def check_model_job(cfg: JobConfig, world_size: int, config: Any, vocab_size: int) -> None:
+def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, vocab_size: int) -> None:
     """The model first (a family lctrain runs exactly, the config features and ``model.sliding_window`` it can
-    honour: ``lctrain.models.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
+    honour: ``lctrain.families``), then ``check_job`` with the sizes of the transformers ``config`` the job
     builds (after its ``model.*`` settings) and the processes per node from torchrun's environment
     (``LOCAL_WORLD_SIZE``), then the LoRA settings against the model's modules (``check_lora``)."""
     from lctrain.models.lora import check_lora  # builds the model on meta: torch and peft
 
     source = model_source(cfg.model.path, cfg.model.family)
-    check_family(config.model_type, source)
+    family = family_of(config.model_type, source)
     check_model_features(config, source, cfg.model.sliding_window)
     check_experts(config, source, cfg.model.router_aux_loss_coef, cfg.train.router_aux_scope)
     router_loss = getattr(config, "output_router_logits", False) and config.router_aux_loss_coef > 0
-    if cfg.objective.name == "dpo" and config.model_type in MOE_FAMILIES and router_loss:
+    if cfg.objective.name == "dpo" and family.moe and router_loss:
         raise ValueError(
             f"objective.name=dpo with {config.model_type}'s router load-balancing loss: the preference loss does not "
             f"add it (its reference pass would count in the routers' statistics); set model.router_aux_loss_coef=0"

@@ -31,15 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention import SequencePlace
-from lctrain.build import PreparedModel, build_model, prepare_model, tokenizer_path
+from lctrain.build import Job, PreparedModel, build_job, prepare_model, tokenizer_path
 from lctrain.config import JobConfig
 from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import flat_mesh
-from lctrain.runtime import resolve_device
 from lctrain.train.validate import dp_turns, score_rows
 
 logger = logging.getLogger("lctrain")
@@ -54,9 +51,9 @@ def check_eval(cfg: JobConfig) -> None:
             dims.check_sequence_length(length, setting=name)
 
 
-def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
-    """Every check of an eval job, before any process group exists: a model to evaluate, no pipeline, the eval
-    settings, and the job (mesh, heads, RoPE) against the longest evaluated sequence."""
+def eval_config(cfg: JobConfig) -> JobConfig:
+    """The eval job's settings checked (a model to evaluate, no pipeline, the eval settings against the mesh), as a
+    copy whose ``data.seq_len`` is the longest evaluated sequence: the model and the mesh are checked against it."""
     if cfg.model.path is None:
         raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
     if cfg.parallel.pp > 1:
@@ -67,25 +64,36 @@ def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
     check_eval(cfg)
     checked = copy.deepcopy(cfg)
     checked.data.seq_len = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval)])
-    return prepare_model(checked, world_size)
+    return checked
+
+
+def prepare_eval(cfg: JobConfig, world_size: int) -> PreparedModel:
+    """Every check of an eval job, before any process group exists (``eval_config``, then the job against the
+    model)."""
+    return prepare_model(eval_config(cfg), world_size)
 
 
 def perplexity_lengths(cfg: EvalConfig) -> list[int]:
     return list(cfg.perplexity_lengths or cfg.lengths)
 
 
-class Evaluator:
+def build_eval_job(cfg: JobConfig) -> Job:
     """The model of ``model.path`` on the job's mesh (USP attention, FSDP over ``dp_cp``, no optimizer), built as
-    the trainer builds it, on an initialized default process group. ``parallel.pp > 1`` is refused."""
+    the trainer builds it (``lctrain.build.build_job``), on an initialized default process group; every check first
+    (``prepare_eval``)."""
+    return build_job(eval_config(cfg), training=False)
 
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
+
+class Evaluator:
+    """Scores an eval job (``build_eval_job``): passkey retrieval and perplexity. ``parallel.pp > 1`` is refused."""
+
+    def __init__(self, job: Job):
+        cfg = self.cfg = job.cfg
         self.rank = dist.get_rank()
-        self.device = resolve_device(cfg.train.device)
-
-        # 1. config, tokenizer and samples: every error is raised on every rank before any collective
-        prepared = prepare_eval(cfg, dist.get_world_size())
-        self.tokenizer_path, self.tokenizer = tokenizer_path(cfg), prepared.tokenizer
+        self.device, self.dims, self.place = job.device, job.mesh.dims, job.mesh.place
+        self.tokenizer_path, self.tokenizer = tokenizer_path(cfg), job.prepared.tokenizer
+        # dp_cp: where parameters are sharded and per-sample sums reduced
+        self.dp_cp_group, self.dp_rank, self.dp = job.mesh.dp_cp, job.mesh.dp_rank, job.mesh.dims.dp
         self.samples: dict[tuple[int, float], list[PasskeySample]] = {}
         if "passkey" in cfg.eval.tasks:
             ev = cfg.eval
@@ -93,18 +101,7 @@ class Evaluator:
                 for depth in ev.depths:
                     keys = [sample_key(ev.seed, length, depth, i, ev.digits) for i in range(ev.samples)]
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
-
-        # 2. mesh: dp_cp is where parameters are sharded and per-sample sums reduced
-        self.dims = cfg.parallel.dims()
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)
-        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
-        self.dp_rank, self.dp = self.mesh.get_local_rank("dp"), self.dims.dp
-
-        # 3. model, as the trainer builds it (lctrain.build), without activation checkpointing: no backward
-        self.model = build_model(
-            prepared, self.mesh, self.device, parallel=cfg.parallel, lora=cfg.model.lora, training=False
-        ).model
+        self.model = job.model.model  # as the trainer builds it, without activation checkpointing: no backward
         self.final_hidden_states = FinalHiddenStates(self.model)
         logger.info(
             "eval %s on mesh %s (%s), device %s: %s",

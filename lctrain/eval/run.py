@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lctrain.config import JobConfig
-from lctrain.eval.evaluator import Evaluator, prepare_eval
+from lctrain.eval.evaluator import Evaluator, build_eval_job, prepare_eval
 from lctrain.eval.report import passkey_table, plot_passkey, write_json
 from lctrain.runtime import run_command
 
@@ -31,7 +31,7 @@ def out_dir(cfg: JobConfig) -> Path:
 def evaluate(cfg: JobConfig) -> dict[str, Any]:
     """Run ``eval.tasks`` on an initialized default process group; rank 0 writes the files. Every rank returns the
     same ``{"passkey": [cells], "perplexity": [lengths]}`` (a task not run is absent)."""
-    evaluator = Evaluator(cfg)
+    evaluator = Evaluator(build_eval_job(cfg))
     dims = evaluator.dims
     meta = {
         "model": cfg.model.path,

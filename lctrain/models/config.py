@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lctrain.models.families import ROPE_SCALING_TYPES, check_family, model_source
+from lctrain.families import ROPE_SCALING_TYPES, family_of, model_source
 
 
 @dataclass
@@ -111,4 +111,4 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.path is None:  # a checkpoint's own model type is checked when its config is read
-            check_family(self.family, model_source(None, self.family))
+            family_of(self.family, model_source(None, self.family))

@@ -25,15 +25,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from lctrain.models.config import ModelConfig
-from lctrain.models.families import (
-    MOE_FAMILIES,
+from lctrain.families import (
     apply_sliding_window,
-    check_family,
+    family_of,
     layer_windows,
     model_source,
+    num_experts,
     random_init_window_kwargs,
 )
+from lctrain.models.config import ModelConfig
 from lctrain.models.layouts import (
     LAYOUT_WORDS,
     WEIGHTS_NAME,
@@ -67,13 +67,14 @@ def hf_name(name: str) -> str:
 
 def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     """The transformers config: read from ``cfg.path``, or built from the sizes in ``cfg`` (random init), with the
-    job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.models.families``).
+    job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.families``).
 
-    Random init builds ``cfg.family`` (one of ``FAMILIES``) with ``head_dim = hidden_size / num_heads`` (Qwen3's
-    config class would default to 128), a mixture of experts with ``model.num_experts`` experts of width
-    ``model.intermediate_size``, ``model.experts_per_token`` per token, and no sliding window unless
-    ``model.sliding_window`` > 0, then on every layer (transformers' class defaults, Mistral's 4096 and Qwen's 4096,
-    are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is applied (``set_router_aux_loss``)."""
+    Random init builds ``cfg.family`` (one of ``FAMILIES``), with ``head_dim = hidden_size / num_heads`` where its
+    record says (``Family.head_dim_from_width``: Qwen3's config class would default to 128), a mixture of experts
+    with ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per token,
+    and no sliding window unless ``model.sliding_window`` > 0, then on every layer (transformers' class defaults,
+    Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is
+    applied (``set_router_aux_loss``)."""
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -81,30 +82,29 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
         config = AutoConfig.from_pretrained(path)
-        check_family(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
+        family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
     else:
-        check_family(cfg.family, model_source(None, cfg.family))
-        extra = (
-            {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family in ("qwen3", "qwen3_moe", "mixtral") else {}
-        )
-        extra |= _random_init_experts(cfg)
-        config = _random_init_config(
-            cfg,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            vocab_size=cfg.vocab_size or vocab_size,
-            max_position_embeddings=RANDOM_INIT_CONTEXT,
-            rope_theta=RANDOM_INIT_ROPE_THETA,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            initializer_range=cfg.init_std,
-            attention_dropout=0.0,
-            **extra,
-            **random_init_window_kwargs(cfg.family, cfg.sliding_window),
-        )
+        family = family_of(cfg.family, model_source(None, cfg.family))
+        fields = {
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "vocab_size": cfg.vocab_size or vocab_size,
+            "max_position_embeddings": RANDOM_INIT_CONTEXT,
+            "rope_theta": RANDOM_INIT_ROPE_THETA,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "initializer_range": cfg.init_std,
+            "attention_dropout": 0.0,
+        }
+        if family.head_dim_from_width:
+            fields["head_dim"] = cfg.hidden_size // cfg.num_heads
+        if family.experts is not None:  # model.num_experts of width model.intermediate_size
+            fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
+            fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+        config = _random_init_config(cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window))
     set_rope(config, cfg)
     set_router_aux_loss(config, cfg.router_aux_loss_coef)
     windows = [window for window in layer_windows(config) if window]
@@ -134,25 +134,12 @@ def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
         ) from None
 
 
-def _random_init_experts(cfg: ModelConfig) -> dict[str, object]:
-    """The transformers config arguments of a randomly initialised mixture of experts' experts (none for a dense
-    family): ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per
-    token."""
-    if cfg.family == "qwen3_moe":
-        experts = {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.intermediate_size}
-    elif cfg.family == "mixtral":
-        experts = {"num_local_experts": cfg.num_experts}
-    else:
-        return {}
-    return experts | {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
-
-
 def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
     """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
     coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
     ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
     trained. ``router_aux_coef`` reads the result."""
-    if coef is None or config.model_type not in MOE_FAMILIES:
+    if coef is None or not num_experts(config):
         return
     config.router_aux_loss_coef = coef
     config.output_router_logits = coef > 0
@@ -161,7 +148,7 @@ def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
 def router_aux_coef(config: PretrainedConfig) -> float:
     """The weight of the router's load-balancing loss in the step's loss: 0 for a dense model, else transformers'
     (``router_aux_loss_coef`` when ``output_router_logits``)."""
-    if config.model_type not in MOE_FAMILIES or not getattr(config, "output_router_logits", False):
+    if not num_experts(config) or not getattr(config, "output_router_logits", False):
         return 0.0
     return float(config.router_aux_loss_coef)
 
@@ -220,6 +207,15 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
     read, plan = checkpoint_source(files, build_empty_model(config), source)
     logger.info("%s: a %s checkpoint in %s", source, plan.model_type, LAYOUT_WORDS[plan.layout])
     return read
+
+
+def checkpoint_layout(path: str | Path) -> str:
+    """The layout of the Hugging Face checkpoint in ``path``, in words (``LAYOUT_WORDS``), planned as
+    ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
+    config = AutoConfig.from_pretrained(path)
+    source = model_source(str(path), config.model_type)
+    _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source)
+    return LAYOUT_WORDS[plan.layout]
 
 
 @torch.no_grad()

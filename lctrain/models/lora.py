@@ -51,9 +51,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lctrain.families import FAMILIES, num_experts
 from lctrain.models.config import LoraConfig
 from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
-from lctrain.rules import check_expert_adapters, num_experts
+from lctrain.rules import check_expert_adapters
 
 if TYPE_CHECKING:  # peft is imported where it is used: importing it takes seconds, and the checks never need it
     from peft import LoraConfig as PeftLoraConfig
@@ -62,11 +63,6 @@ if TYPE_CHECKING:  # peft is imported where it is used: importing it takes secon
 logger = logging.getLogger("lctrain")
 
 ADAPTER = "default"  # peft's adapter name: the one adapter lctrain trains
-# the attention and MLP projections, the default targets: the same leaf names in every family lctrain runs; a mixture
-# of experts' default is the attention's (peft reads Qwen3-MoE's MLP names as its experts': see check_lora), its
-# experts get adapters from model.lora.target_parameters only
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 # modules that get no adapters, and why
 _NOT_TARGETS = {
     "lm_head": "the chunked loss computes the logits from the LM head's weight, not through its forward",
@@ -76,9 +72,9 @@ TRAINED_COPY = f"modules_to_save.{ADAPTER}."  # inside the name of a trainable m
 
 
 def lora_targets(lora: LoraConfig, config: PretrainedConfig) -> list[str]:
-    """The leaf module names that get adapters: ``model.lora.target_modules``, or the projections (of a mixture of
-    experts, ``config``'s family, the attention's)."""
-    return list(lora.target_modules) or list(ATTENTION if num_experts(config) else PROJECTIONS)
+    """The leaf module names that get adapters: ``model.lora.target_modules``, or ``config``'s family's default
+    (``Family.lora_targets``)."""
+    return list(lora.target_modules) or list(FAMILIES[config.model_type].lora_targets)
 
 
 def peft_config(lora: LoraConfig, config: PretrainedConfig, base_path: str | None = None) -> PeftLoraConfig:

@@ -9,18 +9,17 @@ made of adjacent ranks (one node, fast all-to-all); the ring spans nodes. Flatte
   the gradients are reduced over (context-parallel ranks hold the same parameters, so they take part in sharding).
 
 Expert parallelism (``ep``, mixtures of experts) draws its ranks from ``dp_cp``, innermost first:
-``build_expert_mesh`` unflattens ``dp_cp`` into ``(efsdp, ep)``; each ``ep`` group holds all the experts between
+``JobMesh.experts_mesh`` unflattens ``dp_cp`` into ``(efsdp, ep)``; each ``ep`` group holds all the experts between
 its ranks, and FSDP shards the experts over ``efsdp`` (the ranks holding the same ones) instead of ``dp_cp``.
 
 The rules (sequence divisibility, Ulysses inside a node) and their wording are ``lctrain.rules``'. Importing this
-module loads neither torch nor transformers (the planner's layouts are ``ParallelDims``); ``build_mesh`` imports
-torch when it runs.
+module loads neither torch nor transformers (the planner's layouts are ``ParallelDims``); the mesh itself is
+``lctrain.parallel.mesh.JobMesh``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lctrain.rules import (
     check_expert_parallel,
@@ -29,10 +28,6 @@ from lctrain.rules import (
     check_ulysses_inside_nodes,
     sequence_divisor,
 )
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
 
 AXES = ("pp", "dp", "ring", "ulysses")
 FLATTENED = {"cp": ("ring", "ulysses"), "dp_cp": ("dp", "ring", "ulysses")}
@@ -107,49 +102,3 @@ class ParallelDims:
     def check_ulysses_inside_nodes(self, ranks_per_node: int, *, ranks: str = "processes") -> None:
         """Every Ulysses group lies inside one node of ``ranks_per_node`` ranks (``ranks`` names them)."""
         check_ulysses_inside_nodes(self.ulysses, ranks_per_node, ranks=ranks)
-
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4D mesh with dims ``AXES`` plus the flattened ``cp`` and ``dp_cp`` sub-meshes (module docstring).
-
-        The default process group must be initialised; every rank must call this.
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        options = default_group_options(device_type)
-        mesh = init_device_mesh(
-            device_type,
-            (self.pp, self.dp, self.ring, self.ulysses),
-            mesh_dim_names=AXES,
-            backend_override=dict.fromkeys(AXES, options),
-        )
-        for name in FLATTENED:
-            mesh[FLATTENED[name]]._flatten(name, backend_override=options)
-        return mesh
-
-    def build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The ``dp_cp`` ranks of ``mesh`` (made by ``build_mesh``) as the 2-D mesh ``(efsdp, ep)``: ``ep`` innermost
-        (adjacent ranks: Ulysses neighbours first, then ring, then dp), each of its groups holding all experts
-        between them; ``efsdp`` = dp_cp / ep, the ranks holding the same experts, that FSDP shards them over. Every
-        rank must call this, once per model."""
-        options = default_group_options(mesh.device_type)
-        return flat_mesh(mesh, "dp_cp")._unflatten(
-            0, (self.efsdp, self.ep), EXPERT_AXES, backend_override=dict.fromkeys(EXPERT_AXES, options)
-        )
-
-
-def default_group_options(device_type: str) -> object:
-    """Options for the mesh's groups with the default process group's timeout (``train.timeout_s``), of its
-    backend's type. Without them torch creates those groups with its own default timeout (30 minutes for gloo, 10
-    for NCCL), and a rank waiting on the ring or Ulysses group for a lost peer would wait that long."""
-    import torch
-    import torch.distributed as dist
-
-    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type)).options
-    options = type(default)()
-    options._timeout = default._timeout
-    return options
-
-
-def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """The flattened sub-mesh ``name`` (``cp`` or ``dp_cp``) of a mesh made by ``ParallelDims.build_mesh``."""
-    return mesh[FLATTENED[name]]._flatten(name)

@@ -75,7 +75,7 @@ class PipelineStageModule(ModelParts):
     """One pipeline stage: ``[embed_tokens] -> layers -> [norm -> head]``, as the Hugging Face model's forward runs
     them (attention is whatever implementation the model was patched with).
 
-    The decoder layers of every family lctrain runs (``lctrain.models.families``) take the same call, and each
+    The decoder layers of every family lctrain runs (``lctrain.families``) take the same call, and each
     layer's sliding window lives in its own attention module (Qwen) or the config (Mistral), so the windows need no
     mask here: the model's forward would only build masks, which USP attention does not take."""
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lctrain.families import FAMILIES
 from lctrain.planner.presets import FP32, GIB, Layout, ModelSpec, Workload
 from lctrain.rules import stage_layers
 
 STATE_BYTES = 4 + 4 + 8  # per parameter, FSDP-sharded: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
-LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the layers model.lora adapts by default
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def layer_activation_bytes(
         k = model.experts_per_token
         # the router's logits and probabilities, its top-k (fp32 weights, int64 indices) renormalised (their sum)
         mlp += 2 * k * h * e + model.experts * (e + FP32) + k * (FP32 + 8) + (k + 1) * FP32
-    projections = 4 if model.moe else len(LORA_PROJECTIONS)  # a mixture of experts: adapters on attention only
+    projections = len(FAMILIES[model.family].lora_targets)  # the layers model.lora adapts by default
     adapters = 0 if lora is None else projections * lora.rank * e
     return norms + attention + mlp + adapters
 

@@ -41,6 +41,7 @@ class ModelSpec:
     experts: int = 0  # routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0  # the router's top-k
     expert_intermediate: int = 0  # one expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size)
+    layout: str | None = None  # the layout of the weights in ``path`` (lctrain.models.layouts), in words; None: none
 
     @property
     def moe(self) -> bool:
@@ -116,14 +117,14 @@ class ModelSpec:
         # imported here: the named sizes need neither transformers nor torch (lctrain.models imports both)
         from transformers import AutoConfig
 
-        from lctrain.models.families import check_family, layer_windows
+        from lctrain.families import expert_width, family_of, layer_windows, num_experts
 
-        family = config.get("model_type", "llama")
-        check_family(family, f"--model {name}")
+        record = family_of(config.get("model_type", "llama"), f"--model {name}")
+        family = record.model_type
         hf = AutoConfig.for_model(**{**config, "model_type": family})
         attention_bias = bool(getattr(hf, "attention_bias", False))
         windows = tuple(layer_windows(hf))
-        experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
+        experts = num_experts(hf)
         if experts and (getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1):
             raise ValueError(
                 f"{name}: the planner counts experts in every layer (mlp_only_layers [], decoder_sparse_step 1)"
@@ -139,18 +140,16 @@ class ModelSpec:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             tied=bool(hf.tie_word_embeddings),
             family=family,
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family != "qwen2" and attention_bias,
+            qkv_bias=record.qkv_bias or attention_bias,
+            o_bias=not record.qkv_bias and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=record.qk_norm,
             rope_theta=config.get("rope_theta"),
             path=path,
             windows=windows if any(windows) else (),
             experts=experts,
             experts_per_token=int(getattr(hf, "num_experts_per_tok", 0)) if experts else 0,
-            expert_intermediate=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
-            if experts
-            else 0,
+            expert_intermediate=expert_width(hf) if experts else 0,
         )
 
 
@@ -204,7 +203,13 @@ def load_model(spec: str) -> ModelSpec:
             f"directory with a config.json"
         )
     model_dir = config_file.parent.resolve()
-    return ModelSpec.from_hf_config(json.loads(config_file.read_text()), name=model_dir.name, path=str(model_dir))
+    model = ModelSpec.from_hf_config(json.loads(config_file.read_text()), name=model_dir.name, path=str(model_dir))
+    if any(model_dir.glob("*.safetensors")):
+        # imported here: torch and transformers, only for a directory with weights
+        from lctrain.models.hf import checkpoint_layout
+
+        model = replace(model, layout=checkpoint_layout(model_dir))
+    return model
 
 
 @dataclass(frozen=True)

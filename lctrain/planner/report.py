@@ -30,7 +30,9 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "
         f"per step, {dtype}\n{work.nodes} node(s) x {work.gpus_per_node} {hw.name}: {hw.tflops:g} TFLOP/s peak at "
         f"MFU {work.mfu:g}, {hw.mem_gib:g} GiB ({work.headroom:.0%} kept free), intra-node {hw.intra_gbps:g} "
-        f"GB/s, inter-node {hw.inter_gbps:g} GB/s per GPU (x{work.link_efficiency:g} achieved)" + _measured(hw)
+        f"GB/s, inter-node {hw.inter_gbps:g} GB/s per GPU (x{work.link_efficiency:g} achieved)"
+        + _measured(hw)
+        + (f"\nweights: {model.path}, {model.layout}" if model.layout else "")
     )
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from lctrain.families import active_parameters, layer_windows
 from lctrain.flops import flops_per_token, mfu
-from lctrain.models.families import active_parameters, layer_windows
 
 GIB = 2**30
 # Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.

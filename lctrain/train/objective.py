@@ -27,21 +27,20 @@ report zeros of the same size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.config.schema import ObjectiveConfig
 from lctrain.data.packing import IGNORE_INDEX
-from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.dims import flat_mesh
+from lctrain.parallel.mesh import JobMesh
 from lctrain.train.loss import chunked_cross_entropy, chunked_cross_entropy_by_group
 from lctrain.train.preference import PreferenceLoss
-from lctrain.train.reference import ReferenceCache, build_reference
+from lctrain.train.reference import Reference
 
 Batch = dict[str, Any]
 
@@ -113,46 +112,32 @@ class TokenMeanLoss:
         return result
 
 
+Objective = TokenMeanLoss | PreferenceLoss
+
+
 def build_objective(
-    cfg: Any,
+    objective: ObjectiveConfig,
     sources: Sequence[str],
     *,
-    prepared: Any,
-    mesh: Any,
+    mesh: JobMesh,
     device: torch.device,
-    built: Any,
-    hidden_states: FinalHiddenStates | None,
-    steps: Callable[[], Iterable[Sequence[Batch]]] | None = None,
-) -> TokenMeanLoss | PreferenceLoss:
-    """The objective of ``cfg.objective.name`` (``cfg``: the ``JobConfig``): ``TokenMeanLoss``, or ``PreferenceLoss``
-    with its reference model (``reference.build_reference``: ``prepared``, the built policy ``built`` (a
-    ``lctrain.build.BuiltModel``) and its ``hidden_states`` forward, None with pipeline stages) on the job's
-    ``mesh``, over the rows' ``sources``. With ``objective.precompute_reference``, the reference's log-probs of
-    ``steps()`` (this rank's micro-batches of every step of the run, then the validation rows) from
-    ``<run_dir>/reference_logps/dp<rank>.pt``, computed and saved there first when it is not there yet."""
-    dp_cp = flat_mesh(mesh, "dp_cp").get_group()
-    chunk_tokens = cfg.train.loss_chunk_tokens
-    if cfg.objective.name == "lm":
-        return TokenMeanLoss(sources, group=dp_cp, device=device, chunk_tokens=chunk_tokens)
-    cp = cfg.parallel.ring * cfg.parallel.ulysses
-    objective = PreferenceLoss(
-        cfg.objective,
+    chunk_tokens: int,
+    reference: Reference | None,
+    last_stage: bool,
+) -> Objective:
+    """The objective of ``objective.name`` over the rows' ``sources``, its sums reduced over ``mesh``'s groups:
+    ``TokenMeanLoss``, or ``PreferenceLoss`` with its ``reference`` (``lctrain.train.reference.build_reference``;
+    ``last_stage``: this rank runs the model's last pipeline stage, or the whole model). ``chunk_tokens``:
+    ``train.loss_chunk_tokens``."""
+    if objective.name == "lm":
+        return TokenMeanLoss(sources, group=mesh.dp_cp, device=device, chunk_tokens=chunk_tokens)
+    return PreferenceLoss(
+        objective,
         sources,
-        group=dp_cp,
-        cp_group=flat_mesh(mesh, "cp").get_group() if cp > 1 else None,
+        group=mesh.dp_cp,
+        cp_group=mesh.cp,
         device=device,
         chunk_tokens=chunk_tokens,
-        reference=build_reference(cfg, prepared, mesh, device, built, hidden_states),
-        last_stage=not built.stages or built.stages[-1].last,
+        reference=reference,
+        last_stage=last_stage,
     )
-    if cfg.objective.precompute_reference and objective.reference is not None:
-        assert steps is not None, "precomputing the reference needs the run's steps"
-        path = Path(cfg.train.run_dir) / "reference_logps" / f"dp{mesh.get_local_rank('dp')}.pt"
-        source = cfg.objective.reference_path or cfg.model.path or f"the random init of seed {cfg.train.seed}"
-        identity = f"objective.reference={cfg.objective.reference} ({source})"
-        cache = ReferenceCache.load(path, identity)
-        if cache is None:
-            objective.precompute_reference(steps(), ReferenceCache(path, identity))
-        else:
-            objective.use_cache(cache)
-    return objective

@@ -16,14 +16,15 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.pipeline import StageHead, build_schedule
-from lctrain.train.forward import Batch, ModelForward, PipelineForward, RowsForward
+from lctrain.build import BuiltModel, Job, build_model
+from lctrain.config.schema import ObjectiveConfig
+from lctrain.models import LoraConfig, safetensors_source
+from lctrain.parallel.pipeline import StageHead
+from lctrain.train.forward import Batch, RowsForward
 
 
 class Reference:
@@ -111,45 +112,25 @@ def adapters_disabled(model: torch.nn.Module) -> Callable[[], AbstractContextMan
 
 
 def build_reference(
-    cfg: Any, prepared: Any, mesh: Any, device: torch.device, policy: Any, hidden_states: FinalHiddenStates | None
+    objective: ObjectiveConfig,
+    job: Job,
+    policy_forward: Callable[[], RowsForward],
+    forward_only: Callable[[BuiltModel], RowsForward],
 ) -> Reference | None:
-    """The reference model of the job (``cfg``: its ``JobConfig``; ``prepared``: its ``lctrain.build.PreparedModel``;
-    ``policy``: the trained model, a ``lctrain.build.BuiltModel``, and ``hidden_states`` its forward, None with
-    pipeline stages), or None when no loss needs one.
-
-    ``objective.reference``: ``initial`` with LoRA is the policy's forward with its adapters disabled; ``initial``
-    without LoRA a frozen copy of the initial weights, and ``path`` a Hugging Face directory's weights, built like
-    the policy (the same attention, mesh, pipeline stages, FSDP sharding and ``parallel.cpu_offload``), in eval mode,
-    without gradients or optimizer state."""
-    from lctrain.build import build_model  # the build imports the trainer's modules
-    from lctrain.models import LoraConfig, safetensors_source
-
-    objective = cfg.objective
+    """The reference model of ``objective`` for the policy ``job.model`` (a ``lctrain.build.Job``), or None when no
+    loss needs one: with LoRA and ``objective.reference=initial`` the policy's own forward (``policy_forward()``)
+    with its adapters disabled; else a frozen model built like the policy (the same attention, mesh, pipeline
+    stages, FSDP sharding and ``parallel.cpu_offload``; the initial weights, or ``objective.reference_path``'s), in
+    eval mode, without gradients or optimizer state, run by ``forward_only``."""
     if not objective.needs_reference:
         return None
-    if objective.reference == "initial" and cfg.model.lora.rank:
-        return Reference(rows_forward(policy, hidden_states, cfg, mesh, device), adapters_disabled(policy.model))
+    if objective.reference == "initial" and job.cfg.model.lora.rank:
+        return Reference(policy_forward(), adapters_disabled(job.model.model))
+    prepared = job.prepared
     if objective.reference == "path":
         prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path, prepared.config))
-    built = build_model(prepared, mesh, device, parallel=cfg.parallel, lora=LoraConfig(), training=False)
-    built.model.requires_grad_(False)
-    hidden = None if built.stages else FinalHiddenStates(built.model)
-    return Reference(rows_forward(built, hidden, cfg, mesh, device))
-
-
-def rows_forward(
-    built: Any, hidden_states: FinalHiddenStates | None, cfg: Any, mesh: Any, device: torch.device
-) -> RowsForward:
-    """A forward-only run of a step's rows through ``built`` (a ``lctrain.build.BuiltModel``): the whole model's
-    ``hidden_states``, or a forward-only schedule over its pipeline stages (a micro-batch per row of a step)."""
-    if not built.stages:
-        return ModelForward(hidden_states, device)
-    schedule = build_schedule(
-        built.stages,
-        mesh["pp"],
-        schedule=cfg.parallel.pp_schedule,
-        microbatches=cfg.data.batch_size * cfg.train.grad_accum,
-        device=device,
-        training=False,
+    built = build_model(
+        prepared, job.mesh, job.device, job.precision, parallel=job.cfg.parallel, lora=LoraConfig(), training=False
     )
-    return PipelineForward(schedule, device)
+    built.model.requires_grad_(False)
+    return Reference(forward_only(built))

@@ -1,5 +1,5 @@
-"""The training loop, top to bottom: config -> mesh -> data -> model (patched, checkpointed, sharded) -> loss ->
-optimizer -> metrics -> checkpoint.
+"""The training loop, top to bottom, over a job built once (``lctrain.train.job``): data -> model (patched,
+checkpointed, sharded) -> loss -> optimizer -> metrics -> checkpoint.
 
 Launch with ``torchrun ... -m lctrain train recipe=NAME [overrides]``; see ``recipes/`` and ``configs/``.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -17,123 +16,44 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from tqdm import tqdm
 
-from lctrain.attention import SequencePlace
-from lctrain.build import build_model, prepare_model, tokenizer_path
-from lctrain.checkpoint import Checkpointer, complete_checkpoints
+from lctrain.build import prepare_model, tokenizer_path
+from lctrain.checkpoint import complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
 from lctrain.config.checks import check_objective_data
-from lctrain.data import DataConfig, PackedLoader, check_data, load_tokenizer
+from lctrain.data import check_data, load_tokenizer
 from lctrain.models import export_hf
-from lctrain.models.hf import router_aux_coef
-from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import export_lora
-from lctrain.models.moe import with_router_loss
-from lctrain.parallel.dims import flat_mesh
-from lctrain.parallel.pipeline import build_schedule, step_inputs
-from lctrain.runtime import resolve_device, run_command
+from lctrain.parallel.pipeline import step_inputs
+from lctrain.runtime import run_command
 from lctrain.train.forward import model_hidden, row_fields
+from lctrain.train.job import TrainingJob, build_training_job
 from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
 from lctrain.train.metrics import MetricsLogger
-from lctrain.train.objective import Batch, StepTotals, build_objective
-from lctrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
-from lctrain.train.reference import rows_forward
+from lctrain.train.objective import Batch, StepTotals
+from lctrain.train.optim import clip_grad_norm, step_if_finite
 from lctrain.train.stages import check_stages, pending_stages, stage_configs
-from lctrain.train.validate import Validator
 
 logger = logging.getLogger("lctrain")
 
 
 class Trainer:
-    """Builds everything from a ``JobConfig`` on an initialized default process group, then ``train()``."""
+    """Runs a ``TrainingJob`` (``lctrain.train.job.build_training_job``) to ``train.steps``: ``train()``."""
 
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.device = resolve_device(cfg.train.device)
+    def __init__(self, job: TrainingJob):
+        base = job.base
+        self.cfg, cfg = base.cfg, base.cfg
+        self.rank = dist.get_rank()
+        self.device, self.mesh, self.dims = base.device, base.mesh, base.mesh.dims
+        self.place, self.pp_group = base.mesh.place, base.mesh.pp
+        self.tokenizer, self.hf_config = base.prepared.tokenizer, base.prepared.config
         self.run_dir = Path(cfg.train.run_dir)
-
-        # 1. the model's tokenizer, config and weights source, checked against the job before any collective
-        prepared = prepare_model(cfg, world_size)
-        self.tokenizer, self.hf_config = prepared.tokenizer, prepared.config
-
-        # 2. mesh: pp × dp × ring × ulysses; dp_cp (flattened) is where parameters are sharded and losses reduced
-        par = cfg.parallel
-        self.dims = par.dims()
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.place = SequencePlace.from_mesh(self.mesh, self.dims.layout)  # this rank's (ring, ulysses) part
-        self.dp_cp_group = flat_mesh(self.mesh, "dp_cp").get_group()
-        self.pp_group = self.mesh.get_group("pp") if self.dims.pp > 1 else None
-        torch.manual_seed(cfg.train.seed)
-
-        # 3. data: this rank's dp shard of the rows, cut to its place; the validation rows (every rank the same rows)
-        data, dp_rank = dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg)), self.mesh.get_local_rank("dp")
-        self.loader = PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)
-        self.validator = Validator(
-            data,
-            cfg.train,
-            place=self.place,
-            dp_rank=dp_rank,
-            dp=self.dims.dp,
-            group=self.dp_cp_group,
-            device=self.device,
-        )
-
-        # 4. the model (lctrain.build), then the objective (with its reference model, if it needs one). With pp > 1
-        # the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face names, for the
-        # optimizer, clipping, checkpoints and export.
-        built = build_model(
-            prepared,
-            self.mesh,
-            self.device,
-            parallel=par,
-            lora=cfg.model.lora,
-            training=True,
-        )
-        self.model, num_params = built.model, built.num_params
-        self.hidden_states = None if built.stages else FinalHiddenStates(self.model)
-        self.objective = build_objective(
-            cfg,
-            self.loader.names,
-            prepared=prepared,
-            mesh=self.mesh,
-            device=self.device,
-            built=built,
-            hidden_states=self.hidden_states,
-            steps=lambda: self._run_steps(data, dp_rank),
-        )
-        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
-        if built.stages:
-            self.schedule = build_schedule(
-                built.stages,
-                self.mesh["pp"],
-                schedule=par.pp_schedule,
-                microbatches=cfg.data.batch_size * cfg.train.grad_accum,
-                device=self.device,
-                training=True,
-            )
-        # a mixture of experts adds its routers' load-balancing loss (its statistics over each row's cp ranks, or over
-        # the step's rows from a forward-only run of them first: train.router_aux_scope)
-        global_scope = cfg.train.router_aux_scope == "global"
-        self.objective = with_router_loss(
-            self.objective,
-            self.model,
-            built.stages,
-            self.hf_config,
-            router_aux_coef(self.hf_config),
-            group=self.dp_cp_group,
-            cp_group=flat_mesh(self.mesh, "cp").get_group() if self.dims.cp > 1 else None,
-            device=self.device,
-            scope=cfg.train.router_aux_scope,
-            forward=rows_forward(built, self.hidden_states, cfg, self.mesh, self.device) if global_scope else None,
-        )
-
-        # 5. optimizer, schedule, checkpoints, metrics
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        # with pp > 1 the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face
+        # names, for the optimizer, clipping, checkpoints and export
+        self.model, self.hidden_states, self.schedule = base.model.model, job.hidden_states, job.schedule
+        self.loader, self.validator, self.objective = job.loader, job.validator, job.objective
+        self.optimizer, self.scheduler, self.checkpointer = job.optimizer, job.scheduler, job.checkpointer
         self.step = 0
         self._resume()
         if self.rank == 0:
@@ -142,13 +62,13 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
-        config = self.hf_config
+        config, num_params = self.hf_config, base.model.num_params
         self.meter = StepMeter(
             self.device,
             tokens=cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp,
             per_token=model_flops_per_token(config, num_params, cfg.data.seq_len),
             peak=peak_flops(self.device, cfg.train.peak_tflops),
-            devices=world_size,
+            devices=dist.get_world_size(),
         )
         logger.info(
             "model %s: %.2fM parameters, mesh %s, seq_len %d, device %s",
@@ -158,16 +78,6 @@ class Trainer:
             cfg.data.seq_len,
             self.device,
         )
-
-    def _run_steps(self, data: DataConfig, dp_rank: int) -> Iterator[list[Batch]]:
-        """This rank's micro-batches of every step of the run, from the start (a loader of its own), then the
-        validation rows one at a time: what a precomputed reference covers."""
-        loader, accum = (
-            iter(PackedLoader(data, dp_rank=dp_rank, dp_size=self.dims.dp, place=self.place)),
-            self.cfg.train.grad_accum,
-        )
-        steps = ([next(loader) for _ in range(accum)] for _ in range(self.cfg.train.steps))
-        return itertools.chain(steps, ([row] for row in self.validator.rows))
 
     def _resume(self) -> None:
         """Continue from a checkpoint. On the mesh that saved it, every rank takes its own state back. On another
@@ -184,7 +94,7 @@ class Trainer:
             source_rank = self.rank
         elif saved["dp"] == mesh["dp"]:
             # the saving rank at pp 0, ring 0, ulysses 0 of this rank's dp index: it held this dp rank's data state
-            source_rank = self.mesh.get_local_rank("dp") * saved["ring"] * saved["ulysses"]
+            source_rank = self.mesh.dp_rank * saved["ring"] * saved["ulysses"]
             logger.info("checkpoint %s was saved with mesh %s; loading it into mesh %s", path, saved, mesh)
         else:
             raise ValueError(
@@ -345,7 +255,7 @@ class Trainer:
         ``<run_dir>/adapter``, and (``checkpoint.export_merged``) the merged model in ``hf/``."""
         cfg = self.cfg
         parts = {
-            "part": self.mesh.get_local_rank("pp"),
+            "part": self.mesh.pp_rank,
             "num_parts": self.dims.pp,
             "layout": cfg.checkpoint.export_layout,
         }
@@ -377,7 +287,7 @@ class Trainer:
         read the same ones)."""
         skipped = self.loader.skipped()
         counts = torch.tensor([list(c.values()) for c in skipped.values()], device=self.device)
-        dist.all_reduce(counts, group=self.mesh.get_group("dp"))
+        dist.all_reduce(counts, group=self.mesh.dp)
         summed = {name: dict(zip(c, total)) for (name, c), total in zip(skipped.items(), counts.tolist())}
         line = self.loader.skipped_line(summed)
         if self.rank == 0 and line:
@@ -400,7 +310,7 @@ def train(cfg: JobConfig) -> None:
     """The job (or the unfinished stages of ``train.stages``), on the initialized default process group."""
     jobs = pending_stages(cfg)  # [cfg], or the unfinished stages of train.stages
     for job in jobs:
-        Trainer(job).train()  # from stage 1 on, starts from the previous stage's export
+        Trainer(build_training_job(job)).train()  # from stage 1 on, starts from the previous stage's export
 
 
 def latest_checkpoint(cfg: JobConfig) -> Path | None:

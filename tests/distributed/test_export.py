@@ -45,8 +45,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lctrain.attention import unshard_sequence
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
+from lctrain.families import apply_sliding_window, layer_windows
 from lctrain.models import random_init_source
-from lctrain.models.families import apply_sliding_window, layer_windows
 from lctrain.testing import run_distributed
 from testbed.corpus import corpus_overrides, write_corpus
 
@@ -141,30 +141,33 @@ def sharded_logits(trainer: Any) -> torch.Tensor:
 def train_and_logits(root: str) -> dict[str, Any] | None:
     """Each case: train, export, then the trained sharded model's logits on ``fixed_input`` (full, on rank 0).
     Then a fine-tuning job loads the ``untied`` export with ``model.path`` (sharded, its own tokenizer)."""
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     out: dict[str, Any] = {}
     corpus = corpus_overrides(Path(root) / "corpus.jsonl")
     for name, overrides in CASES.items():
         cfg = load_config([*BASE, *corpus, *overrides, f"train.run_dir={Path(root) / name}"])
-        trainer = Trainer(cfg)
+        trainer = Trainer(build_training_job(cfg))
         out[name] = {"losses": trainer.train(), "logits": sharded_logits(trainer)}
     hf_dir = Path(root) / "untied" / "hf"
     cfg = load_config(
         [*BASE, *corpus, "parallel.ring=2", "model=hf", f"model.path={hf_dir}", f"train.run_dir={root}/ft"]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     out["finetune"] = {"logits": sharded_logits(trainer), "tokenizer": trainer.tokenizer.name_or_path}
     for name, overrides in ROPE_CASES.items():
         run_dir = Path(root) / f"rope_{name}"
         model = ["parallel.ring=2", "model=hf", f"model.path={hf_dir}", "train.steps=1", *overrides]
-        trainer = Trainer(load_config([*BASE, *corpus, *model, f"train.run_dir={run_dir}"]))
+        trainer = Trainer(build_training_job(load_config([*BASE, *corpus, *model, f"train.run_dir={run_dir}"])))
         trainer.train()
         out[f"rope_{name}"] = {"logits": sharded_logits(trainer)}
     for name, (overrides, _) in FAMILY_CASES.items():
         model = [item.replace("<root>", root) for item in overrides]
         run_dir = Path(root) / f"family_{name}"
-        trainer = Trainer(load_config([*BASE, *corpus, "train.steps=1", *model, f"train.run_dir={run_dir}"]))
+        trainer = Trainer(
+            build_training_job(load_config([*BASE, *corpus, "train.steps=1", *model, f"train.run_dir={run_dir}"]))
+        )
         trainer.train()
         out[f"family_{name}"] = {"logits": sharded_logits(trainer)}
     return out if dist.get_rank() == 0 else None

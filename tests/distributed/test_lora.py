@@ -186,6 +186,7 @@ def world_4(configs: dict[Case, JobConfig]) -> dict | None:
 
 
 def world_2(configs: dict[Case, JobConfig], workdir: str) -> dict | None:
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     run_a = configs[RESUMED_CASE]  # A: checkpoints at steps 3 and 6, and the export
@@ -193,14 +194,14 @@ def world_2(configs: dict[Case, JobConfig], workdir: str) -> dict | None:
     out: dict[str, Any] = {"results": {case: train_case(cfg) for case, cfg in configs.items()}}
     checkpoints = f"{run_a.train.run_dir}/checkpoints"
     resume = f"{checkpoints}/step_{RESUME_AT:08d}"
-    out["B"] = Trainer(rerun(run_a, f"{workdir}/B", resume)).train()
+    out["B"] = Trainer(build_training_job(rerun(run_a, f"{workdir}/B", resume))).train()
     run_c = rerun(run_a, f"{workdir}/C", resume, pp=1, ring=2)
-    trainer = Trainer(run_c)
+    trainer = Trainer(build_training_job(run_c))
     out["C"] = trainer.train()
     out["C_logits"] = sharded_logits(trainer)
     run_e = rerun(run_c, f"{workdir}/E", f"{workdir}/C/checkpoints/step_{STEPS:08d}")  # nothing left to train
     run_e.checkpoint.export_merged = False
-    Trainer(run_e).train()
+    Trainer(build_training_job(run_e)).train()
     return out if dist.get_rank() == 0 else None
 
 

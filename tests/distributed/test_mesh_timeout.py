@@ -1,7 +1,7 @@
 """``train.timeout_s`` bounds the waits on every process group of the mesh, not only on the default group.
 
 Torch creates a device mesh's groups with its own default timeout (30 minutes for gloo, 10 for NCCL) unless it is
-given options; ``ParallelDims.build_mesh`` gives them the default group's. Found on two network hosts whose link
+given options; ``JobMesh.build`` gives them the default group's. Found on two network hosts whose link
 was cut: ranks blocked in a ring transfer (a subgroup) did not stop after ``train.timeout_s``.
 
 4 spawned gloo ranks, default group created with a 10 s timeout (room for a slow start on a loaded machine), mesh
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import ParallelDims
+from lctrain.parallel.mesh import JobMesh
 
 GROUPS = ("ring", "ulysses", "cp", "dp_cp")
 TIMEOUT_S = 10
@@ -34,9 +35,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=timeout)
-    mesh = ParallelDims(ring=2, ulysses=2).build_mesh("cpu")
-    groups = {name: mesh.get_group(name) for name in ("ring", "ulysses")}
-    groups |= {name: flat_mesh(mesh, name).get_group() for name in ("cp", "dp_cp")}
+    mesh = JobMesh.build(ParallelDims(ring=2, ulysses=2), "cpu")
+    groups = {"ring": mesh.group("ring"), "ulysses": mesh.group("ulysses"), "cp": mesh.cp, "dp_cp": mesh.dp_cp}
     done = Path(out) / "done"
     if rank != 0:
         deadline = time.monotonic() + 120

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lctrain.attention import SequencePlace
+from lctrain.families import layer_windows
 from lctrain.models import patch_attention
-from lctrain.models.families import layer_windows
-from lctrain.parallel.dims import ParallelDims, flat_mesh
+from lctrain.parallel.dims import ParallelDims
+from lctrain.parallel.mesh import JobMesh
 from lctrain.testing import run_distributed
 from lctrain.train.loss import chunked_cross_entropy
 
@@ -96,12 +96,11 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and context-parallel-summed gradients of one forward+backward on this rank's shard."""
-    dims = ParallelDims(ring=ring, ulysses=ulysses)
-    mesh = dims.build_mesh("cpu")
+    mesh = JobMesh.build(ParallelDims(ring=ring, ulysses=ulysses), "cpu")
     model = build_model(family)
-    patch_attention(model, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"))
+    patch_attention(model, ulysses_group=mesh.group("ulysses"), ring_group=mesh.group("ring"))
     input_ids, position_ids, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
-    shard = functools.partial(SequencePlace.from_mesh(mesh, dims.layout).shard, dim=1)
+    shard = functools.partial(mesh.place.shard, dim=1)
     hidden = model.model(
         input_ids=shard(input_ids),
         position_ids=shard(position_ids),
@@ -109,7 +108,7 @@ def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str,
     ).last_hidden_state
     # the chunked loss on this rank's tokens (5 at a time), divided by the valid tokens of the whole row
     local_sum, tokens = chunked_cross_entropy(hidden, model.lm_head.weight, shard(labels), chunk_tokens=5)
-    cp_group = flat_mesh(mesh, "cp").get_group()
+    cp_group = mesh.cp
     dist.all_reduce(tokens, group=cp_group)
     loss = local_sum / tokens
     loss.backward()

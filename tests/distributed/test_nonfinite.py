@@ -55,12 +55,13 @@ def parameters(trainer: object) -> dict[str, torch.Tensor]:
 
 
 def run(root: str, policy: str, fault: str) -> dict:
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     run_dir = f"{root}/{policy}_{fault}"
     overrides = [*BASE, *corpus_overrides(Path(root) / "corpus.jsonl"), f"train.run_dir={run_dir}"]
     cfg = load_config([*overrides, f"train.nonfinite={policy}"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     forward_loss, optimizer_step = trainer.forward_loss, trainer.optimizer_step
     scale = {"nan_loss": float("nan"), "inf_loss": float("inf"), "nan_grad": 1.0}[fault]
 
@@ -88,7 +89,7 @@ def run(root: str, policy: str, fault: str) -> dict:
         losses = trainer.train()
     except FloatingPointError as raised:
         error = str(raised)
-        resumed = parameters(Trainer(load_config([*overrides, "checkpoint.resume=auto"])))
+        resumed = parameters(Trainer(build_training_job(load_config([*overrides, "checkpoint.resume=auto"]))))
     finally:
         logging.getLogger("lctrain").removeHandler(records)
     grad_norms = [json.loads(line)["grad_norm"] for line in (Path(run_dir) / "metrics.jsonl").open()]

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
+from lctrain.train.job import build_training_job
 from lctrain.train.trainer import Trainer
 from testbed.corpus import write_corpus
 from tests.helpers.reference_training import job_config
@@ -52,12 +53,12 @@ def job(workdir: str, name: str, parallel: list[str], *, resume: str = "none", e
 
 def run_jobs(workdir: str) -> dict[str, object] | None:
     step_3, step_6 = f"{workdir}/A/checkpoints/step_00000003", f"{workdir}/A/checkpoints/step_00000006"
-    results: dict[str, object] = {"A": Trainer(job(workdir, "A", PIPELINE, every=3)).train()}
-    results["B"] = Trainer(job(workdir, "B", PIPELINE, resume=step_3)).train()
-    results["C"] = Trainer(job(workdir, "C", RING, resume=step_3)).train()
-    results["D"] = Trainer(job(workdir, "D", RING, resume=step_6)).train()
+    results: dict[str, object] = {"A": Trainer(build_training_job(job(workdir, "A", PIPELINE, every=3))).train()}
+    results["B"] = Trainer(build_training_job(job(workdir, "B", PIPELINE, resume=step_3))).train()
+    results["C"] = Trainer(build_training_job(job(workdir, "C", RING, resume=step_3))).train()
+    results["D"] = Trainer(build_training_job(job(workdir, "D", RING, resume=step_6))).train()
     try:
-        Trainer(job(workdir, "E", ["parallel.dp=2"], resume=step_3))
+        Trainer(build_training_job(job(workdir, "E", ["parallel.dp=2"], resume=step_3)))
     except ValueError as error:
         results["E"] = str(error)
     return results if dist.get_rank() == 0 else None

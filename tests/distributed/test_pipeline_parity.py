@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.config import JobConfig
 from lctrain.data import load_tokenizer
-from lctrain.models.families import layer_windows
+from lctrain.families import layer_windows
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,

@@ -54,6 +54,7 @@ class Crash(Exception):
 
 def run_job(root: str, name: str, crash_at_call: int | None) -> dict[str, Any]:
     """``lctrain train``'s loop over the pending stages; ``Trainer.train_step`` raises on call ``crash_at_call``."""
+    from lctrain.train.job import build_training_job
     from lctrain.train.stages import pending_stages
     from lctrain.train.trainer import Trainer
 
@@ -70,7 +71,7 @@ def run_job(root: str, name: str, crash_at_call: int | None) -> dict[str, Any]:
     started_from_export, resumed_steps = [], []
     try:
         for job in pending_stages(cfg):
-            trainer = Trainer(job)
+            trainer = Trainer(build_training_job(job))
             resumed_steps.append(trainer.step)
             if job.model.path is not None:  # a later stage: its weights at the start are the previous export
                 exported = load_file(Path(job.model.path) / "model.safetensors")

@@ -74,6 +74,7 @@ def nccl_and_gloo_group():
 
 
 def test_cpu_offload_trains_like_the_same_job_on_the_gpu(nccl_and_gloo_group, tmp_path) -> None:
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     overrides = [
@@ -96,7 +97,7 @@ def test_cpu_offload_trains_like_the_same_job_on_the_gpu(nccl_and_gloo_group, tm
         cfg = load_config([*overrides, f"parallel.cpu_offload={offload}", f"train.run_dir={tmp_path / str(offload)}"])
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(cfg)
+        trainer = Trainer(build_training_job(cfg))
         losses = trainer.train()
         locals_ = [p.to_local() for p in trainer.model.parameters()]
         results[offload] = (losses, torch.cuda.max_memory_allocated(), locals_)

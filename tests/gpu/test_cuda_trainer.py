@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from lctrain.config import load_config
 from lctrain.models import build_empty_model, materialize, random_init_source
 from lctrain.models.hf import hf_name
+from lctrain.train.job import build_training_job
 from lctrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -53,7 +54,7 @@ def nccl_group():
 
 def test_first_step_matches_plain_model_and_loss_falls(nccl_group, tmp_path) -> None:
     cfg = load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=30"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     batch = next(iter(trainer.loader))
     loss = trainer.forward_backward([batch]).loss.item()
     grads = {hf_name(n): p.grad.full_tensor().float() for n, p in trainer.model.named_parameters()}
@@ -80,7 +81,7 @@ def test_first_step_matches_plain_model_and_loss_falls(nccl_group, tmp_path) -> 
 
 def test_a_training_step_syncs_with_the_host_once(nccl_group, tmp_path) -> None:
     cfg = load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     assert trainer.optimizer.defaults["fused"] is True
     batches = iter(trainer.loader)
     trainer.train_step([next(batches)])  # the first step creates AdamW's states and the communicators
@@ -99,7 +100,7 @@ def test_a_training_step_syncs_with_the_host_once(nccl_group, tmp_path) -> None:
 
 def test_a_nan_gradient_skips_the_update_on_the_device(nccl_group, tmp_path) -> None:
     """Fused AdamW on CUDA with FSDP2's DTensors: a NaN gradient leaves parameters and AdamW's states as they were."""
-    trainer = Trainer(load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"]))
+    trainer = Trainer(build_training_job(load_config([*OVERRIDES, f"train.run_dir={tmp_path}", "train.steps=3"])))
     batches = iter(trainer.loader)
     trainer.train_step([next(batches)])
     params = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lctrain.data import load_tokenizer
+from lctrain.families import FAMILIES as RECORDS
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = tuple(RECORDS)
+MOE_FAMILIES = tuple(name for name, record in RECORDS.items() if record.moe)
 _SIZES = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -23,15 +24,14 @@ _SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
-_EXPERTS = {
-    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-}
 
 
 def hf_model(family: str, seed: int = 0) -> PreTrainedModel:
-    """A tiny ``family`` model with transformers' own random init (seeded), fp32, the embedded tokenizer's vocab."""
-    config = AutoConfig.for_model(family, vocab_size=len(load_tokenizer(None)), **_SIZES, **_EXPERTS.get(family, {}))
+    """A tiny ``family`` model with transformers' own random init (seeded), fp32, the embedded tokenizer's vocab; a
+    mixture of experts with 4 experts of width 32, 2 per token."""
+    experts = RECORDS[family].experts
+    sizes = _SIZES if experts is None else {**_SIZES, experts.count: 4, experts.width: 32, "num_experts_per_tok": 2}
+    config = AutoConfig.for_model(family, vocab_size=len(load_tokenizer(None)), **sizes)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lctrain.config import JobConfig, ObjectiveConfig
 from lctrain.models.hf import hf_name
+from lctrain.train.job import build_training_job
 from lctrain.train.preference import PreferenceLoss
 from lctrain.train.reference import ReferenceCache
 from lctrain.train.trainer import Trainer
@@ -58,7 +59,7 @@ def preference_job(workdir: str, run_dir: str, *, objective: dict, parallel: Seq
 
 def rank_micro_batches(cfg: JobConfig, trainer: Trainer, rows: Sequence[Row]) -> list[dict]:
     """This rank's micro-batches of a step's ``rows``: micro-batch m of dp rank d holds rows ``(m·dp + d)·B ...``."""
-    dp, d, size = cfg.parallel.dp, trainer.mesh.get_local_rank("dp"), cfg.data.batch_size
+    dp, d, size = cfg.parallel.dp, trainer.mesh.dp_rank, cfg.data.batch_size
     starts = [(m * dp + d) * size for m in range(cfg.train.grad_accum)]
     return [shard_rows(rows[s : s + size], trainer.place, cfg.parallel.layout) for s in starts]
 
@@ -78,7 +79,7 @@ def run_losses(
     ``Trainer.forward_backward`` over the step's ``rows`` (no optimizer step). Rank 0 returns them. ``adapters``:
     every ``lora_B`` set to ``ADAPTER_B`` first; ``precompute``: the reference's log-probs of the rows precomputed
     first (``PreferenceLoss.precompute_reference``), the steps looking them up."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     if adapters:
         set_adapters(trainer.model)
     batches = rank_micro_batches(cfg, trainer, rows)

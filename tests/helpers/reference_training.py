@@ -33,6 +33,7 @@ from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.hf import hf_name, router_aux_coef
 from lctrain.models.lora import adapter_source, apply_lora
+from lctrain.train.job import build_training_job
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
 
@@ -87,7 +88,7 @@ def job_config(
 def train_case(cfg: JobConfig) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Per-step losses and gradient norms of ``Trainer.train()``, and the full gradients of the first step (with
     pipeline stages: of every stage, gathered to each rank)."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     grads: dict[str, torch.Tensor] = {}
     norms: list[float] = []
     optimizer_step = trainer.optimizer_step

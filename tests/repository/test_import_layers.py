@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lctrain"
 
 # lowest first; a part may import from the layers before its own, never from its own layer's other parts or above
 LAYERS = [
-    {"rules", "flops", "checkpoint", "testing", "lazy"},  # torch-free rules, FLOP counts, checkpoint files, lazy names
+    {"rules", "families", "flops", "checkpoint", "testing", "lazy"},  # torch-free rules and family records, FLOPs, ...
     {"attention"},
     {"parallel", "models", "data"},
     {"config"},

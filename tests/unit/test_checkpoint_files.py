@@ -232,6 +232,7 @@ def test_load_refuses_incomplete_or_missing(process_group: None, tmp_path: Path,
 
 
 def test_trainer_resume_from_missing_path_names_it(process_group: None, tmp_path: Path) -> None:
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     missing = tmp_path / "runs" / "old" / "checkpoints" / "step_00000100"
@@ -250,7 +251,7 @@ def test_trainer_resume_from_missing_path_names_it(process_group: None, tmp_path
         ]
     )
     with pytest.raises(FileNotFoundError, match=f"{missing} is not a complete checkpoint"):
-        Trainer(cfg)
+        Trainer(build_training_job(cfg))
     assert not run_dir.exists()
 
 
@@ -370,6 +371,7 @@ def test_crafted_extras_run_no_code(process_group: None, tmp_path: Path) -> None
 
 
 def test_trainer_resume_into_another_model_names_key_and_fix(process_group: None, tmp_path: Path) -> None:
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
     from testbed.corpus import corpus_overrides, write_corpus
 
@@ -393,10 +395,10 @@ def test_trainer_resume_into_another_model_names_key_and_fix(process_group: None
             ]
         )
 
-    Trainer(config("old", 32)).train()
+    Trainer(build_training_job(config("old", 32))).train()
     path = tmp_path / "old" / "checkpoints" / "step_00000001"
     with pytest.raises(ValueError) as error:
-        Trainer(config("new", 48, f"checkpoint.resume='{path}'"))
+        Trainer(build_training_job(config("new", 48, f"checkpoint.resume='{path}'")))
     message = str(error.value)
     assert message.startswith(f"{path} does not match this model: its weight model.embed_tokens.weight has shape [")
     assert ", 32] and this model's [" in message and ", 48]. A checkpoint loads only into the model" in message

@@ -20,8 +20,8 @@ from hydra.errors import HydraException
 from transformers import LlamaConfig
 
 from lctrain.config import RECIPE_DIR, check_job, load_config
+from lctrain.families import layer_windows
 from lctrain.models import model_config, safetensors_source
-from lctrain.models.families import layer_windows
 from lctrain.train.stages import check_stage_jobs, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]

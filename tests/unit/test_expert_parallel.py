@@ -12,9 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.config import check_job, load_config
+from lctrain.families import num_experts
 from lctrain.parallel.dims import ParallelDims
 from lctrain.parallel.expert import KERNELS, apply_expert_parallel, experts_modules, fastest_cpu_kernel
-from lctrain.rules import num_experts
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 FAMILIES = {

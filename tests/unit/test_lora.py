@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from lctrain.config import load_config
+from lctrain.families import PROJECTIONS
 from lctrain.models import build_empty_model, model_config, random_init_source
 from lctrain.models.hf import hf_name
-from lctrain.models.lora import PROJECTIONS, adapter_source, apply_lora
+from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.train.trainer import check
 from tests.unit.test_checkpoint_files import process_group  # noqa: F401  (a gloo group of one)
 

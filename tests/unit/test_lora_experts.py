@@ -15,9 +15,10 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from lctrain.config import load_config
+from lctrain.families import ATTENTION
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.models.hf import hf_name
-from lctrain.models.lora import ATTENTION, adapter_source, apply_lora, check_lora
+from lctrain.models.lora import adapter_source, apply_lora, check_lora
 from lctrain.train.trainer import check
 from tests.unit.test_checkpoint_files import process_group  # noqa: F401  (a gloo group of one)
 

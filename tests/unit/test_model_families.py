@@ -1,4 +1,4 @@
-"""The model families lctrain runs (``lctrain/models/families.py``): every decoder layer's attention receives the
+"""The model families lctrain runs (``lctrain/families.py``): every decoder layer's attention receives the
 sliding window ``layer_windows`` says it has (recorded from the attention function transformers calls), for
 checkpoints shaped like the published ones and for random init, with ``model.sliding_window`` null, 0 and W; the
 exported ``config.json`` reloads with the same windows; model types and config features lctrain cannot run exactly
@@ -19,8 +19,8 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, A
 
 from lctrain.config import check_model_job, load_config
 from lctrain.data import load_tokenizer
+from lctrain.families import layer_windows
 from lctrain.models import export_hf, model_config
-from lctrain.models.families import layer_windows
 
 VOCAB = 50
 SIZES = {

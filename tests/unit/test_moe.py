@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lctrain.config import load_config
+from lctrain.families import active_parameters, moe_layers
 from lctrain.models import model_config
 from lctrain.models.chunked_mlp import apply_chunked_mlp
-from lctrain.models.families import active_parameters, moe_layers
 from lctrain.models.hf import router_aux_coef
 from lctrain.models.moe import RouterStatistics, RouterTotals, balance_loss_share, router_statistics
 from lctrain.parallel.pipeline import ModelParts

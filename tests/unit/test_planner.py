@@ -40,6 +40,7 @@ from lctrain.planner import (
     step_time,
 )
 from lctrain.planner.memory import Lora
+from lctrain.planner.report import describe
 from tests.helpers.models import layer_saved_bytes
 
 TINY = NAMED_MODELS["tiny"]
@@ -175,6 +176,28 @@ def test_hf_directory_is_read_like_transformers(case: str, tmp_path: Path) -> No
     assert spec.num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="neither a named size"):
         load_model(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    "family,layout,words",
+    [
+        ("mixtral", "published", "the published layout"),
+        ("qwen3_moe", "fused", "transformers' fused in-memory layout"),
+        ("qwen3", "published", "its one layout"),
+    ],
+)
+def test_the_plan_says_which_layout_a_checkpoint_has(family: str, layout: str, words: str, tmp_path: Path) -> None:
+    from tests.helpers.checkpoints import hf_model, save_checkpoint
+
+    save_checkpoint(hf_model(family), tmp_path, layout=layout)
+    model = load_model(str(tmp_path))
+    assert model.layout.startswith(words)
+    assert f"weights: {tmp_path.resolve()}, {words}" in describe(
+        model, HARDWARE["h100"], Workload(4096, gpus_per_node=8)
+    )
+    for file in tmp_path.glob("*.safetensors"):  # no weights: nothing said
+        file.unlink()
+    assert load_model(str(tmp_path)).layout is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

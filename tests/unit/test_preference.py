@@ -123,13 +123,14 @@ def test_reference_free_losses_need_no_reference() -> None:
 
 
 def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
     from testbed.pairs import shard_rows
 
     cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "reference"), loss_type=["sigmoid", "sft"])
     reference = other_model(cfg, tmp_path / "reference")
     pairs_by_row = step_pairs(3)
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     rows = [shard_rows([row]) for row in packed_rows(pairs_by_row)]
     result = trainer.objective.validate(rows, trainer.hidden_states, dp_rank=0, dp=1)
     pairs = [pair for row in pairs_by_row for pair in row]
@@ -140,13 +141,14 @@ def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None
 
 
 def test_precomputed_reference_gives_the_same_step_and_is_checked(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
+    from lctrain.train.job import build_training_job
     from lctrain.train.reference import ReferenceCache
     from lctrain.train.trainer import Trainer
     from testbed.pairs import shard_rows
 
     cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "reference"))
     other_model(cfg, tmp_path / "reference")
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_training_job(cfg))
     batch = shard_rows(packed_rows(step_pairs(2)))
     computed = trainer.forward_backward([batch])
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -168,6 +170,7 @@ def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
     """The reference log-probs a run saved by pair id, with its corpus named by an absolute path, are looked up by a
     run that names the same file by a relative path or through a symlink: nothing is computed again, the step is the
     first run's bitwise."""
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
     from testbed.corpus import write_pair_corpus
 
@@ -180,7 +183,7 @@ def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
         cfg = preference_job(str(tmp_path), str(tmp_path / "run"), objective=objective, data=[f"data.paths=[{paths}]"])
         if not steps:
             other_model(cfg, tmp_path / "reference")
-        trainer = Trainer(cfg)
+        trainer = Trainer(build_training_job(cfg))
         assert trainer.objective.reference is None and trainer.objective.cache is not None
         cache = tmp_path / "run" / "reference_logps" / "dp0.pt"
         saved = cache.stat().st_mtime_ns
@@ -192,10 +195,11 @@ def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
 def test_a_step_without_a_pair_is_logged_as_such(world_of_one, tmp_path: Path, caplog) -> None:  # noqa: ANN001
     """A preference step whose rows hold no pair (a mixture's text, padding) skips its update and says why in the
     objective's unit; a row without a pair beside one with pairs trains."""
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
     from testbed.pairs import pack_pairs, shard_rows
 
-    trainer = Trainer(job(tmp_path))
+    trainer = Trainer(build_training_job(job(tmp_path)))
     without_pairs = pack_pairs([], 64)
     with caplog.at_level("WARNING", logger="lctrain"):
         result = trainer.train_step([shard_rows([without_pairs, without_pairs])])

@@ -47,6 +47,7 @@ class HostReads(TorchFunctionMode):
 
 @pytest.fixture
 def trainer(tmp_path):  # noqa: ANN001, ANN201
+    from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -67,7 +68,7 @@ def trainer(tmp_path):  # noqa: ANN001, ANN201
         ]
     )
     try:
-        yield Trainer(cfg)
+        yield Trainer(build_training_job(cfg))
     finally:
         dist.destroy_process_group()
 

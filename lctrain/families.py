@@ -1,8 +1,12 @@
-"""The model families lctrain runs exactly, the sliding window each of their layers has, and what it refuses.
+"""The model families lctrain runs exactly, one record each (``Family``), and what it refuses.
 
 A family is a transformers ``model_type`` whose decoder lctrain patches (USP attention through
 ``AttentionInterface``), replays in pipeline stages (``PipelineStageModule``), chunks (``chunked_mlp``) and counts
-(``lctrain.planner``), and whose every parity test compares it with the plain transformers model:
+(``lctrain.planner``), and whose every parity test compares it with the plain transformers model. Its record holds
+every fact another module asks of a family (how its attention gets a sliding window, where its config keeps its
+experts, its attention's norms and biases, its default LoRA targets, what random init must set, the sequence mixer
+of its layers); adding a family is adding a record, a parity test and a row of the families table in
+``docs/configuration.md``. The windows:
 
 - ``llama`` (Llama 2, Llama 3, 3.1, 3.2: the ``llama3`` RoPE type, tied embeddings on the small ones): no sliding
   window (``LlamaAttention`` passes none to the attention function);
@@ -13,9 +17,9 @@ A family is a transformers ``model_type`` whose decoder lctrain patches (USP att
   transformers derives ``layer_types`` from ``use_sliding_window``, ``sliding_window`` and ``max_window_layers``
   (layers ``i >= max_window_layers`` slide) unless the config lists them, and drops ``sliding_window`` when
   ``use_sliding_window`` is false;
-- the mixtures of experts (``MOE_FAMILIES``: a router and experts in place of the MLP, ``lctrain.models.moe``):
-  ``mixtral`` (``config.sliding_window`` on every layer, as Mistral), ``qwen3_moe`` (q/k RMSNorm;
-  ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``).
+- the mixtures of experts (a record with ``experts``: a router and experts in place of the MLP,
+  ``lctrain.models.moe``): ``mixtral`` (``config.sliding_window`` on every layer, as Mistral), ``qwen3_moe`` (q/k
+  RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``).
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -25,22 +29,72 @@ this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-# the families whose decoder layers route each token to experts (lctrain.models.moe)
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
-# how each family's attention module gets its sliding window: never, the config's on every layer, per layer_types
-WINDOWS = {
-    "llama": "none",
-    "mistral": "model",
-    "qwen2": "layers",
-    "qwen3": "layers",
-    "qwen3_moe": "model",
-    "mixtral": "model",
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections, in every family
+PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")  # with a dense MLP's
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Where a mixture of experts' transformers config keeps its experts, and which layers have them."""
+
+    count: str  # the config attribute: routed experts per layer
+    width: str  # the config attribute: one expert's width
+    # only every decoder_sparse_step-th layer outside mlp_only_layers has experts (Qwen3-MoE), else every layer
+    sparse_layers: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    """What lctrain knows of one transformers model type it runs (see the module docstring)."""
+
+    model_type: str
+    models: str  # the published models of the family, for messages and docs
+    window: str = "none"  # how the attention gets its window: none, model (every layer), layers (layer_types)
+    window_flag: bool = False  # the config keeps sliding_window only with use_sliding_window set (else drops it)
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys
+    qkv_bias: bool = False  # q/k/v biases whatever attention_bias says (Qwen2)
+    # random init sets head_dim = hidden_size / num_heads (the family's config class would default to another)
+    head_dim_from_width: bool = False
+    experts: Experts | None = None
+    # model.lora.target_modules' default: a mixture of experts' attention only (peft reads Qwen3-MoE's MLP names as its
+    # experts': lctrain.models.lora), its experts get adapters from model.lora.target_parameters
+    lora_targets: tuple[str, ...] = PROJECTIONS
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family("llama", "Llama 2, 3, 3.1, 3.2"),
+        Family("mistral", "Mistral 7B v0.1-v0.3", window="model"),
+        Family("qwen2", "Qwen2, Qwen2.5", window="layers", qkv_bias=True),
+        Family("qwen3", "Qwen3 dense", window="layers", qk_norm=True, head_dim_from_width=True),
+        Family(
+            "qwen3_moe",
+            "Qwen3-30B-A3B, Qwen3-235B-A22B",
+            window="model",
+            window_flag=True,
+            qk_norm=True,
+            head_dim_from_width=True,
+            experts=Experts("num_experts", "moe_intermediate_size", sparse_layers=True),
+            lora_targets=ATTENTION,
+        ),
+        Family(
+            "mixtral",
+            "Mixtral 8x7B, 8x22B",
+            window="model",
+            head_dim_from_width=True,
+            experts=Experts("num_local_experts", "intermediate_size"),
+            lora_targets=ATTENTION,
+        ),
+    )
 }
-# the families whose config keeps ``sliding_window`` only with ``use_sliding_window`` set (else drops it on load)
-_WINDOW_FLAG = ("qwen3_moe",)
 # RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
 # own, or the scaling model.rope_scaling.type sets (any but default); the others (longrope: short or long factors by
 # the longest position in the batch, which differs between context-parallel ranks; proportional) are refused
@@ -78,10 +132,11 @@ def model_source(path: str | None, family: str) -> str:
     return f"model.path={path!r}" if path is not None else f"model.family={family!r}"
 
 
-def check_family(model_type: str, source: str) -> None:
-    """Refuse a model type lctrain cannot run exactly, naming it and the reason."""
+def family_of(model_type: str, source: str) -> Family:
+    """The record of ``model_type``; a model type lctrain cannot run exactly is refused, naming it and the reason
+    (``source`` names the model: ``model_source``)."""
     if model_type in FAMILIES:
-        return
+        return FAMILIES[model_type]
     reason = REFUSED.get(model_type, "lctrain has not been made and checked to run it exactly")
     raise ValueError(
         f"{source} is a {model_type!r} model, which lctrain does not train: {reason}. Supported model types: "
@@ -92,7 +147,7 @@ def check_family(model_type: str, source: str) -> None:
 def layer_windows(config: Any) -> list[int | None]:
     """The sliding window each decoder layer's attention receives from transformers (None = full causal)."""
     layers = config.num_hidden_layers
-    rule = WINDOWS[config.model_type]
+    rule = FAMILIES[config.model_type].window
     if rule == "none":
         return [None] * layers
     window = getattr(config, "sliding_window", None)
@@ -101,15 +156,15 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in config.layer_types]
 
 
-def random_init_window_kwargs(family: str, setting: int | None) -> dict[str, Any]:
+def random_init_window_kwargs(family: Family, setting: int | None) -> dict[str, Any]:
     """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
     (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
     every layer. Llama has no window (a positive setting is refused by ``check_model_features``)."""
     window = setting if setting and setting > 0 else None
-    if WINDOWS.get(family) == "model":
-        flag = {"use_sliding_window": window is not None} if family in _WINDOW_FLAG else {}
+    if family.window == "model":
+        flag = {"use_sliding_window": window is not None} if family.window_flag else {}
         return {"sliding_window": window, **flag}
-    if WINDOWS.get(family) == "layers":  # layers i >= max_window_layers slide: all of them
+    if family.window == "layers":  # layers i >= max_window_layers slide: all of them
         return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     return {}
 
@@ -120,12 +175,13 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
     has one (Mistral: every layer, also when the checkpoint declares none; Qwen: the layers ``layer_types`` marks
     ``sliding_attention``). The config is what the model is built from and what the export writes, so the
     exported ``config.json`` says which windows were trained."""
-    rule = WINDOWS.get(config.model_type)
-    if setting is None or rule in (None, "none"):
+    family = FAMILIES[config.model_type]
+    rule = family.window
+    if setting is None or rule == "none":
         return  # a positive window on a family without one is refused by check_model_features
     if setting == 0:
         config.sliding_window = None
-        if config.model_type in _WINDOW_FLAG:
+        if family.window_flag:
             config.use_sliding_window = False
         if rule == "layers":
             config.use_sliding_window = False
@@ -133,7 +189,7 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
         return
     if rule == "model":
         config.sliding_window = setting
-        if config.model_type in _WINDOW_FLAG:
+        if family.window_flag:
             config.use_sliding_window = True  # transformers drops sliding_window on reload without it
     elif "sliding_attention" in config.layer_types:
         config.sliding_window = setting
@@ -143,7 +199,7 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
 def check_model_features(config: Any, source: str, window_setting: int | None) -> None:
     """Refuse what a supported family's config asks for that lctrain cannot honour exactly, and a
     ``model.sliding_window`` that the model cannot have. ``config`` has the job's ``model.*`` settings applied."""
-    model_type = config.model_type
+    model_type, rule = config.model_type, FAMILIES[config.model_type].window
     if (
         isinstance(window_setting, bool)
         or not isinstance(window_setting, (int, type(None)))
@@ -177,12 +233,12 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
             f"differently on each rank; set router_jitter_noise to 0 in its config.json"
         )
-    if WINDOWS[model_type] == "layers":
+    if rule == "layers":
         unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {LAYER_TYPES} layers exactly")
     if window_setting and not any(layer_windows(config)):
-        if WINDOWS[model_type] == "none":
+        if rule == "none":
             reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
         else:
             reason = (
@@ -199,7 +255,8 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
 def check_experts(config: Any, source: str, coef_setting: float | None, scope: str = "sequence") -> None:
     """Refuse ``model.router_aux_loss_coef`` where it cannot apply and ``train.router_aux_scope=global`` without a
     router loss. ``config`` has the job's ``model.*`` settings applied."""
-    routed = config.model_type in MOE_FAMILIES and getattr(config, "output_router_logits", False)
+    experts = num_experts(config)
+    routed = experts > 0 and getattr(config, "output_router_logits", False)
     if scope == "global" and not (routed and config.router_aux_loss_coef > 0):
         raise ValueError(
             f"train.router_aux_scope=global for {source}, which trains no router load-balancing loss (a mixture of "
@@ -207,14 +264,13 @@ def check_experts(config: Any, source: str, coef_setting: float | None, scope: s
         )
     if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
         raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
-    if config.model_type not in MOE_FAMILIES:
+    if not experts:
         if coef_setting:
             raise ValueError(
                 f"model.router_aux_loss_coef={coef_setting} for {source}, a {config.model_type!r} model without "
                 f"routers: set it to null"
             )
         return
-    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
     if not 1 <= config.num_experts_per_tok <= experts:
         raise ValueError(
             f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
@@ -222,13 +278,26 @@ def check_experts(config: Any, source: str, coef_setting: float | None, scope: s
         )
 
 
+def num_experts(config: Any) -> int:
+    """The routed experts per layer of a transformers config (its family's ``Experts.count`` attribute); 0 for a
+    dense family."""
+    experts = FAMILIES[config.model_type].experts
+    return 0 if experts is None else int(getattr(config, experts.count))
+
+
+def expert_width(config: Any) -> int:
+    """One expert's width (its family's ``Experts.width`` attribute) of a mixture of experts' config."""
+    return int(getattr(config, FAMILIES[config.model_type].experts.width))
+
+
 def moe_layers(config: Any) -> list[int]:
-    """The decoder layers whose MLP is a mixture of experts (Qwen3-MoE: not in ``mlp_only_layers``, every
-    ``decoder_sparse_step``-th; Mixtral: all); [] for a dense family."""
-    if config.model_type == "mixtral":
-        return list(range(config.num_hidden_layers))
-    if config.model_type != "qwen3_moe":
+    """The decoder layers whose MLP is a mixture of experts (``Experts.sparse_layers``: not in ``mlp_only_layers``,
+    every ``decoder_sparse_step``-th; else all); [] for a dense family."""
+    experts = FAMILIES[config.model_type].experts
+    if experts is None:
         return []
+    if not experts.sparse_layers:
+        return list(range(config.num_hidden_layers))
     step, dense = config.decoder_sparse_step, set(config.mlp_only_layers)
     return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
@@ -240,7 +309,5 @@ def active_parameters(config: Any, num_params: int) -> int:
     layers = moe_layers(config)
     if not layers:
         return num_params
-    experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
-    width = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
-    idle = experts - config.num_experts_per_tok
-    return num_params - len(layers) * idle * 3 * config.hidden_size * width
+    idle = num_experts(config) - config.num_experts_per_tok
+    return num_params - len(layers) * idle * 3 * config.hidden_size * expert_width(config)
