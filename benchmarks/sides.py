@@ -4,8 +4,8 @@ optimizer, schedule, clipping and rows on both.
 
 - ``lctrain``: ``Trainer(build_training_job(cfg))`` on the default process group: USP attention, FSDP2 (also at
   world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
-  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the gradients then
-  dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
+  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the
+  gradients then dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
 - ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
   under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
   Face's loss), ``backward``, ``clip_grad_norm_`` to ``optim.max_grad_norm``, lctrain's AdamW (fused, the same
