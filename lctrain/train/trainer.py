@@ -29,7 +29,6 @@ from lctrain.parallel.pipeline import step_inputs
 from lctrain.runtime import run_command
 from lctrain.train.forward import model_hidden, row_fields
 from lctrain.train.job import TrainingJob, build_training_job
-from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
 from lctrain.train.metrics import MetricsLogger
 from lctrain.train.objective import Batch, StepTotals
 from lctrain.train.optim import clip_grad_norm, step_if_finite
@@ -62,14 +61,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
+        self.meter = job.meter
         config, num_params = self.hf_config, base.model.num_params
-        self.meter = StepMeter(
-            self.device,
-            tokens=cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp,
-            per_token=model_flops_per_token(config, num_params, cfg.data.seq_len),
-            peak=peak_flops(self.device, cfg.train.peak_tflops),
-            devices=dist.get_world_size(),
-        )
         logger.info(
             "model %s: %.2fM parameters, mesh %s, seq_len %d, device %s",
             config.model_type,
