@@ -9,21 +9,21 @@ Run from the repository root::
 Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
 pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
 iterations after ``--warmup`` untimed ones. Sections 1 and 2 run every implementation (T1 on rank 0 alone) in the
-same P processes, one iteration of each in turn, so a change in machine load hits them all alike. Peak memory is
-the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel (T1, PyTorch's
-ring op, DeepSpeed's local SDPA) computes each pass in the dtype that lctrain's CPU kernel computes that pass in
-on this CPU (``kernels.cpu_compute_dtype``), so the comparisons measure the distribution, not the dtype. The
-output is markdown.
+same P processes, one iteration of each in turn (``timing.rounds``), so a change in machine load hits them all
+alike. Peak memory is the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel
+(T1 and DeepSpeed's local SDPA: lctrain's kernel on one device; PyTorch's ring op, cast) computes each pass in the
+dtype that lctrain's CPU kernel computes that pass in on this CPU (``kernels.cpu_compute_dtype``), so the
+comparisons measure the distribution, not the dtype. The output is markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,18 +35,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import rings
-from benchmarks.memory import MALLOC_MMAP_THRESHOLD, StepPeak
+from benchmarks.memory import MALLOC_MMAP_THRESHOLD
 from benchmarks.report import command, machine_line, table
-from lctrain.attention import kernels, ring_attention, shard_sequence, ulysses_attention, usp_attention
+from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
+from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import accumulation_dtype
-from lctrain.attention.ring_blocks import plan_ring
 from lctrain.testing import run_distributed
+from lctrain.train.meter import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory", "kernel")
 MIB = 2**20
-
-Step = Callable[[], None]
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -62,76 +62,21 @@ class Config:
     warmup: int
     iters: int
 
-
-@dataclass
-class Measurement:
-    """One rank's figures for one implementation: per-iteration wall and CPU seconds (this process, all its
-    threads) and peak RSS growth in bytes."""
-
-    times: list[float]
-    peak_bytes: int
-    checks: dict[str, float] = field(default_factory=dict)
-    cpu_times: list[float] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Measurement (inside the ranks)
-# ---------------------------------------------------------------------------------------------------------------
+    def inputs(self, seq: int) -> tuple[Tensor, ...]:
+        """Full-sequence q, k, v, dout ``[B, S, H, D]``, identical on every rank."""
+        shape = (seq, self.heads, self.kv_heads, self.head_dim, DTYPES[self.dtype])
+        return rings.random_inputs(*shape, batch=self.batch)
 
 
 @dataclass
 class Case:
     """One implementation ready to run on this rank: its forward+backward and any correctness figures."""
 
-    step: Step
+    step: Callable[[], None]
     checks: dict[str, float] = field(default_factory=dict)
 
 
-def measure(cases: dict[str, Case], cfg: Config) -> dict[str, Measurement]:
-    """Warm up every case, then run ``cfg.iters`` rounds that time each case once, barrier-aligned.
-
-    Interleaving the cases spreads any drift in machine load evenly over them. Peak memory is the largest RSS
-    growth over a case's timed iterations.
-    """
-    for _ in range(cfg.warmup):
-        for case in cases.values():
-            case.step()
-    results = {name: Measurement([], 0, case.checks) for name, case in cases.items()}
-    for _ in range(cfg.iters):
-        for name, case in cases.items():
-            with StepPeak(torch.device("cpu")) as peak:
-                dist.barrier()
-                start, cpu_start = time.perf_counter(), time.process_time()
-                case.step()
-                results[name].times.append(time.perf_counter() - start)
-                results[name].cpu_times.append(time.process_time() - cpu_start)
-            results[name].peak_bytes = max(results[name].peak_bytes, peak.growth)
-    return results
-
-
-def make_inputs(cfg: Config, seq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Full-sequence q, k, v, dout ``[B, S, H, D]``, identical on every rank (fixed seed)."""
-    generator = torch.Generator().manual_seed(0)
-    dtype = DTYPES[cfg.dtype]
-
-    def randn(heads: int) -> Tensor:
-        return torch.randn(cfg.batch, seq, heads, cfg.head_dim, generator=generator).to(dtype)
-
-    return randn(cfg.heads), randn(cfg.kv_heads), randn(cfg.kv_heads), randn(cfg.heads)
-
-
-def shard(tensors: tuple[Tensor, ...], layout: str) -> tuple[Tensor, ...]:
-    """This rank's pieces (pure ring over the default group), leaves that require grad except the last (dout)."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout=layout).clone() for t in tensors]
-    for piece in pieces[:-1]:
-        piece.requires_grad_(True)
-    return tuple(pieces)
-
-
-def autograd_step(
-    attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
-) -> Step:
+def autograd_step(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], None]:
     """Forward + backward of ``attend``; the gradients are dropped at the end so no state carries over."""
 
     def step() -> None:
@@ -140,18 +85,16 @@ def autograd_step(
     return step
 
 
+def outputs_and_grads(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> tuple[Tensor, ...]:
+    out = attend(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
 def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, float]:
     """Max abs difference of (out, dq, dk, dv) and the largest magnitude in ours, for out and for the grads."""
     diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs)]
     sizes = [a.float().abs().max().item() for a in ours]
     return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
-
-
-def outputs_and_grads(
-    attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
-) -> tuple[Tensor, ...]:
-    out = attend(q, k, v)
-    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,30 +105,6 @@ def outputs_and_grads(
 def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
     """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.cpu_compute_dtype``)."""
     return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
-
-
-class CausalCpuFlash(torch.autograd.Function):
-    """PyTorch's fused causal CPU flash op on ``[B, H, S, D]``, each pass computing in the dtype lctrain's CPU kernel
-    computes that pass in; it keeps its inputs in their own dtype, as lctrain does, and returns theirs."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205 (autograd signature)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*map(cpu_compute, (q, k, v)), 0.0, True)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
-        operands = (cpu_compute(t, "backward") for t in (dout, q, k, v, out))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*operands, lse, 0.0, True)
-        return tuple(g.to(q.dtype) for g in grads)
-
-
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Fused causal attention on ``[B, H, S, D]``, each pass in the dtype lctrain's CPU kernel computes it in."""
-    return CausalCpuFlash.apply(q, k, v)
 
 
 def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
@@ -200,17 +119,16 @@ def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Cal
 
 
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
-    """T1: fused causal SDPA on the whole sequence ``[B, H, S, D]``, computed by rank 0 alone (the others idle)."""
+    """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
+    kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
     if dist.get_rank() != 0:
         return Case(lambda: None)
-    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in full)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    return Case(autograd_step(causal_sdpa, q, k, v, dout))
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
+    return Case(autograd_step(ring_attention, q, k, v, dout))
 
 
 def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
-    q, k, v, dout = shard(full, layout)
+    q, k, v, dout = rings.rank_shards(full, layout)
     group = dist.group.WORLD
     return Case(autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout))
 
@@ -220,17 +138,20 @@ def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
     group = dist.group.WORLD
     forward_op = cpu_compute_op(rings.CPU_FORWARD, "forward")
     backward_op = cpu_compute_op(rings.CPU_BACKWARD, "backward")
-    passes = rings.torch_ring(*shard(full, "zigzag"), group, forward_op=forward_op, backward_op=backward_op)
+    passes = rings.torch_ring(*rings.rank_shards(full, "zigzag"), group, forward_op=forward_op, backward_op=backward_op)
 
-    def forward_backward() -> tuple[Tensor, ...]:
-        return (passes.forward(), *passes.backward())
+    ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *rings.rank_shards(full, "zigzag"))
+    checks = compare(ours, (passes.forward(), *passes.backward()))
 
-    ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *shard(full, "zigzag"))
-    return Case(forward_backward, compare(ours, forward_backward()))
+    def step() -> None:
+        passes.forward()
+        passes.backward()
+
+    return Case(step, checks)
 
 
 def ulysses_case(full: tuple[Tensor, ...]) -> Case:
-    q, k, v, dout = shard(full, "contiguous")
+    q, k, v, dout = rings.rank_shards(full, "contiguous")
     group = dist.group.WORLD
     return Case(autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout))
 
@@ -244,11 +165,9 @@ def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
         deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
     group = dist.group.WORLD
 
-    def local_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, S, H/P, D]
-        return causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    attention = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
-    q, k, v, dout = shard(full, "contiguous")
+    # the local attention on [B, S, H/P, D]: the fused CPU op, as T1
+    attention = DistributedAttention(ring_attention, group, scatter_idx=2, gather_idx=1)
+    q, k, v, dout = rings.rank_shards(full, "contiguous")
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attention(q, k, v, 0)
@@ -268,10 +187,16 @@ CASES: dict[str, Callable[[tuple[Tensor, ...]], Case]] = {
 }
 
 
-def parallel_cases(cfg: Config, names: list[str]) -> dict[str, Measurement]:
-    """Build the named implementations on the same global inputs, then measure them interleaved."""
-    full = make_inputs(cfg, cfg.seq)
-    return measure({name: CASES[name](full) for name in names}, cfg)
+def parallel_cases(cfg: Config, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Build the named implementations on the same global inputs, then measure them in rounds (``timing.rounds``,
+    each round's figures the slowest rank's): per case its ``rounds`` (seconds and peak memory growth) and
+    ``checks`` (the largest over ranks)."""
+    cases = {name: CASES[name](cfg.inputs(cfg.seq)) for name in names}
+    steps = {name: lambda _, case=case: case.step() for name, case in cases.items()}
+    measured = gathered_slowest(rounds(steps, cfg.warmup, cfg.iters, memory=True, barrier=True))
+    checks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(checks, {name: case.checks for name, case in cases.items()})
+    return {name: {"rounds": measured[name], "checks": slowest([[c[name]] for c in checks])[0]} for name in names}
 
 
 class SendCounter:
@@ -289,12 +214,10 @@ class SendCounter:
 def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
     """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
     growth of a second one."""
-    size = dist.get_world_size()
-    q, k, v, dout = shard(make_inputs(cfg, seq_per_rank * size), "zigzag")
-    group = dist.group.WORLD
+    q, k, v, dout = rings.rank_shards(cfg.inputs(seq_per_rank * dist.get_world_size()), "zigzag")
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return usp_attention(q, k, v, ulysses_group=None, ring_group=group)
+        return usp_attention(q, k, v, ulysses_group=None, ring_group=dist.group.WORLD)
 
     counter = SendCounter()
     dist.batch_isend_irecv = counter
@@ -305,7 +228,7 @@ def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
     finally:
         dist.batch_isend_irecv = counter.original
     del out
-    with StepPeak(torch.device("cpu")) as peak:
+    with StepMemory(torch.device("cpu"), collect=True) as peak:
         dist.barrier()
         autograd_step(attend, q, k, v, dout)()
     return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
@@ -316,71 +239,58 @@ def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def time_ms(per_rank: list[Measurement]) -> float:
-    """Median over iterations of the slowest rank's time, in milliseconds."""
-    return 1e3 * statistics.median(max(times) for times in zip(*(m.times for m in per_rank), strict=True))
+def time_ms(case: dict[str, Any], key: str = "wall") -> float:
+    """Median over rounds of the slowest rank's time (``cpu``: the busiest rank's CPU time, its process, all threads:
+    on a machine shared with other jobs it moves less than the wall time), in milliseconds."""
+    return 1e3 * median(case["rounds"], key)
 
 
-def cpu_ms(per_rank: list[Measurement]) -> float:
-    """Median over iterations of the busiest rank's CPU time (its process, all threads), in milliseconds: on a
-    machine shared with other jobs it moves less than the wall time, which counts the time spent descheduled."""
-    return 1e3 * statistics.median(max(times) for times in zip(*(m.cpu_times for m in per_rank), strict=True))
-
-
-def peak_mib(per_rank: list[Measurement]) -> float:
-    return max(m.peak_bytes for m in per_rank) / MIB
-
-
-def check(per_rank: list[Measurement], key: str) -> float:
-    return max(m.checks[key] for m in per_rank)
+def peak_mib(case: dict[str, Any]) -> float:
+    return max(r["growth"] for r in case["rounds"]) / MIB
 
 
 def deepspeed_version() -> str | None:
     return importlib.metadata.version("deepspeed") if importlib.util.find_spec("deepspeed") else None
 
 
+def block_passes(inputs: list[Tensor], dtype: torch.dtype, layout: str, causal: bool, _round: int = 0) -> dict:
+    """One forward and one backward of PyTorch's CPU flash op on a block (``inputs``: q, k, v, dout in bf16, ``[1, S,
+    H, D]``) computing in ``dtype``, its operands copied contiguous or given as transposed views (``layout``): this
+    thread's seconds of each pass, the copy of the inputs into the op's dtype and layout included."""
+
+    def operands(*tensors: Tensor) -> list[Tensor]:
+        if layout == "contiguous":
+            return [t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in tensors]
+        return [t.to(dtype).transpose(1, 2) for t in tensors]
+
+    q, k, v, dout = inputs
+    with clock() as forward:
+        qo, ko, vo = operands(q, k, v)
+        out, lse = rings.CPU_FORWARD(qo, ko, vo, 0.0, causal)
+    with clock() as backward:
+        rings.CPU_BACKWARD(*operands(dout), qo, ko, vo, out.to(dtype), lse, 0.0, causal)
+    return {"forward": forward["thread"], "backward": backward["thread"]}
+
+
 def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
-    """CPU time (this thread, min of ``reps``) of PyTorch's CPU flash op on the blocks of a zigzag ring of two
-    (the causal diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), forward and backward, for each compute dtype
-    and input layout: what ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from. Each timing
-    includes the copy of the bf16 inputs into the op's dtype and layout."""
-    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    piece = cfg.seq // 2
-    generator = torch.Generator().manual_seed(0)
-    rows = []
+    """CPU time (this thread, min of ``reps``) of ``block_passes`` on the blocks of a zigzag ring of two (the causal
+    diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), for each compute dtype and input layout: what
+    ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from."""
+    piece, rows, generator = cfg.seq // 2, [], torch.Generator().manual_seed(0)
     for q_len, k_len, causal in ((piece, piece, True), (piece, piece // 2, False)):
         shapes = [(q_len, cfg.heads), (k_len, cfg.kv_heads), (k_len, cfg.kv_heads), (q_len, cfg.heads)]
-        q, k, v, dout = (torch.randn(1, n, h, cfg.head_dim, generator=generator).bfloat16() for n, h in shapes)
-        results = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            for layout in ("contiguous", "transposed view"):
-
-                def operands(*tensors: Tensor, dtype: torch.dtype = dtype, layout: str = layout) -> list[Tensor]:
-                    if layout == "contiguous":
-                        return [t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in tensors]
-                    return [t.to(dtype).transpose(1, 2) for t in tensors]
-
-                forward, backward = [], []
-                for _ in range(reps):
-                    start = time.thread_time()
-                    qo, ko, vo = operands(q, k, v)
-                    out, lse = forward_op(qo, ko, vo, 0.0, causal)
-                    forward.append(time.thread_time() - start)
-                    start = time.thread_time()
-                    backward_op(*operands(dout), qo, ko, vo, out.to(dtype), lse, 0.0, causal)
-                    backward.append(time.thread_time() - start)
-                results[(dtype, layout)] = (min(forward), min(backward))
-        base_forward, base_backward = results[(torch.float32, "contiguous")]
-        for (dtype, layout), (forward, backward) in results.items():
+        inputs = [torch.randn(1, n, h, cfg.head_dim, generator=generator).bfloat16() for n, h in shapes]
+        ways = [
+            (dtype, layout) for dtype in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")
+        ]
+        sides = {way: functools.partial(block_passes, inputs, *way, causal) for way in ways}
+        timed = rounds(sides, 0, reps, alternate=False, timed=False)
+        fastest = {way: [min(r[key] for r in timed[way]) for key in ("forward", "backward")] for way in ways}
+        base = fastest[(torch.float32, "contiguous")]
+        for (dtype, layout), seconds in fastest.items():
+            times = [f"{t * 1e3:.0f} ({t / b:.2f}×)" for t, b in zip(seconds, base)]
             rows.append(
-                [
-                    f"{q_len}×{k_len}{' causal' if causal else ''}",
-                    str(dtype).removeprefix("torch."),
-                    layout,
-                    f"{forward * 1e3:.0f} ({forward / base_forward:.2f}×)",
-                    f"{backward * 1e3:.0f} ({backward / base_backward:.2f}×)",
-                ]
+                [f"{q_len}×{k_len}{' causal' if causal else ''}", str(dtype).removeprefix("torch."), layout, *times]
             )
     return rows
 
@@ -397,16 +307,16 @@ def report_kernel(cfg: Config, reps: int) -> None:
     )
 
 
-def report_efficiency(cfg: Config, results: dict[str, list[Measurement]], ranks: int) -> None:
+def report_efficiency(cfg: Config, results: dict[str, dict[str, Any]], ranks: int) -> None:
     t1 = results["single"]
     base = time_ms(t1)
     rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
-    for name, label in (
-        ("ring_zigzag", "ours: ring_attention, zigzag (TP)"),
-        ("ring_contiguous", "ours: ring_attention, contiguous"),
-    ):
+    for name, label in (("ring_zigzag", "zigzag (TP)"), ("ring_contiguous", "contiguous")):
         tp = time_ms(results[name])
-        rows.append([label, str(ranks), f"{tp:.1f}", f"{peak_mib(results[name]):.1f}", f"{base / (ranks * tp):.3f}"])
+        efficiency = f"{base / (ranks * tp):.3f}"
+        rows.append(
+            [f"ours: ring_attention, {label}", str(ranks), f"{tp:.1f}", f"{peak_mib(results[name]):.1f}", efficiency]
+        )
     print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
     print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
     print(
@@ -416,16 +326,14 @@ def report_efficiency(cfg: Config, results: dict[str, list[Measurement]], ranks:
     )
 
 
-def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: int) -> None:
-    pairs = [
-        (
-            "ring_zigzag",
-            "ours: ring_attention (zigzag)",
-            "torch_ring",
-            "PyTorch `_templated_ring_attention` (+ `_backward`)",
-        )
-    ]
-    version = deepspeed_version()
+def report_baselines(cfg: Config, results: dict[str, dict[str, Any]], ranks: int) -> None:
+    ring_pair = (
+        "ring_zigzag",
+        "ours: ring_attention (zigzag)",
+        "torch_ring",
+        "PyTorch `_templated_ring_attention` (+ `_backward`)",
+    )
+    pairs, version = [ring_pair], deepspeed_version()
     if version is not None:
         pairs.append(
             ("ulysses", "ours: ulysses_attention", "deepspeed", f"DeepSpeed {version} `DistributedAttention` + SDPA")
@@ -433,6 +341,10 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
     rows = []
     for ours, ours_label, theirs, theirs_label in pairs:
         a, b = results[ours], results[theirs]
+        checks = b["checks"]
+        diffs = f"{checks['out']:.1e} / {checks['grads']:.1e} (max \\|out\\| {checks['out_max']:.2f}, "
+        diffs += f"\\|grad\\| {checks['grads_max']:.2f})"
+        cpu = f"{time_ms(a, 'cpu') / time_ms(b, 'cpu'):.2f} ({time_ms(a, 'cpu'):.0f} / {time_ms(b, 'cpu'):.0f} ms)"
         rows.append(
             [
                 ours_label,
@@ -441,31 +353,13 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
                 theirs_label,
                 f"{time_ms(b):.1f}",
                 f"{peak_mib(b):.1f}",
-                f"{time_ms(a) / time_ms(b):.2f}",
-                f"{cpu_ms(a) / cpu_ms(b):.2f} ({cpu_ms(a):.0f} / {cpu_ms(b):.0f} ms)",
-                f"{peak_mib(a) / peak_mib(b):.2f}",
-                f"{check(b, 'out'):.1e} / {check(b, 'grads'):.1e} "
-                f"(max \\|out\\| {check(b, 'out_max'):.2f}, \\|grad\\| {check(b, 'grads_max'):.2f})",
             ]
+            + [f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}", diffs]
         )
     print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
-    print(
-        table(
-            [
-                "ours",
-                "ms",
-                "MiB/rank",
-                "theirs",
-                "ms",
-                "MiB/rank",
-                "time ours/theirs",
-                "CPU time ours/theirs (busiest rank)",
-                "mem ours/theirs",
-                "max abs diff out / grads",
-            ],
-            rows,
-        )
-    )
+    header = ["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs"]
+    header += ["CPU time ours/theirs (busiest rank)", "mem ours/theirs", "max abs diff out / grads"]
+    print(table(header, rows))
     if version is None:
         print("\ndeepspeed not installed (pip install -e .[deepspeed]): the Ulysses row is skipped.")
     print(
@@ -476,60 +370,33 @@ def report_baselines(cfg: Config, results: dict[str, list[Measurement]], ranks: 
     )
 
 
-def planned_bytes(ranks: int, seq_per_rank: int, row_bytes: int, gradient_row_bytes: int) -> list[tuple[int, int]]:
-    """(forward, backward) bytes each rank sends by its ring plan (zigzag, causal): the K/V rows other ranks fetch
-    from it, in the forward, and again in the backward but for the last step's (which the forward kept), plus in
-    the backward the dK/dV of the rows it fetched, returned to their owners."""
-    sent = []
-    for rank in range(ranks):
-        plan = plan_ring(rank, ranks, seq_per_rank, causal=True, layout="zigzag")
-        forward = sum(step.send.stop - step.send.start for step in plan) * row_bytes
-        again = forward - (plan[-1].send.stop - plan[-1].send.start) * row_bytes
-        returned = sum(step.keys.stop - step.keys.start for step in plan if step.source) * gradient_row_bytes
-        sent.append((forward, again + returned))
-    return sent
-
-
 def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
     element = DTYPES[cfg.dtype].itemsize
-    accumulator = accumulation_dtype(DTYPES[cfg.dtype]).itemsize
+    accumulator = accumulation_dtype(DTYPES[cfg.dtype])
     d_model = cfg.kv_heads * cfg.head_dim
     rows = []
     for ranks, per_rank in results.items():
         peak = max(r["peak_bytes"] for r in per_rank) / MIB
-        if ranks == 1:
-            traffic = ["—", "—", "—", "—"]
-        else:
-            planned = planned_bytes(ranks, seq_per_rank, 2 * element * d_model, 2 * accumulator * d_model)
+        traffic = ["—"] * 4
+        if ranks > 1:
+            rates = (2 * element * d_model, 2 * accumulator.itemsize * d_model)  # K and V rows, dK and dV rows
+            planned = [t.bytes(*rates) for t in rings.ring_traffic(ranks, seq_per_rank)]
             measured = [(r["forward_sent"], r["backward_sent"]) for r in per_rank]
             ok = " ✓" if measured == planned else " ✗"
-            traffic = [
-                f"{min(f for f, _ in measured):,} … {max(f for f, _ in measured):,}",
-                f"{max(f for f, _ in planned):,}" + ok,
-                f"{min(b for _, b in measured):,} … {max(b for _, b in measured):,}",
-                f"{max(b for _, b in planned):,}" + ok,
-            ]
+            traffic = []
+            for index in (0, 1):
+                sent = [m[index] for m in measured]
+                traffic += [f"{min(sent):,} … {max(sent):,}", f"{max(p[index] for p in planned):,}" + ok]
         rows.append([str(ranks), str(seq_per_rank * ranks), f"{peak:.1f}", *traffic])
     print(f"\n## 3. Memory scaling at fixed S/P={seq_per_rank} (usp_attention: ring over P ranks, Ulysses 1)\n")
-    print(
-        table(
-            [
-                "P",
-                "S",
-                "peak mem/rank (MiB)",
-                "fwd bytes sent/rank (min … max)",
-                "plan (max; ✓ = every rank)",
-                "bwd bytes sent/rank (min … max)",
-                "plan (max; ✓ = every rank)",
-            ],
-            rows,
-        )
-    )
+    header = ["P", "S", "peak mem/rank (MiB)", "fwd bytes sent/rank (min … max)", "plan (max; ✓ = every rank)"]
+    header += ["bwd bytes sent/rank (min … max)", "plan (max; ✓ = every rank)"]
+    print(table(header, rows))
     print(
         f"\nd_model = Hkv·D = {d_model}. Forward: at ring step s each rank sends ring rank + s the K/V rows it needs "
         f"({cfg.dtype}): the whole piece when that rank comes earlier in the sequence, the first half otherwise "
         f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again "
-        f"but the last step's (kept from the forward), plus the dK/dV ({accumulation_dtype(DTYPES[cfg.dtype])}) of "
+        f"but the last step's (kept from the forward), plus the dK/dV ({accumulator}) of "
         f"the rows each rank fetched, returned to their owner. No timings here: P>2 oversubscribes "
         f"{os.cpu_count()} cores. The peak should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers."
     )
@@ -580,10 +447,7 @@ def main() -> None:
     if "baselines" in args.only:
         names += [n for n in ("ring_zigzag", "torch_ring") if n not in names]
         names += ["ulysses", "deepspeed"] if deepspeed_version() is not None else []
-    results: dict[str, list[Measurement]] = {}
-    if names:
-        per_rank = run_distributed(parallel_cases, args.ranks, cfg, names)
-        results = {name: [r[name] for r in per_rank] for name in names}
+    results = run_distributed(parallel_cases, args.ranks, cfg, names)[0] if names else {}
     if "efficiency" in args.only:
         report_efficiency(cfg, results, args.ranks)
         sys.stdout.flush()

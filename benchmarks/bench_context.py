@@ -5,39 +5,30 @@ slow to run) and what activation offload saves.
     python -m benchmarks.bench_context                # CPU: lctrain on 4 ranks vs one HF process (about 5 minutes)
     python -m benchmarks.bench_context --device cuda  # one GPU: all three sections (a 10-minute call on an H200, est.)
     python -m benchmarks.bench_context --device cuda --sections layers --fit-seqs 524288 1048576 --check-seq 524288
-    python -m benchmarks.bench_context --ring 1 --hidden 64 ...    # tiny shapes on CPU, tests/unit
 
-The job is that of ``bench_trainer`` (``jobs.job_from_args``: on CPU the tiny recipe, fp32; on CUDA Llama-3.2-1B's
-sizes with an untied head, bf16; the shape flags and ``--override``). lctrain runs on ``--ring`` × ``--ulysses``
-ranks (CPU default ring 4: pure ring keeps every activation at S/4 tokens per rank, and the tiny model's 2 KV heads
-would allow Ulysses 2 at most; CUDA default one GPU) with activation checkpointing ``full`` and the chunked loss
-(``--loss-chunk-tokens``, default the job's); the HF loop runs in one process, with ``--hf-checkpointing`` (CPU
-default none, full logits: the usual loop; CUDA default full, Hugging Face's gradient checkpointing).
-
-Every probe is a fresh process (``runs.Run``; several ranks: a fresh gloo group, ``runs.run_group``): one warm-up
-step at ``--warmup-seq`` (AdamW's states then exist, as in every later step), then one step at S. On CUDA a probe
-fits when it finishes (an out-of-memory is a clean "does not fit"; so is a probe past ``--probe-timeout``); on CPU
-when, moreover, every process's step peak (the resident set it adds during the step, ``memory.py``, measured with
-``MALLOC_MMAP_THRESHOLD_=65536``) stays within ``--budget-mib``, a watchdog ending a step as it passes it.
+The job is ``bench_trainer``'s (``jobs.job_from_args``). lctrain runs on ``--ring`` × ``--ulysses`` ranks (CPU
+default ring 4: every activation at S/4 tokens per rank; CUDA default one GPU) with activation checkpointing
+``full`` and the chunked loss (``--loss-chunk-tokens``); the HF loop in one process with ``--hf-checkpointing``
+(CPU default none, CUDA full). Every probe is a fresh process or group (``runs.run_steps``): one warm-up step at
+``--warmup-seq``, then one step at S. It fits when it finishes (an out-of-memory or ``--probe-timeout`` is a clean
+"does not fit") and, on CPU, every process's step peak (``MALLOC_MMAP_THRESHOLD_=65536``) stays within
+``--budget-mib``, a watchdog ending a step as it passes it.
 
 Sections (``--sections``; CPU default ``search``, CUDA all three):
 
-1. ``search``: the longest S of each side. The HF loop doubles from ``--start-seq`` while it fits (halving while
-   the start does not), then bisects (``--bisect`` steps) between its longest fit and its shortest failure; lengths
-   are multiples of ``--seq-unit``, none above ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's
-   result (a fit there meets the target), then tries ``--max-seq``: the step peak grows with S, so a fit there
-   means every length in between fits ("≥ max-seq", the ratio then a lower bound); otherwise it doubles and bisects
-   like the HF loop. ``--max-seq`` bounds the run time: a step's attention work grows as S². At each side's
-   longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the largest of several
-   phases' (the loss chunks' logits, a recomputed decoder layer, ...) that grow with S at different rates.
-2. ``layers``: lctrain's peak at the same width with ``--layer-counts`` layers at each of ``--fit-seqs``; a line
-   fixed + per-layer memory through them per S predicts the full depth; the prediction is checked against a real
-   full-depth step at ``--check-seq`` (the search's probe when it ran that length), with the error.
-3. ``offload``: activation offload's memory saving and slowdown: lctrain with ``--offload-layers`` layers at
-   ``--offload-seq``, without and with ``parallel.activation_offload`` (a no-op on CPU), the second step timed.
+1. ``search``: the longest S of each side (``search.py``). The HF loop doubles from ``--start-seq`` (halving while
+   the start does not fit), then bisects ``--bisect`` times; lengths are multiples of ``--seq-unit``, none above
+   ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's result, then tries ``--max-seq`` (the step
+   peak grows with S, so a fit there means every length in between fits: "≥ max-seq"), else doubles and bisects.
+   At each side's longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the
+   largest of several phases' that grow with S at different rates.
+2. ``layers``: lctrain's peak with ``--layer-counts`` layers at each of ``--fit-seqs``; a line fixed + per-layer
+   memory per S predicts the full depth, checked against a real full-depth step at ``--check-seq``.
+3. ``offload``: lctrain with ``--offload-layers`` layers at ``--offload-seq`` without and with
+   ``parallel.activation_offload`` (a no-op on CPU): memory saved and slowdown, the second step timed.
 
-A full 16-layer step at 1M tokens takes many minutes on one GPU, which is why depth is predicted from shallow
-models (the third command above; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
+A full 16-layer step at 1M tokens takes many minutes on one GPU, hence depth predicted from shallow models (the
+third command; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
 """
 
 from __future__ import annotations
@@ -53,10 +44,10 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import command, fit_line, machine_line, table
-from benchmarks.runs import Run, run_group
+from benchmarks.report import command, fit_line, machine_line, percent, table
+from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
-from lctrain.flops import flops_per_token
+from lctrain.flops import flops_per_token, mfu
 
 MIB, GIB = 2**20, 2**30
 SECTIONS = ("search", "layers", "offload")
@@ -165,7 +156,7 @@ class Bench:
         key = (side, seq, layers, offload, steps)
         if key in self.done:
             return self.done[key]
-        spec = {"side": side, "job": self.job(side, seq, layers, offload), "doc_len": None, "threads": None}
+        spec = {"side": side, "job": self.job(side, seq, layers, offload)}
         ranks = args.ring * args.ulysses if side == "lctrain" else 1
         warmup_seq = min(args.warmup_seq, seq)
         what = f"{side}, {ranks} rank(s), S={seq}" + (f", {layers} layers" if layers else "")
@@ -187,27 +178,18 @@ class Bench:
         return probe
 
     def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
-        """A probe's figures: over its ranks the largest step time, peak and step peak of its measured steps, with
-        the run's description (``Run.ready``)."""
-        if ranks == 1:
-            with Run(spec, timeout_s=self.args.probe_timeout) as run:
-                run.step(warmup_seq, seed=1)
-                per_rank = [{"ready": run.ready, "steps": [run.step(seq, 0, budget=self.budget) for _ in range(steps)]}]
-        else:
-            per_rank, stopped = run_group(spec, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=self.budget)
-            if stopped is not None:
-                return {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": stopped}
-        results = [step for rank in per_rank for step in rank["steps"]]
-        failed = next((r for r in [per_rank[0]["ready"], *results] if not r["ok"]), None)
+        """A probe's figures (``runs.run_steps``: over its ranks the largest): its steps' times, their largest peak and
+        step peak, with the run's description; or the first failure."""
+        steps_of = [(seq, 0)] * steps
+        side = run_steps(
+            {"probe": spec}, ranks, [(warmup_seq, 1)], steps_of, budget=self.budget, timeout_s=self.args.probe_timeout
+        )["probe"]
+        failed = next((r for r in [side["ready"], *side["steps"]] if not r["ok"]), None)
         if failed is not None:
             return failed
-        per_step = [[rank["steps"][i] for rank in per_rank] for i in range(steps)]
-        return {
-            **per_rank[0]["ready"],
-            "step_s": [max(r["step_s"] for r in step) for step in per_step],
-            "peak": max(r["peak"] for r in results),
-            "step_peak": max(r["step_peak"] for r in results),
-        }
+        results = side["steps"]
+        peaks = {key: max(r[key] for r in results) for key in ("peak", "step_peak")}
+        return {**side["ready"], "step_s": [r["step_s"] for r in results], **peaks}
 
 
 def memory_cell(value: float) -> str:
@@ -220,8 +202,7 @@ def step_figures(args: argparse.Namespace, probe: Probe) -> list[str]:
     step, model = result["step_s"][-1], result["model"]
     peak = args.peak_tflops * 1e12 if args.peak_tflops else result["peak_flops"]
     per_token = flops_per_token(model["params"], model["layers"], model["hidden"], probe.seq)
-    mfu = "n/a" if peak is None else f"{100 * probe.seq / step * per_token / peak:.1f}%"
-    return [f"{step:.2f}", mfu, memory_cell(result["peak"])]
+    return [f"{step:.2f}", percent(mfu(probe.seq / step, per_token, peak)), memory_cell(result["peak"])]
 
 
 def probe_cell(probe: Probe, budget: bool) -> str:

@@ -7,38 +7,30 @@ parallelism against none on 4 ranks, on CPU; the first on one GPU too.
 
 - ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
   ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
-  default experts implementation (``grouped_mm``), its ``eager`` loop over experts, and lctrain's
-  (``lctrain.parallel.expert``) with each local kernel and with the one ``expert_kernel`` picks for this CPU. The same
-  weights and rows on every side; steps taken in turn (A, B, C, ..., then again) so that drift in the machine's load
-  hits them alike; the median step time and its ratio to transformers' default. ``--device cuda``: the same in
-  bf16 on one GPU (every step synchronized), lctrain's ``grouped_mm`` being ``torch._grouped_mm``; by default at
-  Qwen3-30B-A3B's layer sizes (hidden 2,048, 128 experts of width 768, top 8) on a row of 16,384 tokens.
-- ``ep``: the same model on 4 spawned gloo ranks, each with its own row (as data-parallel ranks), with every expert
-  on every rank (``ep`` 1) and spread over 2 and 4 ranks, the three side by side in each process and their steps
-  taken in turn: the median step time, the expert weights each rank holds and how much its resident memory grows
-  during a step (the resident set's high-water mark from ``/proc``, reset before the step: ``benchmarks/memory.py``),
-  the local kernel the one ``expert_kernel`` picks. Without FSDP: each rank holds
-  its experts whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on one machine's
-  loopback here, not a network).
-
-Figures are printed, never asserted; ``docs/benchmarks.md`` records a run.
+  default experts implementation (``grouped_mm``), its ``eager`` loop, and lctrain's (``lctrain.parallel.expert``)
+  with each local kernel, the one ``expert_kernel`` picks here marked; the same weights and rows, steps in turn
+  (``timing.rounds``): the median step time and its ratio to transformers' default. ``--device cuda``: the same in
+  bf16 on one GPU, by default at Qwen3-30B-A3B's layer sizes on a row of 16,384 tokens.
+- ``ep``: the same model on 4 gloo ranks, each with its own row, its experts on every rank (``ep`` 1) and spread
+  over 2 and 4 ranks, side by side, steps in turn: the median step time (slowest rank), the expert weights each rank
+  holds and its step's memory growth (``lctrain.train.meter.StepMemory``). Without FSDP: each rank holds its experts
+  whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on loopback here).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.memory import StepPeak
 from benchmarks.report import command, commit, machine_line, table
+from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.testing import run_distributed
 
@@ -72,16 +64,10 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def step(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
-    """One forward and backward; its wall time in seconds (on CUDA up to the end of its kernels)."""
-    synchronize = torch.cuda.synchronize if input_ids.is_cuda else lambda: None
-    synchronize()
-    start = time.perf_counter()
+def step(model: torch.nn.Module, input_ids: torch.Tensor, _round: int = 0) -> None:
+    """One forward and backward, the gradients then dropped."""
     model(input_ids=input_ids, labels=input_ids).loss.backward()
-    synchronize()
-    elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    return elapsed
 
 
 def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
@@ -100,22 +86,18 @@ def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
         apply_expert_parallel(model, None, kernel)
         sides[f"lctrain {kernel}" + (" (chosen here)" if kernel == chosen else "")] = model
     input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for index in range(args.warmup + args.steps):
-        for name, model in sides.items():
-            elapsed = step(model, input_ids)
-            if index >= args.warmup:
-                times[name].append(elapsed)
-    base = statistics.median(times["transformers grouped_mm"])
-    rows = [
-        [name, f"{statistics.median(t) * 1e3:.0f}", f"{statistics.median(t) / base:.2f}"] for name, t in times.items()
-    ]
+    steps = {name: functools.partial(step, model, input_ids) for name, model in sides.items()}
+    measured = rounds(steps, args.warmup, args.steps, alternate=False, device=device)
+    base = median(measured["transformers grouped_mm"], "wall")
+    rows = [[name, f"{median(r, 'wall') * 1e3:.0f}", f"{median(r, 'wall') / base:.2f}"] for name, r in measured.items()]
+    times = {name: [r["wall"] for r in records] for name, records in measured.items()}
     return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows), times
 
 
 def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     """On each of the 4 ranks: the model with its experts spread over 1, 2 and 4 ranks, side by side, their steps
-    taken in turn; per ep the median step time, the expert weights held here and the step's memory growth."""
+    taken in turn; per ep the median step time and the step's memory growth (the slowest and the largest rank's) and
+    the expert weights held here."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -127,27 +109,18 @@ def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
             model, None if mesh is None else mesh["ep"], expert_kernel(torch.device("cpu"), torch.float32)
         )
         models[ep] = model
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=gen)
-    times: dict[int, list[float]] = {ep: [] for ep in EP_DEGREES}
-    growth: dict[int, list[int]] = {ep: [] for ep in EP_DEGREES}
-    for index in range(args.warmup + args.steps):
-        for ep, model in models.items():
-            dist.barrier()
-            with StepPeak(torch.device("cpu")) as peak:
-                elapsed = step(model, input_ids)
-            if index >= args.warmup:
-                times[ep].append(elapsed)
-                growth[ep].append(peak.growth)
+    input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+    steps = {ep: functools.partial(step, model, input_ids) for ep, model in models.items()}
+    measured = gathered_slowest(rounds(steps, args.warmup, args.steps, alternate=False, memory=True, barrier=True))
     return {
         ep: {
-            "step_s": statistics.median(times[ep]),
+            "step_s": median(measured[ep], "wall"),
             "experts_bytes": sum(
                 p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
                 for name, p in models[ep].named_parameters()
                 if name.endswith(("gate_up_proj", "down_proj"))
             ),
-            "growth_bytes": max(growth[ep]),
+            "growth_bytes": max(r["growth"] for r in measured[ep]),
         }
         for ep in EP_DEGREES
     }
@@ -155,19 +128,10 @@ def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
 
 def expert_parallel(args: argparse.Namespace) -> str:
     ranks = run_distributed(ep_rank, 4, args)
-    rows, base = [], None
-    for ep in EP_DEGREES:
-        step_s = max(rank[ep]["step_s"] for rank in ranks)  # the slowest rank sets the pace
-        base = base or step_s
-        rows.append(
-            [
-                str(ep),
-                f"{step_s * 1e3:.0f}",
-                f"{step_s / base:.2f}",
-                f"{ranks[0][ep]['experts_bytes'] / MIB:.1f}",
-                f"{max(rank[ep]['growth_bytes'] for rank in ranks) / MIB:.0f}",
-            ]
-        )
+    rows, base = [], ranks[0][EP_DEGREES[0]]["step_s"]
+    for ep, figures in ranks[0].items():  # every rank's figures are the slowest rank's
+        step_s, weights, growth = figures["step_s"], figures["experts_bytes"] / MIB, figures["growth_bytes"] / MIB
+        rows.append([str(ep), f"{step_s * 1e3:.0f}", f"{step_s / base:.2f}", f"{weights:.1f}", f"{growth:.0f}"])
     header = ["ep", "step ms (slowest rank)", "vs ep 1", "expert weights per rank MiB", "step's peak growth MiB"]
     return table(header, rows)
 

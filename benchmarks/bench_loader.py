@@ -7,9 +7,9 @@ text and for conversations.
 One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
 embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
 whole rows and keeps S/(R·U) tokens of each, so the loader's figure is per-rank *local* tokens/s. The baseline, in
-the same run: one forward + backward + AdamW step of a tiny Llama (hidden 256, 4 layers, 4 heads) on one batch of
-that rank's S/(R·U) tokens, on one process (no communication), i.e. the tokens one rank consumes per step; on
-the CPU by default, or on a GPU with ``--device cuda``.
+the same run: one step of the plain Hugging Face loop (``sides.py``: forward, backward, AdamW) of a tiny Llama
+(hidden 256, 4 layers, 4 heads) on S/(R·U) tokens, in a process of its own (no communication), i.e. the tokens one
+rank consumes per step; on the CPU by default, or on a GPU with ``--device cuda``.
 
 Conversations (the same place, rows as the chat recipes pack them; every figure global rows and tokens per second):
 short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_sft`` reads; its conversations are
@@ -21,7 +21,7 @@ message (as Phi-3.5's writes it), so each is rendered once per assistant turn (`
 documents of up to ~126K tokens): rendered, tokenized and packed (``ChatEncoder`` and ``Packer``, one process), every
 conversation of the file through. Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
 ulysses 2, 1024-token rows) consumes, measured here as the median step of ``--default-job-steps`` training steps of
-it on a spawned gloo group.
+it (the first two warm up; the slowest rank's) on a spawned gloo group (``runs.run_steps``).
 """
 
 from __future__ import annotations
@@ -32,56 +32,34 @@ import json
 import os
 import platform
 import random
-import statistics
 import tempfile
 import time
 from itertools import islice
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.report import command, machine_line
+from benchmarks.runs import run_steps
+from benchmarks.timing import median
 from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir, load_tokenizer
 from lctrain.data.chat import parse_conversation
-from lctrain.data.packing import IGNORE_INDEX, Document, Packer
+from lctrain.data.packing import Document, Packer
 from lctrain.data.tokenizer import CHAT_TEMPLATE
-from lctrain.testing import run_distributed
 from testbed.jobs import tiny_job
 
 LONG_TURNS = 200
 LONG_SEQ_LEN = 131072
 
 
-def train_step_seconds(vocab_size: int, batch: dict, steps: int, device: torch.device) -> float:
-    """Median seconds of forward + backward + AdamW (fp32) on ``batch`` for a tiny Llama on ``device``."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=vocab_size,
-        max_position_embeddings=1 << 20,
-    )
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
-    batch = {key: batch[key].to(device) for key in ("input_ids", "labels", "position_ids")}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for _ in range(steps + 1):  # the first step warms up
-        start = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def train_step_seconds(tokens: int, steps: int, device: str) -> float:
+    """Median seconds of one training step of the plain Hugging Face loop (``sides.HFSide``: forward, backward,
+    AdamW, fp32) of a tiny Llama on ``tokens`` tokens on ``device``, after one warm-up step (``runs.run_steps``)."""
+    model = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "model.num_heads=4"]
+    job = tiny_job(*model, "model.num_kv_heads=4", f"train.device={device}", "checkpoint.resume=none")
+    every = [(tokens, index) for index in range(steps + 1)]
+    return median(run_steps({"hf": {"side": "hf", "job": job}}, 1, every[:1], every[1:])["hf"]["steps"], "step_s")
 
 
 def write_long_conversations(path: Path, count: int, seed: int = 0) -> None:
@@ -127,34 +105,15 @@ def expanded_rates(path: Path, template: str, tokenizer_dir: Path) -> tuple[floa
     return rows / seconds, rows * LONG_SEQ_LEN / seconds, len(documents)
 
 
-def default_job_steps(steps: int) -> list[float] | None:
-    """The seconds of each training step of the default job (``recipe=tiny_cpu``, no validation) on this rank; rank
-    0 returns them."""
-    import torch.distributed as dist
-
-    from lctrain.config import load_config
-    from lctrain.train.job import build_training_job
-    from lctrain.train.trainer import Trainer
-
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(tiny_job(f"train.run_dir={run_dir}", "checkpoint.resume=none", f"train.steps={steps}"))
-        trainer = Trainer(build_training_job(cfg))
-        batches, times = iter(trainer.loader), []
-        for _ in range(steps):
-            batch = next(batches)
-            start = time.perf_counter()
-            trainer.train_step([batch])
-            times.append(time.perf_counter() - start)
-    return times if dist.get_rank() == 0 else None
-
-
 def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: Path) -> list[str]:
     """The conversation figures, each against the default job's consumption."""
-    times = run_distributed(default_job_steps, 4, args.default_job_steps)[0]
-    step = statistics.median(times[2:])  # the first steps warm up
+    job = {"side": "lctrain", "job": tiny_job("checkpoint.resume=none"), "rows": "loader"}
+    every = [(1024, index) for index in range(max(3, args.default_job_steps))]
+    steps = run_steps({"job": job}, 4, every[:2], every[2:])["job"]["steps"]  # the first steps warm up
+    step = median(steps, "step_s")
     job_rows, job_tokens = 1 / step, 1024 / step
     lines = [
-        f"default job (recipe=tiny_cpu, 4 processes): median step {step:.3f} s over {len(times) - 2} steps = "
+        f"default job (recipe=tiny_cpu, 4 processes): median step {step:.3f} s over {len(steps)} steps = "
         f"{job_rows:.2f} rows/s, {job_tokens:,.0f} tokens/s",
         "",
         f"{'conversations':58} {'rows/s':>9} {'tokens/s':>11} {'x the job':>10}",
@@ -220,14 +179,14 @@ def main() -> None:
     place = SequencePlace(ring_size=args.ring, ulysses_size=args.ulysses)
     loader = PackedLoader(DataConfig(seq_len=args.seq_len), place=place)
     batches = iter(loader)
-    first = next(batches)  # opens the stream
+    next(batches)  # opens the stream
     rows = -(-args.tokens // args.seq_len)
     start = time.perf_counter()
     for _ in islice(batches, rows):
         pass
     loader_seconds = (time.perf_counter() - start) / rows
     device = torch.device(args.device)
-    step_seconds = train_step_seconds(len(loader.tokenizer), first, args.train_steps, device)
+    step_seconds = train_step_seconds(local, args.train_steps, args.device)
 
     loader_rate, step_rate = local / loader_seconds, local / step_seconds
     print(f"command: {command()}")

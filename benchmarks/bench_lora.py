@@ -4,34 +4,26 @@ and step time, split into the forward + backward and the optimizer step (clippin
     python -m benchmarks.bench_lora                     # 2 ranks (ring 2), width 512, 4 layers, S=2048 (~3 min)
     python -m benchmarks.bench_lora --ranks 4 --seq 4096 --lora-rank 8 --trainable embed_tokens,norm
 
-Both jobs are ``jobs.bench_job("cpu")`` (the tiny recipe's data and tokenizer, fp32) with the model of ``--hidden``,
-``--intermediate`` and ``--layers``, on ``--ranks`` ranks (ring × Ulysses as ``MESHES`` says) with the same seed,
-rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on every projection, alpha = 2 × rank) and
-``model.lora.trainable``.
-
-- Time: one gloo group builds both trainers and takes their steps in turn (full, LoRA, LoRA, full, ...), so that
-  drift in the machine's load hits both alike; each step's forward + backward (``Trainer.forward_backward``) and
-  optimizer step (``Trainer.optimizer_step``) are timed apart on every rank after ``--warmup`` steps, and the
-  median over ``--steps`` steps of the slowest rank is reported.
-- Memory: each job in a fresh group of its own (``runs.run_group``, glibc returning freed buffers:
-  ``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built
-  (parameters, gradients, optimizer states, activations, buffers), the largest over ranks.
-
-The bar: the adapters may not cost more time than the full step spends in its optimizer work, i.e. the LoRA
-forward + backward may exceed the full one by at most what the LoRA optimizer step saves against the full one.
+Both jobs are ``jobs.bench_job("cpu")`` with the model of ``--hidden``, ``--intermediate`` and ``--layers`` on
+``--ranks`` ranks (``MESHES``), the same seed, rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on
+every projection, alpha = 2 × rank) and ``model.lora.trainable``. Time: both trainers in one gloo group, their steps
+in turn (``runs.run_steps``), each step's ``Trainer.forward_backward`` and ``Trainer.optimizer_step`` timed apart,
+medians over ``--steps`` of the slowest rank after ``--warmup``. Memory: each job in a group of its own
+(``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built, the
+largest over ranks. The bar: the LoRA forward + backward may exceed the full one by at most what the LoRA optimizer
+step saves against the full one.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 from benchmarks import memory
-from benchmarks.jobs import bench_job
+from benchmarks.jobs import bench_job, shape_overrides
 from benchmarks.report import command, commit, machine_line, table
-from benchmarks.runs import run_group
+from benchmarks.runs import run_steps
+from benchmarks.timing import median
 
 MIB = 2**20
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2)}  # ranks -> (ring, ulysses)
@@ -41,75 +33,36 @@ SIDES = ("full", "lora")
 def jobs(args: argparse.Namespace) -> dict[str, list[str]]:
     """The full fine-tuning job and the LoRA job: the same model, mesh, seed and schedule."""
     ring, ulysses = MESHES[args.ranks]
-    base = bench_job(
-        "cpu",
-        f"model.hidden_size={args.hidden}",
-        f"model.intermediate_size={args.intermediate}",
-        f"model.num_layers={args.layers}",
-        "model.num_heads=8",
-        "model.num_kv_heads=4",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        f"train.steps={args.warmup + 2 * args.steps}",
-    )
+    shape = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers, "heads": 8, "kv_heads": 4}
+    mesh = (f"parallel.ring={ring}", f"parallel.ulysses={ulysses}")
+    base = bench_job("cpu", *shape_overrides(shape), *mesh, f"train.steps={args.warmup + 2 * args.steps}")
     trainable = [f"model.lora.trainable=[{args.trainable}]"] if args.trainable else []
     lora = [f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}", *trainable]
     return {"full": base, "lora": [*base, *lora]}
 
 
-def timed_steps(specs: dict[str, list[str]], seq: int, warmup: int, steps: int, run_dir: str) -> dict[str, Any]:
-    """On each rank: both trainers, their steps in turn (ABBA), each step's two parts timed."""
-    import torch.distributed as dist
-
-    from benchmarks.sides import LctrainSide, packed_batch, random_rows
-    from lctrain.config import load_config
-
-    sides = {}
-    for side, job in specs.items():
-        cfg = load_config([*job, f"train.run_dir={run_dir}/{side}"])
-        sides[side] = LctrainSide(cfg)
-    times: dict[str, list[tuple[float, float]]] = {side: [] for side in specs}
-    order = [side for index in range(warmup + steps) for side in (SIDES if index % 2 == 0 else SIDES[::-1])]
-    for index, side in enumerate(order):
-        lctrain = sides[side]
-        batch = packed_batch(random_rows(lctrain.hf_config.vocab_size, 1, seq, index // 2), None, lctrain.shard)
-        dist.barrier()
-        started = time.perf_counter()
-        step = lctrain.trainer.forward_backward([batch])
-        middle = time.perf_counter()
-        lctrain.trainer.optimizer_step(step.trained).item()
-        ended = time.perf_counter()
-        if index >= 2 * warmup:
-            times[side].append((middle - started, ended - middle))
-    trained = {
-        side: sum(p.numel() for p in lctrain.model.parameters() if p.requires_grad) for side, lctrain in sides.items()
-    }
-    return {"times": times, "trained": trained}
-
-
 def measure_time(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[str, Any]:
-    import tempfile
-
-    from lctrain.testing import run_distributed
-
-    with tempfile.TemporaryDirectory(prefix="bench_lora_") as run_dir, memory.malloc_env(for_memory=False):
-        per_rank = run_distributed(timed_steps, args.ranks, specs, args.seq, args.warmup, args.steps, run_dir)
-    result: dict[str, Any] = {"trained": per_rank[0]["trained"]}
+    """Both jobs in one group, their steps in turn, each timed in two parts: the medians of the slowest rank."""
+    sides = {side: {"side": "lctrain", "job": job, "part": "parts"} for side, job in specs.items()}
+    steps = [(args.seq, index) for index in range(args.warmup + args.steps)]
+    with memory.malloc_env(for_memory=False):
+        result = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
+    times: dict[str, Any] = {"trained": {side: result[side]["ready"]["model"]["trained"] for side in SIDES}}
     for side in SIDES:
-        for part, index in (("forward_backward", 0), ("optimizer", 1)):
-            slowest = [max(rank["times"][side][step][index] for rank in per_rank) for step in range(args.steps)]
-            result[f"{side}_{part}_s"] = statistics.median(slowest)
-    return result
+        for part in ("forward_backward_s", "optimizer_s"):
+            times[f"{side}_{part}"] = median(result[side]["steps"], part)
+    return times
 
 
 def measure_memory(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[str, int]:
+    """Each job in a group of its own: the largest peak over the ranks of a step after a warm-up one."""
     peaks = {}
     for side in SIDES:
         with memory.malloc_env(for_memory=True):
-            per_rank, _ = run_group(
-                {"side": "lctrain", "job": specs[side]}, args.ranks, [(args.seq, 1)], [(args.seq, 0)]
+            result = run_steps(
+                {side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)], [(args.seq, 0)]
             )
-        peaks[side] = max(rank["steps"][0]["peak"] for rank in per_rank)
+        peaks[side] = result[side]["steps"][0]["peak"]
     return peaks
 
 

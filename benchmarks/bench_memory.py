@@ -1,37 +1,25 @@
 """Memory per rank against sequence length with every memory saver on, against the plain Hugging Face baseline.
 (The longest context each side trains in one step: ``bench_context.py``.)
 
-Run from the repository root::
-
     python -m benchmarks.bench_memory                    # every P and length (about 15 minutes on 2 shared cores)
     python -m benchmarks.bench_memory --per-rank 1024,2048 --ranks 1,2
     python -m benchmarks.bench_memory --json out.json    # also write the raw measurements
     python -m benchmarks.bench_memory --from-json a.json --from-json b.json   # report (merged), nothing run
 
-The model is the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
-(``--override`` defaults: width 256, MLP 1024, 4 layers, 4 heads / 2 KV heads, vocabulary 8192), fp32, one
-document per row of random tokens. Every configuration trains one step (forward, backward, clipping, AdamW) after
-one warm-up step at 64·ring·ulysses tokens, in a spawned gloo group with one thread per rank.
+The model: the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
+(``MODEL``, then ``--override``), fp32, one document per row of random tokens; one step after a warm-up step at
+64·ring·ulysses tokens, one thread per rank. lctrain = ``Trainer.train_step`` with all the memory savers: sequence
+sharded over P ranks (``MESHES``), activation checkpointing ``full``, activation offload (a no-op on CPU), the
+chunked MLP and loss (``--mlp-chunk-tokens``, ``--loss-chunk-tokens``). Baseline = the ``hf`` side of ``sides.py``
+in one process (sdpa, no checkpointing, full logits).
 
-lctrain = ``Trainer.train_step`` with all the memory savers: sequence sharded over P ranks (P=1: one rank; 2: ring 2;
-4: ring 2 × Ulysses 2; 8: ring 4 × Ulysses 2), activation checkpointing ``full``, activation offload (a no-op on a
-CPU device: the activations are already in host memory), the chunked MLP (``--mlp-chunk-tokens``) and the chunked
-loss (``--loss-chunk-tokens``). Baseline = one process, the same model in plain transformers (sdpa attention), no
-checkpointing, full logits, ``model(input_ids=x, labels=x).loss``: the ``hf`` side of ``sides.py``.
-
-For each P, the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` (per-rank lengths at or above the MLP and
-loss chunks, so the chunked tensors no longer grow with S) run in one process group, shortest first; the baseline
-at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line against S/P (least squares):
-if memory per rank is O(S/P), the lines of all P coincide (same slope per local token, same intercept), and the
-slope per *global* token halves as P doubles. A watchdog on every rank ends a run whose step passes its share of
-``--safe-gib`` (default 16 GiB for all ranks, lowered to what the machine has available minus 2 GiB).
-
-Memory (``memory.py``): the step peak is the resident set a step adds on top of the runtime, the parameters and
-the AdamW states (gradients, activations, logits, communication buffers, allocator slack), each process with
-``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large buffers go back to the OS and one phase cannot hide another's
-memory. For the machine total, the memory before the step is each process's PSS (proportional set size: shared
-library pages split between the processes that map them), so the sum over ranks is what the ranks use together;
-the step peaks are private memory and add up (an upper bound: the ranks' peaks need not coincide).
+For each P the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` run in one process group (``runs.run_steps``),
+shortest first; the baseline at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line
+against S/P: if memory per rank is O(S/P), the lines of all P coincide and the slope per *global* token halves as P
+doubles. A watchdog ends a run whose step passes its share of ``--safe-gib`` (lowered to what the machine has
+available minus 2 GiB). The step peak is the resident set a step adds (``MALLOC_MMAP_THRESHOLD_=65536``,
+``memory.py``); the machine total adds each process's PSS before the step (shared pages split between the
+processes), an upper bound: the ranks' peaks need not coincide.
 """
 
 from __future__ import annotations
@@ -47,18 +35,13 @@ from pathlib import Path
 from benchmarks import memory
 from benchmarks.jobs import REPO, bench_job
 from benchmarks.report import command, fit_line, machine_line, table
-from benchmarks.runs import run_group
+from benchmarks.runs import run_steps
 
 MIB, GIB = 2**20, 2**30
 SIDES = ("lctrain", "baseline")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # ranks -> (ring, ulysses)
-MODEL = (
-    "model.hidden_size=256",
-    "model.intermediate_size=1024",
-    "model.num_layers=4",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-)
+MODEL = ("model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4", "model.num_heads=4")
+MODEL += ("model.num_kv_heads=2",)
 PLOT = REPO / "docs" / "memory_per_rank.png"
 
 
@@ -104,36 +87,29 @@ def job_for(side: str, ranks: int, args: argparse.Namespace) -> list[str]:
     if side == "baseline":
         return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *base)
     ring, ulysses = MESHES[ranks]
-    return bench_job(
-        "cpu",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        *base,
-        "parallel.activation_checkpointing=full",
-        "parallel.activation_offload=true",
-        f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}",
-        f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
-    )
+    savers = ("parallel.activation_checkpointing=full", "parallel.activation_offload=true")
+    chunks = (f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}", f"train.loss_chunk_tokens={args.loss_chunk_tokens}")
+    return bench_job("cpu", f"parallel.ring={ring}", f"parallel.ulysses={ulysses}", *base, *savers, *chunks)
 
 
 def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namespace) -> list[Point]:
     """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group."""
     ring, ulysses = MESHES[ranks] if side == "lctrain" else (1, 1)
     log(f"  {side}, {ranks} rank(s) (ring {ring} × ulysses {ulysses}): S = {', '.join(f'{s:,}' for s in seqs)}")
-    spec = {"side": "hf" if side == "baseline" else "lctrain", "job": job_for(side, ranks, args), "doc_len": None}
+    spec = {"side": "hf" if side == "baseline" else "lctrain", "job": job_for(side, ranks, args), "threads": 1}
     guard = int(args.safe_gib * GIB / ranks)
     started = time.perf_counter()
     with memory.malloc_env(for_memory=True):
         warmup = [(2 * ring * ulysses * 32, 1)]
-        per_rank, stopped = run_group(spec, ranks, warmup, [(seq, 0) for seq in seqs], budget=guard)
-    done = len(per_rank[0]["steps"])
-    if stopped is not None:
+        result = run_steps({side: spec}, ranks, warmup, [(seq, 0) for seq in seqs], budget=guard)[side]
+    done = sum(step["ok"] for step in result["steps"])
+    if done < len(seqs):
         log(
             f"  stopped at S={seqs[done]:,}: a rank's step passed its {guard / MIB:,.0f} MiB share of --safe-gib "
-            f"({stopped / MIB:,.0f} MiB); the {done} shorter lengths are kept"
+            f"({result['steps'][done]['step_peak'] / MIB:,.0f} MiB); the {done} shorter lengths are kept"
         )
     log(f"  ({time.perf_counter() - started:.0f} s)")
-    steps = [rank["steps"] for rank in per_rank]
+    steps = result["per_rank"]
     return [
         Point(
             side,
@@ -142,7 +118,7 @@ def run_points(side: str, ranks: int, seqs: Sequence[int], args: argparse.Namesp
             [r[i]["step_peak"] for r in steps],
             [r[i]["pss_before"] for r in steps],
             [r[i]["before"] for r in steps],
-            max(r[i]["step_s"] for r in steps),
+            result["steps"][i]["step_s"],
         )
         for i, seq in enumerate(seqs[:done])
     ]
@@ -214,72 +190,35 @@ def scaling_report(points: list[Point], min_per_rank: int) -> str:
     rows = []
     for p in sorted(points, key=lambda p: (p.side != "lctrain", p.ranks, p.seq)):
         role = "fitted" if id(p) in used else ("check" if not p.fitted else "floor")
-        rows.append(
-            [
-                mesh_label(p.side, p.ranks),
-                str(p.ranks),
-                f"{p.seq:,}",
-                f"{p.per_rank_tokens:,}",
-                f"**{mib(p.peak)}**",
-                f"{mib(min(p.growth))} … {mib(p.peak)}",
-                mib(max(p.rss_before)),
-                gib(p.total),
-                f"{p.seconds:.1f}",
-                role,
-            ]
-        )
-    header = [
-        "side",
-        "P",
-        "S",
-        "S/P",
-        "step peak/rank (MiB, max)",
-        "min … max over ranks",
-        "RSS before (MiB)",
-        "total, all ranks (GiB)",
-        "step (s)",
-        "use",
-    ]
-    out = [table(header, rows), ""]
+        cells = [
+            mesh_label(p.side, p.ranks),
+            str(p.ranks),
+            f"{p.seq:,}",
+            f"{p.per_rank_tokens:,}",
+            f"**{mib(p.peak)}**",
+        ]
+        cells += [f"{mib(min(p.growth))} … {mib(p.peak)}", mib(max(p.rss_before)), gib(p.total), f"{p.seconds:.1f}"]
+        rows.append([*cells, role])
+    header = ["side", "P", "S", "S/P", "step peak/rank (MiB, max)", "min … max over ranks", "RSS before (MiB)"]
+    out = [table([*header, "total, all ranks (GiB)", "step (s)", "use"], rows), ""]
     fit_rows = []
 
     def fit_row(label: str, ranks: str, own: list[Point], per_global: str) -> None:
         fit = Fit.of(own)
         lengths = ", ".join(f"{n:,}" for n in sorted({p.per_rank_tokens for p in own}))
-        fit_rows.append(
-            [
-                label,
-                ranks,
-                lengths,
-                f"{fit.slope / 1024:.2f}",
-                per_global,
-                mib(fit.intercept),
-                f"{fit.max_residual / MIB:.1f}",
-            ]
-        )
+        cells = [label, ranks, lengths, f"{fit.slope / 1024:.2f}", per_global, mib(fit.intercept)]
+        fit_rows.append([*cells, f"{fit.max_residual / MIB:.1f}"])
 
     for side, ranks in groups(points):
         own = fitted(points, side, min_per_rank, ranks)
         if fittable(own):
-            fit = Fit.of(own)
-            fit_row(mesh_label(side, ranks), str(ranks), own, f"{fit.slope / ranks / 1024:.2f}")
+            fit_row(mesh_label(side, ranks), str(ranks), own, f"{Fit.of(own).slope / ranks / 1024:.2f}")
     pooled = pooled_points(points, min_per_rank)
     if len({p.ranks for p in pooled}) > 1 and fittable(pooled):
-        fit_row(
-            "**lctrain, every P ≥ 2 together**",
-            ", ".join(str(n) for n in sorted({p.ranks for p in pooled})),
-            pooled,
-            "—",
-        )
-    header = [
-        "fit: step peak per rank = a + b·(S/P)",
-        "P",
-        "fitted S/P",
-        "b: KiB per token of the rank",
-        "b/P: KiB per token of the sequence",
-        "a (MiB)",
-        "max residual (MiB)",
-    ]
+        ranks = ", ".join(str(n) for n in sorted({p.ranks for p in pooled}))
+        fit_row("**lctrain, every P ≥ 2 together**", ranks, pooled, "—")
+    header = ["fit: step peak per rank = a + b·(S/P)", "P", "fitted S/P", "b: KiB per token of the rank"]
+    header += ["b/P: KiB per token of the sequence", "a (MiB)", "max residual (MiB)"]
     out.append(table(header, fit_rows))
     return "\n".join(out)
 

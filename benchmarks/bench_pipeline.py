@@ -1,91 +1,56 @@
 """Benchmark the pipeline bubble: the measured step time of pp=2 against the ideal, per schedule and micro-batch count,
 beside the textbook bubble fraction.
 
-Run from the repository root::
-
     python -m benchmarks.bench_pipeline            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
     python -m benchmarks.bench_pipeline --quick    # GPipe and 1F1B, m ∈ {2, 4}
     python -m benchmarks.bench_pipeline --schedules GPipe Interleaved1F1B --microbatches 4 16
 
-A step here is ``Trainer.forward_backward`` over m rows, the pipeline's m micro-batches: the whole schedule, the
-stages' P2P sends and the FSDP gradient reduction, not the optimizer step (which has no bubble). Each configuration
-runs in a fresh spawned gloo group of 2 processes (one per core, one thread each): ``--warmup`` untimed steps, then
-the medians of ``--steps`` timed ones. The rows are synthetic: ``--seq`` random tokens, one document each.
-
-- ``measured``: the step's wall time (the ranks start and end together, at barriers).
-- ``busy``: each rank's CPU time in the step (``time.process_time``: its compute, plus the little its gloo threads
-  use to move data; a rank that waits for the other stage sleeps, it does not spin). ``ideal`` = the busier rank's
-  busy time: the step could be no shorter, whatever the schedule. ``bubble`` = 1 − ideal / measured: the fraction
-  of the step the busier rank spent waiting. The other rank's extra idle time is imbalance between the stages.
-- ``textbook`` = (p − 1) / (v·m + p − 1): the idle fraction of a balanced pipeline with v stages per rank (GPipe and
-  1F1B: v = 1; the others here: v = 2). The zero-bubble schedules aim below it by filling the bubble with weight
-  gradients.
-
-The model (Llama, ``--hidden`` wide, ``--layers`` layers, vocabulary 8192) has the embeddings on the first stage and
-the norm, LM head and loss on the last. The split points balance the stages by parameter count, the LM head
-counting as (vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on
-loopback (a P2P send costs little next to a stage's compute here, unlike across nodes), fp32, a VM whose timings
-vary by about ±15 % between runs.
+A step is ``Trainer.forward_backward`` over m rows (``--seq`` random tokens, one document each), the pipeline's m
+micro-batches: the schedule, its P2P sends and the FSDP gradient reduction, no optimizer step. Each configuration
+runs in a fresh gloo group of 2 processes, one thread each (``runs.run_steps``): ``--warmup`` untimed steps, then
+the medians of ``--steps``. ``measured``: the step's wall time, the slower rank's. ``busy``: each rank's CPU time in
+the step (a rank waiting for the other stage sleeps); ``bubble`` = 1 − (the busier rank's busy time) / measured: the
+fraction of the step the busier rank waited. ``textbook`` = (p − 1) / (v·m + p − 1), v stages per rank (GPipe and
+1F1B: 1; the others: 2). The split points balance the stages by parameter count, the LM head counting as
+(vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on loopback (a
+P2P send costs little next to a stage's compute here), fp32, timings that vary by about ±15 % between runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
-import torch
-import torch.distributed as dist
-
-from benchmarks.jobs import bench_job
+from benchmarks.jobs import bench_job, shape_overrides
 from benchmarks.report import command, machine_line, table
-from benchmarks.sides import packed_batch
+from benchmarks.runs import run_steps
+from benchmarks.timing import median
 from lctrain.config import load_config
 from lctrain.data import load_tokenizer
 from lctrain.models import build_empty_model, model_config
-from lctrain.testing import run_distributed
-from lctrain.train.job import build_training_job
-from lctrain.train.trainer import Trainer
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> list[str]:
-    return bench_job(
-        "cpu",
-        "parallel.ring=1",
-        "parallel.ulysses=1",
-        "model.hidden_size=" + str(args.hidden),
-        "model.intermediate_size=" + str(args.hidden * 8 // 3),
-        f"model.num_layers={args.layers}",
-        "model.num_heads=8",
-        "model.num_kv_heads=4",
-        f"data.seq_len={args.seq}",
-        f"data.batch_size={microbatches}",
-        *pipeline,
-        "train.run_dir=/tmp/lctrain_bench_pipeline",
-    )
+    shape = {
+        "hidden": args.hidden,
+        "intermediate": args.hidden * 8 // 3,
+        "layers": args.layers,
+        "heads": 8,
+        "kv_heads": 4,
+    }
+    rows = (f"data.seq_len={args.seq}", f"data.batch_size={microbatches}")
+    return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *shape_overrides(shape), *rows, *pipeline)
 
 
-def time_steps(overrides: list[str], warmup: int, steps: int) -> tuple[float, float]:
-    """In each rank of a spawned group: the median wall time and CPU time of ``forward_backward`` over one batch of
-    all the rows."""
-    trainer = Trainer(build_training_job(load_config(overrides)))
-    shape, generator = (trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), torch.Generator().manual_seed(0)
-    batch = packed_batch(torch.randint(0, trainer.hf_config.vocab_size, shape, generator=generator), None)
-    wall, cpu = [], []
-    for index in range(warmup + steps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        trainer.forward_backward([batch])
-        busy = time.process_time() - start_cpu
-        dist.barrier()
-        if index >= warmup:
-            wall.append(time.perf_counter() - start)
-            cpu.append(busy)
-        trainer.optimizer.zero_grad(set_to_none=True)
-    return statistics.median(wall), statistics.median(cpu)
+def time_steps(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> tuple[float, list[float]]:
+    """The median wall time of ``forward_backward`` over one batch of all the rows (the slower rank's), and each
+    rank's median CPU time in it."""
+    spec = {"side": "lctrain", "job": job_overrides(args, microbatches, pipeline), "batch": microbatches}
+    steps = [(args.seq, 0)] * (args.warmup + args.steps)
+    result = run_steps({"pp": spec | {"part": "forward_backward"}}, 2, steps[: args.warmup], steps[args.warmup :])["pp"]
+    return median(result["steps"], "step_s"), [median(rank, "cpu_s") for rank in result["per_rank"]]
 
 
 def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str]:
@@ -141,9 +106,7 @@ def main() -> None:
             f"parallel.pp_split_points=[{','.join(split)}]",
         ]
         for m in args.microbatches:
-            ranks = run_distributed(time_steps, pp, job_overrides(args, m, pipeline), args.warmup, args.steps)
-            measured = max(wall for wall, _ in ranks)
-            busy = [cpu for _, cpu in ranks]
+            measured, busy = time_steps(args, m, pipeline)
             ideal = max(busy)
             textbook = (pp - 1) / (stages_per_rank * m + pp - 1)
             rows.append(

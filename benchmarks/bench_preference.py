@@ -7,21 +7,22 @@ costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank pe
     python -m benchmarks.bench_preference --device cuda --json OUT.json   # 16:1, a 16,384-token prompt, one GPU
 
 Every job is ``jobs.bench_job(device)`` with ``objective.name=dpo``: on CPU the tiny recipe's model and tokenizer,
-fp32, on 4 spawned gloo ranks; on CUDA Llama-3.2-1B's sizes in bf16 in this process, a group of one rank (NCCL
-takes one rank per GPU), shared against unshared only, by default at 16:1 with answers of 1,024 tokens.
+fp32, on 4 spawned gloo ranks; on CUDA Llama-3.2-1B's sizes in bf16 in one fresh process, a group of one rank
+(NCCL takes one rank per GPU), shared against unshared only, by default at 16:1 with answers of 1,024 tokens.
 One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
 packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
 shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
 
-- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA), so that
-  drift in the machine's load hits both alike; each step is ``Trainer.forward_backward`` (the reference pass, the
-  policy's forward and backward; the optimizer step is the same for both), timed on every rank after one warm-up
-  step, the median over ``--steps`` of the slowest rank; beside it the step's CPU time (the process's, the median
-  of the busiest rank's), which other jobs on a shared machine disturb less than the wall time. Memory, the largest
-  over ranks, measured with glibc returning freed buffers (``memory.malloc_env``): the activations (the resident set
-  when the row's forward and loss return, less the one before the step: what the forward keeps for the backward),
-  and the step's peak growth (``memory.StepPeak``: activations, the backward's working set and the gradients, the
-  same gradients on both sides). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its
+- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA:
+  ``runs.run_steps``), so that drift in the machine's load hits both alike; each step is ``Trainer.forward_backward``
+  (the reference pass, the policy's forward and backward; the optimizer step is the same for both), timed on every
+  rank after one warm-up step, the median over ``--steps`` of the slowest rank; beside it the step's CPU time (the
+  process's, the median of the busiest rank's), which other jobs on a shared machine disturb less than the wall time.
+  Memory, the largest over ranks, measured with glibc returning freed buffers (``memory.malloc_env``): the activations
+  (the resident set when the row's forward and loss return, less the one before the step: what the forward keeps for
+  the backward), the step's peak growth (``lctrain.train.meter.StepMemory``: activations, the backward's working set
+  and the gradients, the same gradients on both sides) and its peak (on CPU the resident set less the one before the
+  trainers were built). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its
   ``max_memory_allocated`` (both trainers' weights and states are resident: growth is what the sides differ by).
 - Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
   copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
@@ -36,15 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
+from benchmarks.runs import run_steps
+from benchmarks.timing import median
 
 MIB = 2**20
 RANKS = {"cpu": 4, "cuda": 1}
@@ -62,105 +62,27 @@ def job(device: str, seq: int, *changes: str) -> list[str]:
     return bench_job(device, *MESH[device], f"data.seq_len={seq}", "objective.name=dpo", *changes)
 
 
-def one_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
-    rng = random.Random(seed)
-    return tuple([rng.randrange(1, 250) for _ in range(n)] for n in (prompt, completion, completion))  # type: ignore[return-value]
-
-
-def measure(specs: dict[str, dict[str, Any]], warmup: int, steps: int, run_dir: str) -> dict[str, Any]:
-    """On each rank: every side's trainer (built in turn, the resident set it adds recorded), then their steps in
-    turn (ABBA), each timed and its peak growth measured."""
-    import torch.distributed as dist
-
-    from lctrain.config import load_config
-    from lctrain.train.job import build_training_job
-    from lctrain.train.reference import ReferenceCache
-    from lctrain.train.trainer import Trainer
-    from testbed.pairs import pack_pairs, shard_rows
-
-    names = list(specs)
-    order = [name for index in range(warmup + steps) for name in (names if index % 2 == 0 else names[::-1])]
-
-    def batch(name: str, seed: int) -> dict:
-        spec, trainer = specs[name], trainers[name]
-        pair = one_pair(spec["prompt"], spec["completion"], seed)
-        return shard_rows([pack_pairs([pair], trainer.cfg.data.seq_len, shared=spec["shared"])], trainer.place)
-
-    trainers = {}
-    for index, (name, spec) in enumerate(specs.items()):
-        trainers[name] = Trainer(build_training_job(load_config([*spec["job"], f"train.run_dir={run_dir}/{index}"])))
-        if spec.get("precompute"):  # the reference's log-probs of every step's pair, then the model dropped
-            cache = ReferenceCache(Path(run_dir) / f"{index}" / "reference.pt", name)
-            trainers[name].objective.precompute_reference([[batch(name, s)] for s in range(warmup + steps)], cache)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    growth: dict[str, list[int]] = {name: [] for name in names}
-    kept: dict[str, list[int]] = {name: [] for name in names}
-    peaks: dict[str, list[int]] = {name: [] for name in names}
-    for trainer in trainers.values():
-        trainer.forward_loss = _recording_memory(trainer.forward_loss, trainer.device)
-    for index, name in enumerate(order):
-        trainer, micro_batch = trainers[name], batch(name, index // len(names))
-        dist.barrier()
-        with memory.StepPeak(trainer.device) as peak:  # synchronizes CUDA on entry and exit: the step's whole time
-            started, cpu_started = time.perf_counter(), time.process_time()
-            trainer.forward_backward([micro_batch])
-        elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
-        trainer.optimizer.zero_grad(set_to_none=True)
-        if index >= warmup * len(names):
-            times[name].append(elapsed)
-            cpu[name].append(cpu_elapsed)
-            growth[name].append(peak.growth)
-            peaks[name].append(peak.peak)
-            kept[name].append(trainer.forward_loss.in_use - peak.before)
-    return {"times": times, "cpu": cpu, "growth": growth, "kept": kept, "peak": peaks}
-
-
-def _recording_memory(forward_loss: Any, device: Any) -> Any:
-    """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated bytes; CPU: the resident
-    set): what the forward keeps for the backward."""
-    import torch
-
-    def recorded(*args: Any) -> Any:
-        result = forward_loss(*args)
-        if device.type == "cuda":
-            recorded.in_use = torch.cuda.memory_allocated(device)
-        else:
-            recorded.in_use = memory.proc_bytes("VmRSS")
-        return result
-
-    return recorded
-
-
-def run(
-    specs: dict[str, dict[str, Any]], warmup: int, steps: int, device: str, ranks: int
-) -> dict[str, dict[str, float]]:
-    """Each side's median step time of the slowest rank, largest step growth, peak and held memory over the ranks:
-    ``ranks`` spawned gloo processes, or with one rank this process (its default group of one on ``device``,
-    NCCL on CUDA)."""
-    import tempfile
-
-    from lctrain.runtime import init_distributed, resolve_device
-    from lctrain.testing import run_distributed
-
-    with tempfile.TemporaryDirectory(prefix="bench_preference_") as run_dir, memory.malloc_env(for_memory=True):
-        if ranks == 1:
-            init_distributed(resolve_device(device), timeout_s=1800)
-            per_rank = [measure(specs, warmup, steps, run_dir)]
-        else:
-            per_rank = run_distributed(measure, ranks, specs, warmup, steps, run_dir)
-    result = {}
-    for name in specs:
-        slowest = [max(rank["times"][name][step] for rank in per_rank) for step in range(steps)]
-        busiest = [max(rank["cpu"][name][step] for rank in per_rank) for step in range(steps)]
-        result[name] = {
-            "time": statistics.median(slowest),
-            "cpu": statistics.median(busiest),
-            "growth": max(max(rank["growth"][name]) for rank in per_rank),
-            "kept": max(max(rank["kept"][name]) for rank in per_rank),
-            "peak": max(max(rank["peak"][name]) for rank in per_rank),
-        }
-    return result
+def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -> dict[str, dict[str, float]]:
+    """Each side's median step time of the slowest rank and of the busiest rank's CPU time, largest step growth,
+    activations and peak over the ranks (``runs.run_steps``: ``ranks`` spawned gloo processes, or one fresh process,
+    its group of one on the job's device, NCCL on CUDA). ``specs``: per side ``job``, ``prompt``, ``completion``,
+    ``shared``, and ``precompute`` (the reference's log-probs precomputed)."""
+    every = [(0, index) for index in range(warmup + steps)]  # a pair's row is as long as its job's data.seq_len
+    sides = {}
+    for name, spec in specs.items():
+        pair = {key: spec[key] for key in ("prompt", "completion", "shared")}
+        sides[name] = {"side": "lctrain", "job": spec["job"], "rows": "pairs", "pair": pair, "part": "forward_backward"}
+        sides[name]["precompute"] = every if spec.get("precompute") else None
+    with memory.malloc_env(for_memory=True):
+        result = run_steps(sides, ranks, every[:warmup], every[warmup:])
+    figures = {}
+    for name, side in result.items():
+        if not side["ready"]["ok"] or not all(step["ok"] for step in side["steps"]):
+            raise RuntimeError(f"{name}: {next(r for r in [side['ready'], *side['steps']] if not r['ok'])['error']}")
+        figures[name] = {"time": median(side["steps"], "step_s"), "cpu": median(side["steps"], "cpu_s")}
+        figures[name] |= {key: max(step[key] for step in side["steps"]) for key in ("step_peak", "kept", "peak")}
+        figures[name]["growth"] = figures[name].pop("step_peak")
+    return figures
 
 
 def sharing(args: argparse.Namespace) -> None:
@@ -176,24 +98,15 @@ def sharing(args: argparse.Namespace) -> None:
             }
             for side in ("shared", "unshared")
         }
-        result = run(specs, args.warmup, args.steps, args.device, RANKS[args.device])
+        result = run(specs, args.warmup, args.steps, RANKS[args.device])
         shared, unshared = result["shared"], result["unshared"]
-        rows.append(
-            [
-                f"{ratio}:1",
-                f"{prompt:,} + 2 x {args.completion}",
-                f"{shared['time']:.3f} s / {unshared['time']:.3f} s",
-                f"{shared['time'] / unshared['time']:.2f}",
-                f"{shared['cpu']:.3f} s / {unshared['cpu']:.3f} s",
-                f"{shared['cpu'] / unshared['cpu']:.2f}",
-                f"{shared['kept'] / MIB:,.1f} / {unshared['kept'] / MIB:,.1f} MiB",
-                f"{shared['kept'] / unshared['kept']:.2f}",
-                f"{shared['growth'] / MIB:,.0f} / {unshared['growth'] / MIB:,.0f} MiB",
-                f"{shared['growth'] / unshared['growth']:.2f}",
-                f"{shared['peak'] / MIB:,.0f} / {unshared['peak'] / MIB:,.0f} MiB",
-                f"{shared['peak'] / unshared['peak']:.2f}",
-            ]
-        )
+        cells = [f"{ratio}:1", f"{prompt:,} + 2 x {args.completion}"]
+        forms = {"time": "{:.3f} s", "cpu": "{:.3f} s", "kept": "{:,.1f}", "growth": "{:,.0f}", "peak": "{:,.0f}"}
+        for key, form in forms.items():
+            unit, scale = ("", 1) if form.endswith(" s") else (" MiB", MIB)
+            both = f"{form.format(shared[key] / scale)} / {form.format(unshared[key] / scale)}{unit}"
+            cells += [both, f"{shared[key] / unshared[key]:.2f}"]
+        rows.append(cells)
         print(f"  {rows[-1]}", flush=True)
         cases.append({"ratio": ratio, "prompt": prompt, "completion": args.completion, **result})
         if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
@@ -216,7 +129,7 @@ def references(args: argparse.Namespace) -> None:
         "LoRA: none (simpo)": {**base, "job": job(args.device, seq, *lora, "objective.loss_type=[simpo]")},
         "LoRA: base, adapters off": {**base, "job": job(args.device, seq, *lora)},
     }
-    result = run(specs, args.warmup, args.steps, args.device, RANKS[args.device])
+    result = run(specs, args.warmup, args.steps, RANKS[args.device])
     rows = [
         [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
         for name, r in result.items()
@@ -231,7 +144,7 @@ def longest(args: argparse.Namespace) -> None:
         seq = pair_length(prompt, args.completion, True)
         spec = {"job": job(args.device, seq), "prompt": prompt, "completion": args.completion, "shared": True}
         try:
-            result = run({"shared": spec}, 0, 1, args.device, RANKS[args.device])["shared"]
+            result = run({"shared": spec}, 0, 1, RANKS[args.device])["shared"]
         except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
             print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
             break

@@ -9,9 +9,9 @@ For each sequence length it times, forward+backward, causal:
 - ``sdpa``: PyTorch's fused SDPA on the whole sequence (the single-device baseline);
 - ``kernel``: lctrain's resolved blockwise kernel on the whole sequence (one block), for each ``--kernels`` choice
   (``parallel.attention_kernel``; one that cannot run here is skipped with the reason);
-- ``rank r``: the blocks ring rank r of a zigzag ring of size R computes (its kernel calls and online-softmax
-  merges, forward and backward, exactly as ``ring_attention`` runs them), with the other ranks' K/V taken from
-  the full tensors instead of received.
+- ``rank r``: what ring rank r of a zigzag ring of size R computes, forward and backward: the ring's own passes
+  (``lctrain.attention.ring``), its transfers replaced by ``LocalPeers``, which copies the other ranks' K/V rows
+  from the full tensors instead of receiving them.
 It prints TFLOP/s (causal attention counted as half the dense FLOPs) and the compute efficiency
 T(kernel) / (R × max_r T(rank r)): the parallel efficiency the ring would reach if communication were fully
 hidden, with the same kernel on both sides (the kernel row shows T(sdpa) / T(kernel) instead).
@@ -21,29 +21,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import median_seconds
 from lctrain.attention import shard_sequence
-from lctrain.attention.kernels import accumulation_dtype, default_scale, resolve_kernel
-from lctrain.attention.merge import merge_block
-from lctrain.attention.ring_blocks import plan_ring
-
-
-def timed(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001
-    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up."""
-    times = []
-    for _ in range(iters + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[iters // 2]
+from lctrain.attention.kernels import AttentionKernel, default_scale, resolve_kernel
+from lctrain.attention.ring import _ring_backward, _ring_forward
+from lctrain.attention.ring_blocks import Step, plan_ring
+from lctrain.attention.timeline import NoTimeline
+from lctrain.attention.transport import Transfer
 
 
 def sdpa_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
@@ -52,60 +41,48 @@ def sdpa_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     out.backward(dout.transpose(1, 2))
 
 
-def resolved(q: torch.Tensor, k: torch.Tensor, choice: str):  # noqa: ANN201
+def resolved(q: torch.Tensor, k: torch.Tensor, choice: str) -> AttentionKernel:
     return resolve_kernel(
         q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
     )
 
 
-def rank_work(  # noqa: ANN201
+class LocalPeers:
+    """Stands in for the ring's transport (``transport.Peers``) on one device: a step's K/V rows are copied from
+    their owner's piece (``pieces``: each ring rank's K and V) instead of received; dK/dV returns come back as
+    zeros."""
+
+    timeline = NoTimeline()
+
+    def __init__(self, rank: int, plan: tuple[Step, ...], pieces: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.rank, self.pieces = rank, pieces
+        self.keys = {step.source: step.keys for step in plan}
+
+    def exchange(self, what: str, source: int, send: list, send_offset: int, receive: list, offset: int, cuts: list):
+        for store, owned in zip(receive, self.pieces[(self.rank - source) % len(self.pieces)]):
+            if what == "kv":  # rows first, as the ring receives them
+                store.copy_(owned[:, self.keys[source]].transpose(0, 1))
+            else:
+                store.zero_()
+        return [Transfer([], []) for _ in cuts]
+
+
+def rank_work(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, rank: int, ring: int, choice: str = "auto"
-):
-    """Returns a closure running ring rank ``rank``'s blocks (forward then backward) of a zigzag ring."""
-    kernel = resolved(q, k, choice)
-    scale = default_scale(q.shape[-1])
-
-    def piece(x: torch.Tensor, r: int) -> torch.Tensor:
-        return shard_sequence(x, dim=1, ring_rank=r, ring_size=ring).contiguous()
-
-    q_local, dout_local = piece(q, rank), piece(dout, rank)
-    kv_pieces = [(piece(k, r), piece(v, r)) for r in range(ring)]
-    seq_len = q_local.shape[1]
-    plan = plan_ring(rank, ring, seq_len, causal=True, layout="zigzag")
-    # each step's keys: the rows it fetches of its source's piece
-    step_kv = [[t[:, step.keys] for t in kv_pieces[(rank - step.source) % ring]] for step in plan]
+) -> Callable[[], None]:
+    """Returns a closure running ring rank ``rank``'s passes (forward then backward) of a zigzag ring."""
+    kernel, scale = resolved(q, k, choice), default_scale(q.shape[-1])
+    pieces = [
+        [shard_sequence(t, dim=1, ring_rank=r, ring_size=ring).contiguous() for t in (q, k, v, dout)]
+        for r in range(ring)
+    ]
+    q_own, k_own, v_own, dout_own = pieces[rank]
+    plan = plan_ring(rank, ring, q_own.shape[1], causal=True, layout="zigzag")
+    peers = LocalPeers(rank, plan, [(piece[1], piece[2]) for piece in pieces])
 
     def run() -> None:
-        acc = accumulation_dtype(q.dtype)
-        out = torch.zeros(q_local.shape, dtype=acc, device=q.device)
-        lse = torch.full((q_local.shape[0], q_local.shape[2], seq_len), float("-inf"), dtype=acc, device=q.device)
-        for step, (k_piece, v_piece) in zip(plan, step_kv):
-            for block in step.blocks:
-                o, m = kernel.forward(
-                    q_local[:, block.rows],
-                    k_piece[:, block.cols],
-                    v_piece[:, block.cols],
-                    causal=block.causal,
-                    scale=scale,
-                    window_left=block.window_left,
-                )
-                merge_block(out[:, block.rows], lse[:, :, block.rows], o, m)
-        out = out.to(q.dtype)
-        dq = torch.zeros(q_local.shape, dtype=acc, device=q.device)
-        for step, (k_piece, v_piece) in zip(plan, step_kv):
-            for block in step.blocks:
-                grads = kernel.backward(
-                    dout_local[:, block.rows],
-                    q_local[:, block.rows],
-                    k_piece[:, block.cols],
-                    v_piece[:, block.cols],
-                    out[:, block.rows],
-                    lse[:, :, block.rows],
-                    causal=block.causal,
-                    scale=scale,
-                    window_left=block.window_left,
-                )
-                dq[:, block.rows] += grads[0]
+        out, lse, kept = _ring_forward(q_own, k_own, v_own, peers, plan, scale=scale, kernel=kernel)
+        _ring_backward(q_own, k_own, v_own, (dout_own, out, lse), kept, peers, plan, scale=scale, kernel=kernel)
 
     return run
 
@@ -139,7 +116,7 @@ def main() -> None:
         # causal fwd+bwd: 4·S²·H·D multiply-adds forward (QK, PV) ×2 FLOPs, backward 2.5× forward, halved by the mask
         flops = 2 * 2 * seq * seq * args.heads * args.head_dim * 3.5 / 2
 
-        t_sdpa = timed(functools.partial(sdpa_fwd_bwd, q, k, v, dout), device, args.iters)
+        t_sdpa = median_seconds(functools.partial(sdpa_fwd_bwd, q, k, v, dout), args.iters, device)
         print(f"| {seq} | sdpa (one device) | {t_sdpa * 1e3:.1f} | {flops / t_sdpa / 1e12:.1f} | |")
         t_first = None
         for choice in choices:
@@ -148,14 +125,16 @@ def main() -> None:
             except ValueError as error:
                 print(f"| {seq} | kernel {choice}: skipped ({error}) | | | |")
                 continue
-            t_kernel = timed(rank_work(q, k, v, dout, 0, 1, choice), device, args.iters)
+            t_kernel = median_seconds(rank_work(q, k, v, dout, 0, 1, choice), args.iters, device)
             t_first = t_kernel if t_first is None else t_first
             print(
                 f"| {seq} | kernel {choice} = {name}, whole sequence | {t_kernel * 1e3:.1f} | "
                 f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |"
             )
         for ring in [r for r in args.ring if r > 1 and t_first is not None]:
-            per_rank = [timed(rank_work(q, k, v, dout, r, ring, choices[0]), device, args.iters) for r in range(ring)]
+            per_rank = [
+                median_seconds(rank_work(q, k, v, dout, r, ring, choices[0]), args.iters, device) for r in range(ring)
+            ]
             slowest = max(per_rank)
             print(
                 f"| {seq} | zigzag ring R={ring}: slowest rank (min {min(per_rank) * 1e3:.1f}) | "

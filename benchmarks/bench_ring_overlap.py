@@ -44,21 +44,20 @@ and shape, the predicted threshold of each rate as a dashed line.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from benchmarks import rings
 from benchmarks.report import command, machine_line, table
+from benchmarks.timing import gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"mha": (2, 2), "gqa": (4, 1)}  # (query heads, key/value heads), head_dim 64
@@ -102,34 +101,27 @@ class NoCompute:
         return self.passes.backward()  # the kernel chosen in the forward
 
 
-def timed_pass(passes: Any) -> list[float]:
-    """One forward + backward, every rank starting together: the slowest rank's forward, backward, total seconds."""
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
+def timed_pass(rate: str | None, passes: Any, _round: int = 0) -> dict[str, float]:
+    """With the link limited to ``rate``, one forward + backward, every rank starting together: its forward,
+    backward and total seconds."""
+    set_limit(rate)
     start = time.perf_counter()
     passes.forward()
     middle = time.perf_counter()
     passes.backward()
     end = time.perf_counter()
-    slowest = torch.tensor([middle - start, end - middle, end - start], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+    return {"forward": middle - start, "backward": end - middle, "total": end - start}
 
 
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
-    """Each side (its link rate, its passes) timed once per round, in turn, so that a change in the machine's load
-    hits them alike; per side the median over ``iters`` rounds after ``warmup`` of ``timed_pass``."""
-    rows: dict[str, list[list[float]]] = {name: [] for name in sides}
-    for index in range(warmup + iters):
-        for name, (rate, passes) in sides.items():
-            set_limit(rate)
-            times = timed_pass(passes)
-            if index >= warmup:
-                rows[name].append(times)
-    names = ("forward", "backward", "total")
-    return {side: {n: statistics.median(c) for n, c in zip(names, zip(*r))} for side, r in rows.items()}
+    """Each side (its link rate, its passes) timed once per round, in turn (``timing.rounds``), so that a change in
+    the machine's load hits them alike; per side the median over ``iters`` rounds after ``warmup`` of the slowest
+    rank's ``timed_pass``."""
+    steps = {name: functools.partial(timed_pass, *side) for name, side in sides.items()}
+    measured = gathered_slowest(rounds(steps, warmup, iters, alternate=False, timed=False))
+    return {
+        side: {n: median(records, n) for n in ("forward", "backward", "total")} for side, records in measured.items()
+    }
 
 
 def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
@@ -152,26 +144,6 @@ def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
     return dict(zip(names, slowest.tolist()))
 
 
-def shards(tokens: int, heads: int, kv_heads: int) -> tuple[Any, ...]:
-    """This rank's zigzag shards of q, k, v, dout ``[1, T, H, D]`` (bf16, the same global tensors on every rank);
-    q, k, v require grad."""
-    import torch
-    import torch.distributed as dist
-
-    from lctrain.attention import shard_sequence
-
-    rank, size = dist.get_rank(), dist.get_world_size()
-    generator = torch.Generator().manual_seed(tokens)
-    seq = tokens * size
-    full = [
-        torch.randn(1, seq, h, HEAD_DIM, generator=generator).bfloat16() for h in (heads, kv_heads, kv_heads, heads)
-    ]
-    pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout="zigzag").clone() for t in full]
-    for piece in pieces[:3]:
-        piece.requires_grad_(True)
-    return tuple(pieces)
-
-
 def set_limit(rate: str | None) -> None:
     """Every rank limits what its host sends (namespace hosts only), then all wait for each other."""
     import torch.distributed as dist
@@ -183,22 +155,24 @@ def set_limit(rate: str | None) -> None:
     dist.barrier()
 
 
-def worker(spec: dict[str, Any]) -> None:
-    """One rank: every point of ``spec``; rank 0 writes the results (and the probe's hardware files)."""
+def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """On each rank of the default process group: every point of ``spec``; rank 0 writes the probe's hardware
+    files. Every rank returns the results (each round's figures the slowest rank's)."""
     import torch
     import torch.distributed as dist
 
-    from benchmarks import rings
     from lctrain.planner.probe import ProbeOptions, measure, write_hardware
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     group, out = dist.group.WORLD, Path(spec["out"])
     warmup, iters = spec["warmup"], spec["iters"]
     results: list[dict[str, Any]] = []
     for shape in spec["shapes"]:
         heads, kv_heads = SHAPES[shape]
-        inputs = {tokens: shards(tokens, heads, kv_heads) for tokens in spec["tokens"]}
+        shapes = (heads, kv_heads, HEAD_DIM, torch.bfloat16)
+        inputs = {
+            t: rings.rank_shards(rings.random_inputs(t * dist.get_world_size(), *shapes, seed=t))
+            for t in spec["tokens"]
+        }
         for rate in spec["rates"]:
             set_limit(rate)
             record = measure(ProbeOptions(heads, kv_heads, HEAD_DIM, iters=iters), torch.device("cpu"))
@@ -217,8 +191,20 @@ def worker(spec: dict[str, Any]) -> None:
                 point["waits"] = ring_waits(ours, out / f"timeline-{shape}-{rate}-{tokens}")
                 results.append(point)
         set_limit(None)
+    return results
+
+
+def worker(spec_path: str) -> None:
+    """One rank on a namespace host (torchrun's environment): ``points``; rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    spec = json.loads(Path(spec_path).read_text())
+    results = points(spec)
     if dist.get_rank() == 0:
-        (out / "results.json").write_text(json.dumps(results))
+        (Path(spec["out"]) / "results.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -228,51 +214,25 @@ def worker(spec: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def ranks_on_hosts(ranks: int, work: Path, spec_path: Path, *, namespaces: bool) -> Iterator[list[subprocess.Popen]]:
-    """``ranks`` worker processes, one per namespace host (or all on loopback), rendezvous on rank 0's address."""
+def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool, timeout_s: float) -> list[dict]:
+    """``points`` on ``ranks`` ranks, one per namespace host, rendezvous on rank 0's address (without namespace
+    hosts: a spawned gloo group on loopback); their results."""
+    from lctrain.testing import run_distributed
     from testbed.hosts import NetworkHosts
 
-    program = [sys.executable, "-m", "benchmarks.bench_ring_overlap", "--worker", str(spec_path)]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "MASTER_PORT": "29571"}
     if not namespaces:
-        with socket.socket() as sock:  # loopback is shared with everything else on the machine: a free port
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo"}
-        with contextlib.ExitStack() as stack:
-            logs = [stack.enter_context((work / f"rank{r}.log").open("w")) for r in range(ranks)]
-            procs = [
-                subprocess.Popen(program, cwd=REPO, env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT)
-                for r, log in enumerate(logs)
-            ]
-            try:
-                yield procs
-            finally:
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.kill()
-        return
-    names = [str(r) for r in range(ranks)]
-    with NetworkHosts(work / "hosts", names) as hosts:
-        env = {**base, "MASTER_ADDR": hosts.addresses["0"]}
-        yield [
-            hosts.popen(
-                name,
-                program,
-                work / f"rank{name}.log",
-                {**env, "RANK": name, "GLOO_SOCKET_IFNAME": hosts.links[name], LINK: hosts.links[name]},
-                REPO,
-            )
-            for name in names
-        ]
-
-
-def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool, timeout_s: float) -> list[dict]:
-    """Run the workers of ``ranks`` ranks on ``spec``; their results (rank 0's file)."""
+        return run_distributed(points, ranks, spec)[0]
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    with ranks_on_hosts(ranks, work, spec_path, namespaces=namespaces) as procs:
+    program = [sys.executable, "-m", "benchmarks.bench_ring_overlap", "--worker", str(spec_path)]
+    names = [str(r) for r in range(ranks)]
+    with NetworkHosts(work / "hosts", names) as hosts:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "MASTER_PORT": "29571"}
+        env["MASTER_ADDR"] = hosts.addresses["0"]
+        procs = []
+        for name in names:
+            link = {"RANK": name, "GLOO_SOCKET_IFNAME": hosts.links[name], LINK: hosts.links[name]}
+            procs.append(hosts.popen(name, program, work / f"rank{name}.log", {**env, **link}, REPO))
         deadline = time.monotonic() + timeout_s
         for proc in procs:
             try:
@@ -286,26 +246,19 @@ def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool,
 
 
 def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, int]]:
-    """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host):
-    K/V in bf16 in the forward; in the backward, while each step computes, the next step's K/V and the previous
-    step's dK/dV (fp32), as ``ring.py`` schedules them."""
-    from lctrain.attention.ring_blocks import plan_ring
-
+    """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host), from
+    the ring plan (``rings.ring_traffic``): K/V in bf16 in the forward; in the backward, while each step computes,
+    the next step's K/V and the previous step's dK/dV (fp32), as ``ring.py`` schedules them."""
     row = kv_heads * HEAD_DIM * 2  # K and V elements per row
-    plans = [plan_ring(rank, ranks, tokens, causal=True, layout="zigzag") for rank in range(ranks)]
-
-    def rows(index: slice) -> int:
-        return index.stop - index.start
-
-    forward = [max(rows(plan[s].send) * row * 2 for plan in plans) for s in range(1, len(plans[0]))]
+    traffic = rings.ring_traffic(ranks, tokens)
+    forward = [max(t.kv[s] for t in traffic) * row * 2 for s in range(1, len(traffic[0].kv))]
     backward = []
-    for index in range(len(plans[0])):  # the backward's order: the last step first, the own piece last
+    for index in range(len(traffic[0].kv)):  # the backward's order: the last step first, the own piece last
         loads = []
-        for plan in plans:
-            steps = plan[::-1]
-            fetch = rows(steps[index + 1].send) * row * 2 if index + 1 < len(steps) and steps[index + 1].source else 0
-            back = rows(steps[index - 1].keys) * row * 4 if index and steps[index - 1].source else 0
-            loads.append(fetch + back)
+        for t in traffic:
+            kv, dkv = t.kv[::-1], t.dkv[::-1]
+            fetch = kv[index + 1] * row * 2 if index + 1 < len(kv) else 0
+            loads.append(fetch + (dkv[index - 1] * row * 4 if index else 0))
         backward.append(max(loads))
     return {"forward": (max(forward), sum(forward)), "backward": (max(backward), sum(backward))}
 
@@ -354,58 +307,33 @@ def blocks(waits: dict[str, float]) -> float:
 
 def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     """Print the tables; returns one summary per (P, shape, rate) for the figure."""
-    rows, summaries, baseline = [], [], []
+    rows, knee_rows, baseline, summaries = [], [], [], []
     for ranks, points in results.items():
         for point in points:
             heads, kv_heads = SHAPES[point["shape"]]
-            compute, comm, ring = point["compute"]["total"], point["comm"]["total"], point["ring"]["total"]
+            compute, comm, ring = (point[side]["total"] for side in ("compute", "comm", "ring"))
             threshold, link = predicted_threshold(point["hardware"], ranks, heads, kv_heads, point["tokens"])
-            waits = point["waits"]
-            rows.append(
-                [
-                    str(ranks),
-                    point["shape"],
-                    point["rate"] or "none",
-                    f"{point['tokens']:,}",
-                    f"{compute:.3f}",
-                    f"{comm:.3f}",
-                    f"{compute / comm:.2f}",
-                    f"{ring:.3f}",
-                    f"**{(ring - compute) / comm:.2f}**",
-                    f"{waited(point) / comm:.2f}",
-                    f"{ring / max(compute, comm):.2f}",
-                    " / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS)
-                    + f" ({1e3 * sum(point['waits_free'][kind] for kind in WAITS):.0f})",
-                    f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}",
-                    f"{threshold:,.0f} ({link})",
-                    f"{point['torch']['total']:.3f}",
-                ]
-            )
-        by_group: dict[tuple[str, str], list[dict]] = {}
-        for point in points:
-            by_group.setdefault((point["shape"], point["rate"]), []).append(point)
-        for (shape, rate), group in by_group.items():
-            heads, kv_heads = SHAPES[shape]
-            threshold, _ = predicted_threshold(group[0]["hardware"], ranks, heads, kv_heads, group[0]["tokens"])
-            knee = knees(group, ranks, kv_heads)
-            summaries.append(
-                {"ranks": ranks, "shape": shape, "rate": rate, "threshold": threshold, "knee": knee, "points": group}
-            )
-        seen = set()
-        for point in points:
-            if (point["shape"], point["tokens"]) in seen:
-                continue
-            seen.add((point["shape"], point["tokens"]))
+            waits, free = point["waits"], sum(point["waits_free"][kind] for kind in WAITS)
+            cells = [str(ranks), point["shape"], point["rate"] or "none", f"{point['tokens']:,}", f"{compute:.3f}"]
+            cells += [f"{comm:.3f}", f"{compute / comm:.2f}", f"{ring:.3f}", f"**{(ring - compute) / comm:.2f}**"]
+            cells += [f"{waited(point) / comm:.2f}", f"{ring / max(compute, comm):.2f}"]
+            cells.append(" / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS) + f" ({1e3 * free:.0f})")
+            cells.append(f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}")
+            rows.append([*cells, f"{threshold:,.0f} ({link})", f"{point['torch']['total']:.3f}"])
+        for shape, rate in dict.fromkeys((point["shape"], point["rate"]) for point in points):
+            group = [point for point in points if (point["shape"], point["rate"]) == (shape, rate)]
+            threshold, _ = predicted_threshold(group[0]["hardware"], ranks, *SHAPES[shape], group[0]["tokens"])
+            knee = knees(group, ranks, SHAPES[shape][1])
+            summaries.append({"ranks": ranks, "shape": shape, "rate": rate, "threshold": threshold, "points": group})
+            cells = [str(ranks), shape, rate or "none", f"{threshold:,.0f}"]
+            cells += [f"{knee['forward']:,.0f} / {knee['backward']:,.0f}", f"{max(knee.values()):,.0f}"]
+            knee_rows.append([*cells, f"**{threshold / max(knee.values()):.2f}**"])
+        for shape, tokens in dict.fromkeys((point["shape"], point["tokens"]) for point in points):
+            point = next(p for p in points if (p["shape"], p["tokens"]) == (shape, tokens))
             ours, theirs = point["compute"], point["torch_free"]
+            passes = [" / ".join(f"{side[n]:.3f}" for n in ("forward", "backward", "total")) for side in (ours, theirs)]
             baseline.append(
-                [
-                    str(ranks),
-                    point["shape"],
-                    f"{point['tokens'] * ranks:,}",
-                    f"{ours['forward']:.3f} / {ours['backward']:.3f} / {ours['total']:.3f}",
-                    f"{theirs['forward']:.3f} / {theirs['backward']:.3f} / {theirs['total']:.3f}",
-                    f"**{ours['total'] / theirs['total']:.2f}**",
-                ]
+                [str(ranks), shape, f"{tokens * ranks:,}", *passes, f"**{ours['total'] / theirs['total']:.2f}**"]
             )
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
     header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
@@ -413,26 +341,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     print("\n## Overlap on the limited link\n")
     print(table(header, rows))
     print("\n## Predicted threshold and measured knee (tokens per rank)\n")
-    knee_rows = []
-    for s in summaries:
-        measured = max(s["knee"].values())
-        knee_rows.append(
-            [
-                str(s["ranks"]),
-                s["shape"],
-                s["rate"] or "none",
-                f"{s['threshold']:,.0f}",
-                f"{s['knee']['forward']:,.0f} / {s['knee']['backward']:,.0f}",
-                f"{measured:,.0f}",
-                f"**{s['threshold'] / measured:.2f}**",
-            ]
-        )
-    print(
-        table(
-            ["P", "shape", "link", "planner threshold", "knee fwd / bwd", "measured knee", "threshold / knee"],
-            knee_rows,
-        )
-    )
+    header = ["P", "shape", "link", "planner threshold", "knee fwd / bwd", "measured knee", "threshold / knee"]
+    print(table(header, knee_rows))
     print("\n## lctrain's ring and PyTorch's on the links without a limit (forward / backward / total s)\n")
     print(table(["P", "shape", "S", "lctrain", "PyTorch", "lctrain / PyTorch"], baseline))
     if not namespaces:
@@ -492,7 +402,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.worker:
-        worker(json.loads(Path(args.worker).read_text()))
+        worker(args.worker)
         return
     from testbed.hosts import unavailable
 

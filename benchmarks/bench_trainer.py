@@ -7,44 +7,25 @@ allocator default saves; each side's top kernels on request.
     python -m benchmarks.bench_trainer --device cuda --seq 16384 32768 --rows packed --doc-len 2048 --profile
     python -m benchmarks.bench_trainer --device cuda --sides lctrain --seq 65536 --checkpointing full \\
         --cpu-offload --activation-offload --no-allocator-compare
-    python -m benchmarks.bench_trainer --hidden 64 --intermediate 128 --layers 2 --seq 128 --warmup 1 --steps 1 \\
-        # a smoke run on CPU (tests/unit/test_gpu_benchmarks.py)
 
 The job (``jobs.bench_job``) at world size 1: on CPU the tiny recipe in fp32, on CUDA Llama-3.2-1B's sizes with an
-untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and each
-``--checkpointing`` mode, each side of ``--sides`` is a run (``runs.Run``, a fresh process): ``--warmup`` steps,
-then ``--steps`` measured ones, step i on the same random rows on both sides (so the first losses and gradient
-norms agree: same weights, same rows, up to rounding). On CPU the runs of one point live side by side and take
-their steps in turn (A,B,B,A,..., one process at a time, the others waiting on their pipes) with ``--threads``
-torch threads each, so that drift in the machine's load hits them alike; on CUDA they run one after the other (two
-models would share the GPU's memory).
+untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and
+``--checkpointing`` mode, each side is a run (``runs.Run``, a fresh process): ``--warmup`` steps, then ``--steps``
+measured ones, step i on the same random rows on both sides (the first losses and gradient norms agree up to
+rounding). On CPU a point's runs take their steps in turn (``timing.rounds``) with ``--threads`` threads each; on
+CUDA they run one after the other. Reported per run: the median step and CPU time, tokens/s, MFU (``lctrain.flops``:
+the GPU's dense bf16 peak, ``--peak-tflops`` otherwise, none on CPU; for packed rows also on the attention the rows
+really have), the peak memory and step peak (``runs.py``), on CUDA the reserved memory beyond the allocated; the
+lctrain / HF ratios. On CPU the memory figures come from a second set of runs with ``MALLOC_MMAP_THRESHOLD_``
+(``memory.py``; one warm-up step, then the peak of two); the timed runs keep glibc's default.
 
-Reported per run: the median step time (a step ends reading back its loss, so the device's work is in it) and CPU
-time (the process's user + system time, less disturbed than wall time by other work on the machine), tokens/s = S
-/ step time, MFU = tokens/s × ``lctrain.flops.flops_per_token`` / the GPU's dense bf16 peak (989 TFLOP/s on
-H100/H200; ``--peak-tflops`` otherwise; none on CPU), for packed rows also the MFU on the attention the rows really
-have (``document_flops_per_token``), the peak memory and the step peak (``runs.py``), on CUDA the reserved memory
-beyond the allocated (fragmentation); then lctrain / HF ratios. On CPU the memory figures come from a second set of
-runs taken the same way with ``MALLOC_MMAP_THRESHOLD_=65536`` (``memory.py``; one warm-up step, then the peak of
-two): glibc then returns freed buffers to the OS, so freed memory cannot hide a later allocation. The timed runs keep
-glibc's default, since with that setting every large temporary costs fresh page faults.
-
-Also, with the defaults:
-
-- FSDP2 at world size 1: one more step of each plain lctrain run under ``torch.profiler``: the kernel time launched
-  inside FSDP2's own ranges (``FSDP::*``: all-gather and reduce-scatter with their copies and casts, at world size 1
-  all overhead) over all kernel time of the step (CUDA), and their host time over the step's wall time (target
-  ≤ 3 %).
-- the allocator (CUDA): lctrain at the longest ``--seq`` and the last ``--checkpointing`` mode once more with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False``: the fragmentation that lctrain's default
-  (``lctrain.cli.ALLOCATOR_SETTINGS``) saves (``--no-allocator-compare`` skips it).
-
+Also: FSDP2 at world size 1 (one profiled step of each plain lctrain run: the kernel time launched inside FSDP2's
+``FSDP::*`` ranges over the step's, on CUDA, and their host time over the step's wall time; target ≤ 3 %); on CUDA
+lctrain once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (``--no-allocator-compare`` skips it).
 On request: ``--cpu-offload`` and ``--activation-offload`` (with ``--checkpointing full``) add an lctrain run with
-``parallel.cpu_offload`` / ``parallel.activation_offload`` at each point (their memory saving and slowdown);
-``--profile`` prints each run's ``--top`` kernels (operators on CPU). ``--json PATH`` writes every result.
-
-On CPU the tiny model's LM head (vocabulary 8192 × width 128) is most of its matmul work, so the loss's
-implementation weighs more in the ratio than on a real model.
+that setting at each point; ``--profile`` prints each run's ``--top`` kernels (operators on CPU); ``--json PATH``
+writes every result. On CPU the tiny model's LM head is most of its matmul work: the loss weighs more in the ratio
+than on a real model.
 """
 
 from __future__ import annotations
@@ -54,7 +35,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,10 +43,11 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import command, commit, machine_line, percent, table
 from benchmarks.runs import Run
 from benchmarks.sides import ROWS, SIDES, document_lengths
-from lctrain.flops import document_flops_per_token, flops_per_token
+from benchmarks.timing import median, rounds
+from lctrain.flops import document_flops_per_token, flops_per_token, mfu
 
 MIB, GIB = 2**20, 2**30
 CHECKPOINTING = ("none", "full")
@@ -163,32 +144,35 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
 
 
 def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: int, profiles: bool) -> list[dict]:
-    """Run ``cases`` side by side, one step each in turn, the order reversed every step; returns each one's
-    ``ready``, ``first`` and measured ``steps`` and, with ``profiles``, the profiled step it asks for (``--profile``,
-    FSDP2's share)."""
+    """Run ``cases`` side by side, one step each in turn, the order reversed every step (``timing.rounds``); returns
+    each one's ``ready``, ``first`` and measured ``steps`` and, with ``profiles``, the profiled step it asks for
+    (``--profile``, FSDP2's share)."""
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         runs = []
         for case in cases:
             spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None}
             spec["doc_len"] = args.doc_len if args.rows == "packed" else None
-            runs.append(stack.enter_context(Run(spec, timeout_s=args.run_timeout, allocator=case.allocator)))
-            outcomes.append({"ready": runs[-1].ready, "steps": []})
-        for step in range(warmup + steps):
-            order = list(range(len(cases)))
-            latest = {}
-            for index in order if step % 2 == 0 else order[::-1]:
-                latest[index] = result = runs[index].step(cases[index].seq, seed=step)
+            runs.append(
+                stack.enter_context(Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator))
+            )
+            outcomes.append({"ready": runs[-1].describe(case.side)})
+
+        def stepper(index: int) -> Any:
+            def step(seed: int) -> dict[str, Any]:
+                result = runs[index].step(cases[index].side, cases[index].seq, seed)
                 outcomes[index].setdefault("first", result)
-                if step >= warmup:
-                    outcomes[index]["steps"].append(result)
-            kind = "warm-up" if step < warmup else "measured"
-            times = [f"{r['step_s']:.2f} s" if r["ok"] else r["error"] for _, r in sorted(latest.items())]
-            labels = ", ".join(f"{case.label} {shown}" for case, shown in zip(cases, times))
-            print(f"  step {step + 1}/{warmup + steps} ({kind}): {labels}", file=sys.stderr, flush=True)
-        for case, run, outcome in zip(cases, runs, outcomes):
+                shown = f"{result['step_s']:.2f} s" if result["ok"] else result["error"]
+                print(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}", file=sys.stderr, flush=True)
+                return result
+
+            return step
+
+        measured = rounds({str(i): stepper(i) for i in range(len(cases))}, warmup, steps, timed=False)
+        for index, (case, run, outcome) in enumerate(zip(cases, runs, outcomes)):
+            outcome["steps"] = measured[str(index)]
             if profiles and (args.profile or case.fsdp_share) and run.failure is None:
-                outcome["profile"] = run.profile(case.seq, seed=99, top=args.top if args.profile else 0)
+                outcome["profile"] = run.profile(case.side, case.seq, seed=99, top=args.top if args.profile else 0)
     return outcomes
 
 
@@ -224,31 +208,22 @@ def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Step and CPU time, tokens/s, MFU (and the document MFU for packed rows), memory of one finished case."""
     ready, steps, memory = case.result["ready"], case.result["steps"], case.result["memory"]
     model = ready["model"]
-    step = statistics.median(r["step_s"] for r in steps)
+    step = median(steps, "step_s")
     tokens_per_s = case.seq / step
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ready["peak_flops"]
-    causal = flops_per_token(model["params"], model["layers"], model["hidden"], case.seq)
-    mfu = None if peak is None else tokens_per_s * causal / peak
-    document_mfu = None
-    if args.rows == "packed" and peak is not None:
-        lengths = document_lengths(case.seq, args.doc_len)
-        per_token = document_flops_per_token(model["params"], model["layers"], model["hidden"], lengths)
-        document_mfu = tokens_per_s * per_token / peak
+    sizes = (model["params"], model["layers"], model["hidden"])
+    document = document_flops_per_token(*sizes, document_lengths(case.seq, args.doc_len))
     reserved = [r["reserved"] for r in memory if r["reserved"] is not None]
     return {
         "step": step,
-        "cpu": statistics.median(r["cpu_s"] for r in steps),
+        "cpu": median(steps, "cpu_s"),
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu,
-        "document_mfu": document_mfu,
+        "mfu": mfu(tokens_per_s, flops_per_token(*sizes, case.seq), peak),
+        "document_mfu": mfu(tokens_per_s, document, peak) if args.rows == "packed" else None,
         "peak": max(r["peak"] for r in memory),
         "step_peak": max(r["step_peak"] for r in memory),
         "reserved": max(reserved) if reserved else None,
     }
-
-
-def percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -> str:
@@ -263,21 +238,17 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     device = next((c.result["ready"]["device_name"] for c in done), args.device)
     model = next((c.result["ready"]["model"] for c in done), None)
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers"))
-    lines = [
-        "# Trainer benchmark: lctrain vs a plain Hugging Face loop",
-        "",
-        f"- command: `{command()}`",
-        f"- {f'device: {device}; {versions}' if args.device == 'cuda' else f'machine: {machine_line()}'}; "
-        f"lctrain at {commit()}",
-        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`"
-        + (f"; {model['params']:,} parameters" if model else ""),
-        f"- rows: {args.rows}"
-        + (f" (documents of {args.doc_len} tokens)" if args.rows == "packed" else "")
-        + f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
-        + (f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""),
-        f"- total wall time {seconds:.0f} s",
-        "",
+    where = f"device: {device}; {versions}" if args.device == "cuda" else f"machine: {machine_line()}"
+    rows = f"- rows: {args.rows}" + (f" (documents of {args.doc_len} tokens)" if args.rows == "packed" else "")
+    rows += f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
+    rows += f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""
+    lines = ["# Trainer benchmark: lctrain vs a plain Hugging Face loop", "", f"- command: `{command()}`"]
+    lines += [
+        f"- {where}; lctrain at {commit()}",
+        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`",
     ]
+    lines[-1] += f"; {model['params']:,} parameters" if model else ""
+    lines += [rows, f"- total wall time {seconds:.0f} s", ""]
     if args.device == "cuda":
         memory_note = (
             "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the memory "
@@ -291,36 +262,23 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
         )
     header = ["run", "S", "AC", "step (s)", "CPU time (s)", "tokens/s", "MFU", "MFU (document)"]
     header += [f"peak memory ({unit_name})", f"step peak ({unit_name})", f"reserved − allocated ({unit_name})"]
-    header.append("loss first → last")
     rows = []
     for c in cases:
         where = [c.label, f"{c.seq:,}", c.checkpointing]
         if not c.ok:
-            rows.append([*where, f"**{c.error[:100]}**", *[""] * (len(header) - 4)])
+            rows.append([*where, f"**{c.error[:100]}**", *[""] * (len(header) - 3)])
             continue
         f = figs[id(c)]
         fragmentation = None if f["reserved"] is None else f["reserved"] - f["peak"]
-        rows.append(
-            [
-                *where,
-                f"{f['step']:.3f}",
-                f"{f['cpu']:.3f}",
-                f"{f['tokens_per_s']:,.0f}",
-                percent(f["mfu"]),
-                percent(f["document_mfu"]) if args.rows == "packed" else "—",
-                mem(f["peak"]),
-                mem(f["step_peak"]),
-                mem(fragmentation),
-                f"{c.result['first']['loss']:.4f} → {c.result['steps'][-1]['loss']:.4f}",
-            ]
-        )
-    lines += [table(header, rows), "", f"Memory: {memory_note} (`benchmarks/runs.py`).", ""]
-    lines += ratio_section(cases, figs)
-    lines += fsdp_section(cases)
-    lines += allocator_section(cases, mem, unit_name)
-    lines += offload_section(cases, figs, mem, unit_name)
-    if args.profile:
-        lines += profile_section(cases, args.device == "cuda")
+        cells = [f"{f['step']:.3f}", f"{f['cpu']:.3f}", f"{f['tokens_per_s']:,.0f}", percent(f["mfu"])]
+        cells += [percent(f["document_mfu"]) if args.rows == "packed" else "—", mem(f["peak"]), mem(f["step_peak"])]
+        losses = f"{c.result['first']['loss']:.4f} → {c.result['steps'][-1]['loss']:.4f}"
+        rows.append([*where, *cells, mem(fragmentation), losses])
+    lines += [table([*header, "loss first → last"], rows), "", f"Memory: {memory_note} (`benchmarks/runs.py`).", ""]
+    lines += ratio_section(cases, figs) + fsdp_section(cases) + allocator_section(cases, mem, unit_name)
+    lines += offload_section(cases, figs, mem, unit_name) + (
+        profile_section(cases, args.device == "cuda") if args.profile else []
+    )
     return "\n".join(lines)
 
 
@@ -339,7 +297,6 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
             rows.append([*cells, "—" if not ours.ok else "", "—" if not theirs.ok else "", "—", "—", "—", "—", "—"])
             continue
         a, b = figs[id(ours)], figs[id(theirs)]
-        first_a, first_b = ours.result["first"], theirs.result["first"]
         cells += [
             f"{a['tokens_per_s']:,.0f}",
             f"{b['tokens_per_s']:,.0f}",
@@ -347,14 +304,12 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
         ]
         cells += [f"{a['peak'] / b['peak']:.2f}", f"{a['step_peak'] / b['step_peak']:.2f}"]
         for key in ("loss", "grad_norm"):
-            diff = abs(first_a[key] - first_b[key])
-            cells.append(f"{first_a[key]:.6f} / {first_b[key]:.6f} ({diff:.1e})")
+            first_a, first_b = ours.result["first"][key], theirs.result["first"][key]
+            cells.append(f"{first_a:.6f} / {first_b:.6f} ({abs(first_a - first_b):.1e})")
         rows.append(cells)
-    if not rows:
-        return []
     header = ["S", "AC", "lctrain tokens/s", "HF loop tokens/s", "ratio lctrain / HF", "peak memory lctrain / HF"]
     header += ["step peak lctrain / HF", "step 1 loss lctrain / HF (diff)", "step 1 grad norm lctrain / HF (diff)"]
-    return ["## Ratio", "", table(header, rows), ""]
+    return ["## Ratio", "", table(header, rows), ""] if rows else []
 
 
 def fsdp_section(cases: list[Case]) -> list[str]:
@@ -368,42 +323,35 @@ def fsdp_section(cases: list[Case]) -> list[str]:
             rows.append([*where, f"profiler failed: {profile['error'][:80]}", "", "", "", ""])
             continue
         kernel = profile.get("kernel_ms")
-        rows.append(
-            [
-                *where,
-                "—" if kernel is None else f"{kernel:.1f}",
-                "—" if kernel is None else f"{profile['fsdp_kernel_ms']:.1f}",
-                percent(profile.get("fsdp_kernel_share")),
-                f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}",
-                percent(profile["fsdp_host_share"]),
-            ]
-        )
-    if not rows:
-        return []
+        cells = ["—", "—"] if kernel is None else [f"{kernel:.1f}", f"{profile['fsdp_kernel_ms']:.1f}"]
+        cells += [
+            percent(profile.get("fsdp_kernel_share")),
+            f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}",
+        ]
+        rows.append([*where, *cells, percent(profile["fsdp_host_share"])])
     header = ["S", "AC", "step kernel time (ms)", "in FSDP2's ranges (ms)", "kernel share", "FSDP2 host time (ms)"]
-    header.append("host share of the step")
     note = (
         "FSDP2 at world size 1, one profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges "
         "(all-gather, reduce-scatter, their copies and casts) over all kernels of the step; target ≤ 3 %."
     )
-    return ["## FSDP2 at world size 1", "", note, "", table(header, rows), ""]
+    return (
+        ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] if rows else []
+    )
 
 
 def allocator_section(cases: list[Case], mem: Any, unit_name: str) -> list[str]:
     off = next((c for c in cases if c.allocator == ALLOCATOR_OFF), None)
     if off is None:
         return []
-    on = _find(cases, "lctrain", off.seq, off.checkpointing)
     rows = []
-    for c in (on, off):
+    for c in (_find(cases, "lctrain", off.seq, off.checkpointing), off):
         if c is None:
             continue
         setting = c.allocator or c.result["ready"].get("allocator") or "(unset)"
         if not c.ok:
             rows.append([setting, f"**{c.error[:100]}**", "", ""])
             continue
-        allocated = max(r["peak"] for r in c.result["memory"])
-        reserved = max(r["reserved"] for r in c.result["memory"])
+        allocated, reserved = (max(r[key] for r in c.result["memory"]) for key in ("peak", "reserved"))
         rows.append([setting, mem(allocated), mem(reserved), mem(reserved - allocated)])
     header = ["PYTORCH_CUDA_ALLOC_CONF", f"peak allocated ({unit_name})", f"peak reserved ({unit_name})"]
     header.append(f"fragmentation ({unit_name})")
@@ -421,25 +369,20 @@ def offload_section(cases: list[Case], figs: dict[int, dict], mem: Any, unit_nam
         if not (base and base.ok and c.ok):
             rows.append([*cells, "—", "—", "—", "—"])
             continue
-        step, base_step = figs[id(c)]["step"], figs[id(base)]["step"]
-        saved = figs[id(base)]["peak"] - figs[id(c)]["peak"]
-        rows.append([*cells, f"{step:.3f}", f"{step / base_step - 1:+.1%}", mem(figs[id(c)]["peak"]), mem(saved)])
-    if not rows:
-        return []
+        (step, peak), (base_step, base_peak) = ((figs[id(x)]["step"], figs[id(x)]["peak"]) for x in (c, base))
+        rows.append([*cells, f"{step:.3f}", f"{step / base_step - 1:+.1%}", mem(peak), mem(base_peak - peak)])
     header = ["run", "S", "AC", "step (s)", "slowdown vs lctrain", f"peak memory ({unit_name})", f"saved ({unit_name})"]
-    return ["## Offload", "", table(header, rows), ""]
+    return ["## Offload", "", table(header, rows), ""] if rows else []
 
 
 def profile_section(cases: list[Case], cuda: bool) -> list[str]:
     lines = ["## Top kernels" if cuda else "## Top operators (self CPU time)", ""]
-    for c in cases:
-        profile = c.result.get("profile") or {}
-        if "top" not in profile:
-            continue
-        lines += [f"{c.label}, S={c.seq:,}, checkpointing {c.checkpointing}:", ""]
+    for c in (c for c in cases if "top" in (c.result.get("profile") or {})):
         rows = [
-            [name[:100], f"{ms:.2f}", str(count), f"{100 * share:.1f}%"] for name, ms, count, share in profile["top"]
+            [name[:100], f"{ms:.2f}", str(n), f"{100 * share:.1f}%"]
+            for name, ms, n, share in c.result["profile"]["top"]
         ]
+        lines += [f"{c.label}, S={c.seq:,}, checkpointing {c.checkpointing}:", ""]
         lines += [table(["kernel" if cuda else "operator", "ms", "calls", "share"], rows), ""]
     return lines
 

@@ -15,24 +15,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 
+from benchmarks.timing import median_seconds
 from lctrain.attention.kernels import bands
 from lctrain.attention.kernels.bands import band_tiles
 from lctrain.attention.kernels.base import visible_keys
 from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH, cpu_attend, cpu_attend_backward
-
-
-def timed(fn, iters: int) -> float:  # noqa: ANN001
-    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up."""
-    times = []
-    for _ in range(iters + 1):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[iters // 2]
 
 
 def kernel_pass(tensors: list[torch.Tensor], scale: float, window_left: int | None) -> None:
@@ -69,17 +59,17 @@ def main() -> None:
     )
     print("| window | way | ms | pairs computed / pairs seen |")
     print("|---|---|---|---|")
-    plain = timed(functools.partial(kernel_pass, tensors, scale, None), args.iters)
+    plain = median_seconds(functools.partial(kernel_pass, tensors, scale, None), args.iters)
     for window in args.windows:
         seen = sum(min(window, row + 1) for row in range(args.rows))
         visible = visible_keys(args.rows, args.rows, causal=True, window_left=window - 1, device=torch.device("cpu"))
-        ms = timed(functools.partial(masked_pass, tensors, scale, visible), args.iters) * 1e3
+        ms = median_seconds(functools.partial(masked_pass, tensors, scale, visible), args.iters) * 1e3
         print(f"| {window} | one masked call | {ms:.0f} | {args.rows**2 / seen:.2f} |")
         for tile in args.tiles:
             bands.BAND_TILE_ROWS = tile  # band_tiles reads it from its own module, kernels.bands
             tiles = band_tiles(args.rows, args.rows, causal=True, window_left=window - 1)
             computed = sum((r.stop - r.start) * (c.stop - c.start) for r, c in tiles)
-            ms = timed(functools.partial(kernel_pass, tensors, scale, window - 1), args.iters) * 1e3
+            ms = median_seconds(functools.partial(kernel_pass, tensors, scale, window - 1), args.iters) * 1e3
             print(f"| {window} | row tiles of {tile} | {ms:.0f} | {computed / seen:.2f} |")
         print(f"| {window} | plain causal block (no window) | {plain * 1e3:.0f} | {args.rows**2 / 2 / seen:.2f} |")
 

@@ -9,9 +9,9 @@ of ``--documents``; ``--cuts`` random cuts; one document with each window W of `
 (min … max over ranks, forward pass): the query×key pairs computed (``visible_pairs`` of every block: what a kernel
 that skips masked tiles computes), the busiest rank's share of the one-document work, kernel calls, the ring steps
 run (steps that no rank needs are dropped, with their K/V transfers), the steps at which the rank sends K/V, and the
-K/V elements it sends (rows × 2 × ``--kv-dim``, K and V; the default 1024 = 8 KV heads × 128, Llama-3-8B). The
-backward runs the same blocks, fetches the same rows again and returns as many dK/dV elements (fp32) to their
-owners. The plan is what ``ring_attention`` executes.
+K/V elements it sends (rows × 2 × ``--kv-dim``, K and V, ``rings.ring_traffic``; the default 1024 = 8 KV heads ×
+128, Llama-3-8B). The backward runs the same blocks, fetches the same rows again and returns as many dK/dV elements
+(fp32) to their owners. The plan is what ``ring_attention`` executes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from benchmarks.rings import ring_traffic
 from lctrain.attention.ring_blocks import plan_ring, visible_pairs
 
 Row = tuple[list[int] | None, int | None]  # (document boundaries or None for one document, window or None)
@@ -70,16 +71,16 @@ def main() -> None:
     for layout in ("zigzag", "contiguous"):
         dense = None
         for name, (bounds, window) in rows(args.seq, args.documents, args.cuts, args.windows).items():
-            cu_seqlens = None if bounds is None else tuple(bounds)
+            row = {"cu_seqlens": None if bounds is None else tuple(bounds), "window": window}
             plans = [
-                plan_ring(rank, args.ring, piece_len, causal=True, layout=layout, cu_seqlens=cu_seqlens, window=window)
-                for rank in range(args.ring)
+                plan_ring(rank, args.ring, piece_len, causal=True, layout=layout, **row) for rank in range(args.ring)
             ]
             work = [sum(visible_pairs(b) for step in plan for b in step.blocks) for plan in plans]
             dense = dense or max(work)  # the first row is one document
             calls = [sum(len(step.blocks) for step in plan) for plan in plans]
-            sending = [sum(step.send.stop > step.send.start for step in plan) for plan in plans]
-            rows_sent = [sum(step.send.stop - step.send.start for step in plan) for plan in plans]
+            traffic = ring_traffic(args.ring, piece_len, layout=layout, **row)
+            sending = [sum(rows > 0 for rows in t.kv) for t in traffic]
+            rows_sent = [sum(t.kv) for t in traffic]
             print(
                 f"| {layout} | {name} | {span_e(work)} | {max(work) / dense:.4f} | {span(calls)} | "
                 f"{len(plans[0])}/{args.ring} | {span(sending)} | {span([2 * r * args.kv_dim for r in rows_sent])} |"

@@ -1,6 +1,6 @@
-"""The memory figures of this process: the resident set from ``/proc`` (on CPU it stands for device memory),
-``torch.cuda``'s statistics on a GPU; the glibc setting the CPU measurements run under; a watchdog that ends a step
-that cannot fit.
+"""The memory figures of this process beyond a step's (``lctrain.train.meter.StepMemory``, which the benchmarks
+measure every step with): its resident set before anything is built, its proportional set size, what the machine
+has left; the glibc setting the CPU measurements run under; a watchdog that ends a step that cannot fit.
 
 On CPU there is no ``torch.cuda.max_memory_allocated``: torch's profiler (``profile_memory=True``) records the
 allocations of torch's allocator per operator, not a high-water mark of the process, and misses gloo's buffers and
@@ -17,7 +17,6 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 # glibc serves buffers of 64 KiB or more with mmap and returns them to the OS when freed: the resident set then
 # follows the live buffers (as torch.cuda's allocated bytes do) instead of keeping a heap's high-water mark
@@ -25,65 +24,29 @@ MALLOC_MMAP_THRESHOLD = "65536"
 ABORT_EXIT_CODE = 3  # a process the watchdog ended
 
 
-def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
-    """The figure ``key`` (given in kB) of a ``/proc`` file such as ``status``, ``smaps_rollup`` or ``meminfo``."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(f"{key} not in {path}")
-
-
 def reset_peak() -> int:
     """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
+    from lctrain.train.meter import proc_bytes, reset_resident_peak  # torch: only in the processes that measure
+
+    reset_resident_peak()
     return proc_bytes("VmRSS")
 
 
-def peak_since_reset() -> int:
-    """The resident-set high-water mark (VmHWM) in bytes, since the last ``reset_peak``."""
-    return proc_bytes("VmHWM")
+def _proc_bytes(key: str, path: str = "/proc/self/status") -> int:
+    from lctrain.train.meter import proc_bytes
+
+    return proc_bytes(key, path)
 
 
 def pss() -> int:
     """This process's proportional set size: its private pages plus its share of pages it maps with others."""
-    return proc_bytes("Pss", "/proc/self/smaps_rollup")
+    return _proc_bytes("Pss", "/proc/self/smaps_rollup")
 
 
 def available() -> int:
     """The memory the machine can give without swapping (``MemAvailable``)."""
-    return proc_bytes("MemAvailable", "/proc/meminfo")
-
-
-class StepPeak:
-    """Around one step: ``before`` (bytes in use when it starts), ``peak`` (the most in use during it) and
-    ``growth`` (peak − before). CUDA: ``torch.cuda``'s allocated bytes, ``reserved`` their caching allocator's peak;
-    CPU: the resident set (``reserved`` None)."""
-
-    def __init__(self, device: Any):
-        self.device = device
-
-    def __enter__(self) -> StepPeak:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.before = torch.cuda.memory_allocated(self.device)
-        else:
-            self.before = reset_peak()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            self.reserved: int | None = torch.cuda.max_memory_reserved(self.device)
-        else:
-            self.peak, self.reserved = peak_since_reset(), None
-        self.growth = self.peak - self.before
+    return _proc_bytes("MemAvailable", "/proc/meminfo")
 
 
 @contextlib.contextmanager
@@ -112,7 +75,7 @@ class BudgetWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            growth = peak_since_reset() - self.base
+            growth = _proc_bytes("VmHWM") - self.base
             if growth > self.budget:
                 self.marker.write_text(json.dumps({"growth": growth}))
                 os._exit(ABORT_EXIT_CODE)

@@ -1,7 +1,8 @@
-"""The two rings the attention benchmarks time, pass by pass, on the same zigzag shards ``[B, S/P, H, D]`` of a
-process group: lctrain's ``ring_attention`` and PyTorch's context-parallel ring (``_templated_ring_attention`` and
-``_templated_ring_attention_backward``, with its module defaults: head-tail load balancing, which our zigzag shards
-are, and its K/V rotation), whose CPU flash ops can be given a cast (``bench_attention``) or run as they are."""
+"""What the attention benchmarks share: their random inputs and each rank's shards of them; the two rings they time,
+pass by pass, on the same zigzag shards ``[B, S/P, H, D]`` of a process group: lctrain's ``ring_attention`` and
+PyTorch's context-parallel ring (``_templated_ring_attention`` and ``_templated_ring_attention_backward``, with its
+module defaults: head-tail load balancing, which our zigzag shards are, and its K/V rotation), whose CPU flash ops
+can be given a cast (``bench_attention``) or run as they are; and the ring's traffic, read from its plan."""
 
 from __future__ import annotations
 
@@ -13,10 +14,57 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention import ring_attention
+from lctrain.attention import ring_attention, shard_sequence
+from lctrain.attention.ring_blocks import plan_ring
 
 CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def random_inputs(
+    seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, *, seed: int = 0, batch: int = 1
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Full-sequence q, k, v, dout ``[B, S, H, D]`` (``heads`` query heads, ``kv_heads`` key/value heads), the same
+    on every rank for a ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    heads_of = (heads, kv_heads, kv_heads, heads)
+    q, k, v, dout = (torch.randn(batch, seq, h, head_dim, generator=generator).to(dtype) for h in heads_of)
+    return q, k, v, dout
+
+
+def rank_shards(full: tuple[Tensor, ...], layout: str = "zigzag") -> tuple[Tensor, ...]:
+    """This rank's pieces of ``full`` (q, k, v, dout; the ring over the default group), q, k, v leaves that require
+    grad."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout=layout).clone() for t in full]
+    for piece in pieces[:3]:
+        piece.requires_grad_(True)
+    return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one ring rank sends at each step of its plan (the forward's order), in rows: ``kv``, the rows of its own
+    K/V piece another rank fetches (in the forward, and again in the backward but the last step's, whose K/V the
+    forward kept); ``dkv``, the dK/dV of the rows it fetched, returned to their owner in the backward."""
+
+    kv: tuple[int, ...]
+    dkv: tuple[int, ...]
+
+    def bytes(self, kv_row: int, dkv_row: int) -> tuple[int, int]:
+        """(forward, backward) bytes, a K/V row (K and V) being ``kv_row`` bytes and a dK/dV row ``dkv_row``."""
+        return sum(self.kv) * kv_row, (sum(self.kv) - self.kv[-1]) * kv_row + sum(self.dkv) * dkv_row
+
+
+def ring_traffic(ranks: int, tokens: int, *, layout: str = "zigzag", **plan: Any) -> list[Traffic]:
+    """Each ring rank's ``Traffic`` by its plan (``plan_ring``, causal; ``plan``: its ``cu_seqlens``, ``window``)
+    for ``tokens`` tokens per rank."""
+    traffic = []
+    for rank in range(ranks):
+        steps = plan_ring(rank, ranks, tokens, causal=True, layout=layout, **plan)
+        kv = tuple(step.send.stop - step.send.start for step in steps)
+        traffic.append(Traffic(kv, tuple(step.keys.stop - step.keys.start if step.source else 0 for step in steps)))
+    return traffic
 
 
 @dataclass

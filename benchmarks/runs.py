@@ -1,143 +1,152 @@
-"""A run: one side (``sides.py``) of one job, trained step by step in processes of its own, each step measured: its
-time, the process's CPU time, loss and gradient norm, and its memory (``memory.StepPeak``).
+"""Runs: sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured: its time,
+the process's CPU time, loss and gradient norm, and its memory (``lctrain.train.meter.StepMemory``).
 
-- ``Run``: one fresh process (``python -m benchmarks.runs SPEC``) at world size 1 (an NCCL group of one on CUDA,
-  gloo on CPU), driven step by step from the parent: each step is a request, answered when it is done; a step past
-  its budget, an out-of-memory or a timeout is an answer (``ok`` false), not a failure. One process per run, so that
-  each peak and each allocator state is that run's own; two runs can be driven in turn.
-- ``run_group``: one spawned CPU gloo group of several ranks (``lctrain.testing.run_distributed``) running a list
-  of steps; every rank measures its own.
+- ``Run``: one fresh process (spawned) at world size 1 (an NCCL group of one on CUDA,
+  gloo on CPU) holding the named sides of ``specs``, driven step by step from the parent: each step is a request,
+  answered when it is done; a step past its budget, an out-of-memory or a timeout is an answer (``ok`` false), not
+  a failure. A process of its own, so that each peak and each allocator state is that run's own; two runs can be
+  driven in turn.
+- ``run_group``: one spawned CPU gloo group of several ranks (``lctrain.testing.run_distributed``) taking the
+  sides' steps in rounds (``timing.rounds``); every rank measures its own.
+- ``run_steps``: those rounds on any number of ranks (one: a ``Run``; more: a ``run_group``), each step's figures
+  the largest over the ranks.
 
-``spec``: ``side`` (``lctrain`` or ``hf``), ``job`` (the Hydra overrides), ``doc_len`` (None: one document per
-row; else packed rows of such documents) and ``threads`` (torch threads; None: torch's default).
+A spec: ``side`` (``lctrain`` or ``hf``), ``job`` (the Hydra overrides), ``threads`` (torch threads; None: torch's
+default), and the rows and the step of ``sides.py`` (``rows``, ``batch``, ``doc_len``, ``pair``, ``part``,
+``precompute``).
 
-A step's figures: ``step_s``, ``cpu_s``, ``loss``, ``grad_norm``; ``before`` (bytes in use when it started: CUDA
-allocated, CPU resident set; on CPU also ``pss_before``, the proportional set size), ``step_peak`` (the most it
-added to them), ``peak`` (the most in use during it: CUDA ``max_memory_allocated``; CPU the resident-set peak less
-the resident set before the side was built, i.e. parameters, optimizer states, activations and buffers, as on a
-GPU) and ``reserved`` (CUDA's caching allocator).
+A step's figures: ``step_s``, ``cpu_s``, ``loss``, ``grad_norm`` (``part=parts``: also ``forward_backward_s``,
+``optimizer_s``); ``before`` (bytes in use when it started: CUDA allocated, CPU resident set; on CPU also
+``pss_before``, the proportional set size), ``step_peak`` (the most it added to them), ``peak`` (the most in use during
+it less ``base``, what was in use before the process built its sides: CUDA ``max_memory_allocated`` less the allocated
+bytes; CPU the resident-set peak less the resident set, the runtime; i.e. parameters, optimizer states, activations and
+buffers, as on a GPU), ``reserved`` (CUDA's caching allocator) and, for lctrain's rows through ``Trainer.forward_loss``,
+``kept``: what was in use when the step's forward returned less ``before`` (what the forward keeps for the backward).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
-import queue
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from benchmarks import memory
-from benchmarks.jobs import REPO, process_env
+from benchmarks.jobs import child_environment
+from benchmarks.timing import clock, rounds, slowest
 
-READY, RESULT = "READY ", "RESULT "
 OUT_OF_MEMORY = "out of memory"
+Steps = list[tuple[int, int]]  # (seq, seed) of each step
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Inside the run's processes
-# ---------------------------------------------------------------------------------------------------------------
+def with_run_dirs(specs: dict[str, dict[str, Any]], directory: str) -> dict[str, dict[str, Any]]:
+    """``specs`` with each side's trainer writing under ``directory`` (a directory of its own)."""
+    directories = {name: f"train.run_dir={directory}/side{index}" for index, name in enumerate(specs)}
+    return {name: spec | {"job": [*spec["job"], directories[name]]} for name, spec in specs.items()}
 
 
 class Measured:
-    """One side of ``spec``'s job in this process, measuring each training step."""
+    """The sides of ``specs`` in this process, each step measured."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, specs: dict[str, dict[str, Any]]):
         import torch
 
         from benchmarks.sides import build_side
         from lctrain.config import load_config
         from lctrain.runtime import init_distributed, resolve_device
 
-        if spec.get("threads"):
-            torch.set_num_threads(spec["threads"])
-        cfg = load_config(spec["job"])
+        threads = next(iter(specs.values())).get("threads")
+        if threads:
+            torch.set_num_threads(threads)
+        configs = {name: load_config(spec["job"]) for name, spec in specs.items()}
+        cfg = next(iter(configs.values()))
         self.device = resolve_device(cfg.train.device)
-        self.doc_len = spec.get("doc_len")
-        self.base = memory.reset_peak()  # the resident set before the side: the runtime
-        if spec["side"] == "lctrain":  # a process group of one, as a plain `python -m lctrain train` run makes
+        cuda = self.device.type == "cuda"
+        # what is in use before the sides are built: the runtime (CPU resident set), earlier runs' leftovers
+        self.base = torch.cuda.memory_allocated(self.device) if cuda else memory.reset_peak()
+        if any(spec["side"] == "lctrain" for spec in specs.values()):  # a process group of one, as `lctrain train`
             init_distributed(self.device, timeout_s=1800, host_collectives=cfg.parallel.cpu_offload)
-        self.side = build_side(spec["side"], cfg)
-        config = self.side.hf_config
-        self.vocab_size = config.vocab_size
-        self.model = {
-            "params": sum(p.numel() for p in self.side.model.parameters()),  # FSDP2's DTensors count in full
-            "layers": config.num_hidden_layers,
-            "hidden": config.hidden_size,
-        }
+        self.sides = {name: build_side(configs[name], spec) for name, spec in specs.items()}
 
-    def describe(self) -> dict[str, Any]:
-        """What every result of this run shares: the device, its peak FLOP/s, the allocator setting, the model."""
+    def describe(self, name: str) -> dict[str, Any]:
+        """What every result of a side shares: the device, its peak FLOP/s, the allocator setting, the model (its
+        parameters, trained ones, layers, width)."""
         import torch
 
-        from lctrain.train.metrics import peak_flops
+        from lctrain.train.meter import peak_flops
 
-        cuda = self.device.type == "cuda"
-        return {
+        side, cuda = self.sides[name], self.device.type == "cuda"
+        parameters = list(side.model.parameters())  # FSDP2's DTensors count in full
+        model = {
+            "params": sum(p.numel() for p in parameters),
+            "trained": sum(p.numel() for p in parameters if p.requires_grad),
+        }
+        model |= {"layers": side.hf_config.num_hidden_layers, "hidden": side.hf_config.hidden_size}
+        description = {
             "ok": True,
             "error": None,
             "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
-            "peak_flops": peak_flops(self.device, None),  # a known GPU's dense bf16 peak; None on CPU
-            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "model": self.model,
         }
+        # a known GPU's dense bf16 peak FLOP/s (None on CPU), the allocator setting
+        description |= {
+            "peak_flops": peak_flops(self.device, None),
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        }
+        return description | {"model": model}
 
-    def step(self, seq: int, seed: int, *, budget: int | None = None, marker: Path | None = None) -> dict[str, Any]:
-        """One training step on random rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
+    def step(self, name: str, seq: int, seed: int, *, budget: int | None = None, marker: Path | None = None) -> dict:
+        """One step of side ``name`` on rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
         the watchdog writes ``marker`` and ends the process."""
         import torch.distributed as dist
 
-        from benchmarks.sides import random_rows
+        from lctrain.train.meter import StepMemory
 
-        rows = random_rows(self.vocab_size, 1, seq, seed)
+        side, cpu = self.sides[name], self.device.type == "cpu"
+        batch = side.batch(seq, seed)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # the ranks' steps start together
-        with memory.StepPeak(self.device) as peak:
-            pss_before = memory.pss() if self.device.type == "cpu" else None
+        with StepMemory(self.device, collect=True) as peak:
+            pss_before = memory.pss() if cpu else None
             watchdog = contextlib.nullcontext()
             if budget is not None:
                 watchdog = memory.BudgetWatchdog(peak.before, budget, marker)
-            with watchdog:
-                started, cpu_started = time.perf_counter(), time.process_time()
-                loss, grad_norm = self.side.step(rows, self.doc_len)
-                step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-        absolute = peak.peak if self.device.type == "cuda" else peak.peak - self.base
-        return {
-            "ok": True,
-            "error": None,
-            "seq": seq,
-            "step_s": step_s,
-            "cpu_s": cpu_s,
-            "loss": loss,
-            "grad_norm": grad_norm,
+            with watchdog, clock(self.device) as seconds:
+                figures = side.step(batch)
+        in_use = figures.pop("in_use", None)
+        record = {"ok": True, "error": None, "seq": seq, "step_s": seconds["wall"], "cpu_s": seconds["cpu"], **figures}
+        record |= {
+            "kept": None if in_use is None else in_use - peak.before,
             "before": peak.before,
             "pss_before": pss_before,
+        }
+        return record | {
             "step_peak": peak.growth,
-            "peak": absolute,
+            "peak": peak.peak - self.base,
+            "base": self.base,
             "reserved": peak.reserved,
         }
 
-    def profile(self, seq: int, seed: int, top: int) -> dict[str, Any]:
-        """One step under ``torch.profiler``: the ``top`` kernels (CUDA; operators by self time on CPU) and FSDP2's
-        share (its outermost ``FSDP::*`` ranges: the kernel time launched inside them over all kernel time of the
-        step, and their host time over the step's wall time)."""
+    def profile(self, name: str, seq: int, seed: int, top: int) -> dict[str, Any]:
+        """One step of side ``name`` under ``torch.profiler``: the ``top`` kernels (CUDA; operators by self time on
+        CPU) and FSDP2's share (its outermost ``FSDP::*`` ranges: the kernel time launched inside them over all
+        kernel time of the step, and their host time over the step's wall time)."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from benchmarks.sides import random_rows
-
-        rows = random_rows(self.vocab_size, 1, seq, seed)
+        side = self.sides[name]
+        batch = side.batch(seq, seed)
         cuda = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             started = time.perf_counter()
-            self.side.step(rows, self.doc_len)
+            side.step(batch)
             wall_us = (time.perf_counter() - started) * 1e6
         events = prof.events()
         fsdp = _outermost([e for e in events if e.device_type == torch.autograd.DeviceType.CPU], "FSDP::")
@@ -177,99 +186,69 @@ def _outermost(events: list, prefix: str) -> list:
     return outer
 
 
-def serve(spec: dict[str, Any]) -> None:
-    """The fresh process of a ``Run``: build the side, then answer one request a line on stdin (a step:
-    ``{"seq", "seed", "budget", "marker"}``; a profiled step: ``{"profile": top, "seq", "seed"}``) until stdin
-    closes. An out-of-memory is answered and ends the process."""
+def serve(specs: dict[str, dict[str, Any]], conn: Connection) -> None:
+    """The fresh process of a ``Run``: build the sides, then answer each request on ``conn`` (a step: ``{"side",
+    "seq", "seed", "budget", "marker"}``; a profiled step: also ``"profile": top``) until the parent closes its end.
+    An error (an out-of-memory: ``OUT_OF_MEMORY``) is answered and ends the process."""
     import torch
     import torch.distributed as dist
 
-    def answer(prefix: str, message: dict[str, Any]) -> None:
-        print(prefix + json.dumps(message), flush=True)
-
     try:
-        measured = Measured(spec)
-        answer(READY, measured.describe())
-        for line in sys.stdin:
-            request = json.loads(line)
-            if "profile" in request:
+        with contextlib.redirect_stdout(sys.stderr):  # the parent's stdout is its report
+            measured = Measured(specs)
+            conn.send({"ok": True, "error": None, "sides": {name: measured.describe(name) for name in specs}})
+            while True:  # until the parent closes its end: EOFError
+                request = conn.recv()
+                name, seq, seed = request["side"], request["seq"], request["seed"]
+                if "profile" not in request:
+                    conn.send(measured.step(name, seq, seed, budget=request["budget"], marker=request["marker"]))
+                    continue
                 try:
-                    result = measured.profile(request["seq"], request["seed"], request["profile"])
+                    conn.send(measured.profile(name, seq, seed, request["profile"]))
                 except Exception as error:  # noqa: BLE001 (a profiler that cannot run must not lose the figures)
-                    result = {"error": f"{type(error).__name__}: {error}"}
-            else:
-                marker = request.get("marker")
-                result = measured.step(
-                    request["seq"], request["seed"], budget=request.get("budget"), marker=marker and Path(marker)
-                )
-            answer(RESULT, result)
+                    conn.send({"error": f"{type(error).__name__}: {error}"})
+    except EOFError:  # the parent is done
+        pass
     except torch.cuda.OutOfMemoryError:
-        answer(RESULT, {"ok": False, "error": OUT_OF_MEMORY})
+        conn.send({"ok": False, "error": OUT_OF_MEMORY})
+    except Exception as error:  # noqa: BLE001 (the run's failure, reported by the parent)
+        conn.send({"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The parent
-# ---------------------------------------------------------------------------------------------------------------
-
-
 class Run:
-    """One side in one fresh process, driven step by step; a context manager (the process ends on exit).
-    ``ready``: the run's description (``Measured.describe``), or ``ok`` false when the side could not be built."""
+    """The sides of ``specs`` in one fresh (spawned) process, driven step by step; a context manager (the process ends
+    on exit). ``ready``: ``ok`` false when a side could not be built (``describe``: a side's description)."""
 
-    def __init__(self, spec: dict[str, Any], *, timeout_s: float, allocator: str | None = None):
-        """``timeout_s``: for building the side and for each step; ``allocator``: the process's
+    def __init__(self, specs: dict[str, dict[str, Any]], *, timeout_s: float, allocator: str | None = None):
+        """``timeout_s``: for building the sides and for each step; ``allocator``: the process's
         ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's default unless the user set one)."""
-        self.timeout_s = timeout_s
-        self._dir = tempfile.TemporaryDirectory(prefix="bench_run_")  # its stderr, run directory, watchdog markers
-        self._stderr = (Path(self._dir.name) / "stderr.log").open("w+")
-        job = [*spec["job"], f"train.run_dir={self._dir.name}/run"]  # what the trainer writes goes there
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.runs", json.dumps(spec | {"job": job})],
-            cwd=REPO,
-            env=process_env(allocator),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            start_new_session=True,  # its whole process group is killed on a timeout
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.failure: dict[str, Any] | None = None
-        self.ready = self._answer(READY, marker=None)
+        self.timeout_s, self.failure = timeout_s, None
+        self._dir = tempfile.TemporaryDirectory(prefix="bench_run_")  # its run directories, watchdog markers
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        with child_environment(allocator):
+            self._proc = context.Process(target=serve, args=(with_run_dirs(specs, self._dir.name), child))
+            self._proc.start()
+        child.close()
+        self.ready = self._answer(None)
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _answer(self, prefix: str, marker: Path | None) -> dict[str, Any]:
+    def _answer(self, marker: Path | None) -> dict[str, Any]:
         """The next answer, or the failure: a timeout, the watchdog's stop (``marker``) or the process's end."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self._kill()
-                return self._fail({"ok": False, "error": f"timed out after {self.timeout_s:.0f} s"})
-            if line is None:
-                return self._fail(self._ended(marker))
-            if line.startswith(prefix):
-                answer = json.loads(line[len(prefix) :])
-                return answer if answer.get("ok") is not False else self._fail(answer)
-
-    def _ended(self, marker: Path | None) -> dict[str, Any]:
-        code = self._proc.wait()
-        if marker is not None and marker.is_file():
-            growth = json.loads(marker.read_text())["growth"]
-            return {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": growth}
-        self._stderr.seek(0)
-        lines = self._stderr.read().strip().splitlines() or ["(no output)"]
-        tail = "\n".join(lines[-30:])
-        return {"ok": False, "error": f"exit status {code}: {lines[-1]}", "stderr_tail": tail}  # the exception's line
+        if not self._conn.poll(self.timeout_s):
+            self._proc.kill()
+            return self._fail({"ok": False, "error": f"timed out after {self.timeout_s:.0f} s"})
+        try:
+            answer = self._conn.recv()
+        except EOFError:
+            self._proc.join()
+            if marker is not None and marker.is_file():
+                growth = json.loads(marker.read_text())["growth"]
+                return self._fail({"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": growth})
+            return self._fail({"ok": False, "error": f"exit status {self._proc.exitcode}"})
+        return answer if answer.get("ok") is not False else self._fail(answer)
 
     def _fail(self, failure: dict[str, Any]) -> dict[str, Any]:
         self.failure = failure
@@ -278,90 +257,116 @@ class Run:
     def _request(self, request: dict[str, Any], marker: Path | None = None) -> dict[str, Any]:
         if self.failure is not None:
             return self.failure
-        try:
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-        except BrokenPipeError:
-            return self._fail(self._ended(marker))
-        return self._answer(RESULT, marker)
+        self._conn.send(request)
+        return self._answer(marker)
 
-    def step(self, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
-        """One measured training step (``Measured.step``); past ``budget`` bytes of step peak (CPU) it is stopped."""
+    def describe(self, name: str) -> dict[str, Any]:
+        """Side ``name``'s description (``Measured.describe``), or why the sides could not be built."""
+        return self.ready["sides"][name] if self.ready.get("ok") else self.ready
+
+    def step(self, name: str, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
+        """One measured step of side ``name`` (``Measured.step``); past ``budget`` bytes of step peak (CPU) it is
+        stopped."""
         marker = Path(self._dir.name) / f"step{seed}.json"
-        request = {"seq": seq, "seed": seed, "budget": budget, "marker": str(marker)}
-        return self._request(request, marker)
+        return self._request({"side": name, "seq": seq, "seed": seed, "budget": budget, "marker": marker}, marker)
 
-    def profile(self, seq: int, seed: int, top: int) -> dict[str, Any]:
-        """One more step under the profiler (``Measured.profile``)."""
-        return self._request({"profile": top, "seq": seq, "seed": seed})
-
-    def _kill(self) -> None:
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def profile(self, name: str, seq: int, seed: int, top: int) -> dict[str, Any]:
+        """One more step of side ``name`` under the profiler (``Measured.profile``)."""
+        return self._request({"profile": top, "side": name, "seq": seq, "seed": seed})
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._kill()
-        self._proc.wait()
-        self._stderr.close()
+        self._conn.close()
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
         self._dir.cleanup()
 
 
 def group_steps(
-    spec: dict[str, Any], warmup: list[tuple[int, int]], steps: list[tuple[int, int]], budget: int | None, out_dir: str
-) -> dict[str, Any]:
-    """On each rank of a ``run_group``: build the side, run the (seq, seed) steps of ``warmup``, then measure those
-    of ``steps`` in order, each appended to ``out_dir/rank{r}.jsonl`` as it ends (kept when a later step is
-    stopped). Returns ``ready`` (``Measured.describe``) and the measured ``steps``."""
+    specs: dict[str, dict[str, Any]], warmup: Steps, steps: Steps, budget: int | None, out_dir: str
+) -> dict:
+    """On each rank of a ``run_group``: build the sides, then take their steps in rounds (``timing.rounds``): those of
+    ``warmup``, then the measured ``steps``, each appended to ``out_dir/rank{r}.jsonl`` as it ends (kept when a later
+    step is stopped). Returns ``ready`` (each side's ``Measured.describe``) and each side's measured ``steps``."""
     import torch.distributed as dist
 
-    measured = Measured(spec)
-    rank = dist.get_rank()
-    for seq, seed in warmup:
-        measured.step(seq, seed)
-    results = []
-    for seq, seed in steps:
-        results.append(measured.step(seq, seed, budget=budget, marker=Path(out_dir) / f"rank{rank}.json"))
-        with (Path(out_dir) / f"rank{rank}.jsonl").open("a") as f:
-            f.write(json.dumps(results[-1]) + "\n")
-    return {"ready": measured.describe(), "steps": results}
+    measured, every = Measured(specs), [*warmup, *steps]
+    log, marker = Path(out_dir) / f"rank{dist.get_rank()}.jsonl", Path(out_dir) / f"rank{dist.get_rank()}.json"
+
+    def side(name: str) -> Any:
+        def step(index: int) -> dict[str, Any]:
+            timed = index >= len(warmup)
+            result = measured.step(name, *every[index], budget=budget if timed else None, marker=marker)
+            if timed:
+                with log.open("a") as f:
+                    f.write(json.dumps({"side": name, **result}) + "\n")
+            return result
+
+        return step
+
+    records = rounds({name: side(name) for name in specs}, len(warmup), len(steps), timed=False)
+    return {"ready": {name: measured.describe(name) for name in specs}, "steps": records}
 
 
 def run_group(
-    spec: dict[str, Any],
-    ranks: int,
-    warmup: list[tuple[int, int]],
-    steps: list[tuple[int, int]],
-    *,
-    budget: int | None = None,
+    specs: dict[str, dict[str, Any]], ranks: int, warmup: Steps, steps: Steps, *, budget: int | None = None
 ) -> tuple[list[dict[str, Any]], int | None]:
-    """``warmup`` then the measured ``steps`` (seq, seed) on a fresh gloo group of ``ranks`` CPU processes; returns
-    each rank's ``group_steps`` and, when a step passed ``budget`` on a rank (its watchdog ended it), the growth
-    seen (else None): then each rank's ``steps`` are those all ranks finished before it, and ``ready`` is None."""
+    """``group_steps`` on a fresh gloo group of ``ranks`` CPU processes: each rank's ``ready`` and ``steps`` and,
+    when a step passed ``budget`` on a rank (its watchdog ended it), the growth seen (else None): then each rank's
+    ``steps`` are those all ranks finished before it, and ``ready`` is None."""
     from lctrain.testing import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_group_") as out_dir:
         try:
-            job = [*spec["job"], f"train.run_dir={out_dir}/run"]  # what the trainer writes goes there
-            return run_distributed(group_steps, ranks, spec | {"job": job}, warmup, steps, budget, out_dir), None
+            return run_distributed(
+                group_steps, ranks, with_run_dirs(specs, out_dir), warmup, steps, budget, out_dir
+            ), None
         except Exception:
             stopped = memory.aborted_growth(Path(out_dir))
             if stopped is None:
                 raise
             logs = [Path(out_dir) / f"rank{rank}.jsonl" for rank in range(ranks)]
-            per_rank = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
-            done = min(len(results) for results in per_rank)
-            return [{"ready": None, "steps": results[:done]} for results in per_rank], stopped
+            lines = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
+            per_rank = [{name: [r for r in rank if r["side"] == name] for name in specs} for rank in lines]
+            done = {name: min(len(rank[name]) for rank in per_rank) for name in specs}
+            return [{"ready": None, "steps": {n: rank[n][: done[n]] for n in specs}} for rank in per_rank], stopped
 
 
-if __name__ == "__main__":
-    serve(json.loads(sys.argv[1]))
+def run_steps(
+    specs: dict[str, dict[str, Any]],
+    ranks: int,
+    warmup: Steps,
+    steps: Steps,
+    *,
+    budget: int | None = None,
+    timeout_s: float = 1800,
+) -> dict[str, dict[str, Any]]:
+    """The sides of ``specs`` in rounds: ``warmup``, then the measured ``steps`` (seq, seed), on ``ranks`` processes
+    (one: a ``Run``, NCCL on CUDA, ``timeout_s`` for each step; more: a ``run_group`` on CPU). Per side: ``ready``
+    (``Measured.describe`` of rank 0, or why it failed), ``steps`` (each step's figures, the largest over the ranks:
+    ``timing.slowest``; a step stopped past ``budget`` ends them, ``ok`` false) and ``per_rank`` (each rank's)."""
+    if ranks == 1:
+        with Run(specs, timeout_s=timeout_s) as run:
+            every = [*warmup, *steps]
+
+            def side(name: str) -> Any:
+                return lambda i: run.step(name, *every[i], budget=budget if i >= len(warmup) else None)
+
+            records = rounds({name: side(name) for name in specs}, len(warmup), len(steps), timed=False)
+            per_rank, stopped = [{"ready": {name: run.describe(name) for name in specs}, "steps": records}], None
+    else:
+        per_rank, stopped = run_group(specs, ranks, warmup, steps, budget=budget)
+    result = {}
+    for name in specs:
+        ranks_steps = [rank["steps"][name] for rank in per_rank]
+        ready = per_rank[0]["ready"][name] if per_rank[0]["ready"] else {"ok": False, "error": "over budget, stopped"}
+        result[name] = {"ready": ready, "steps": slowest(ranks_steps), "per_rank": ranks_steps}
+        if stopped is not None:
+            result[name]["steps"].append(
+                {"ok": False, "error": "over budget, stopped", "aborted": True, "step_peak": stopped}
+            )
+    return result

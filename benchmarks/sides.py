@@ -2,23 +2,30 @@
 process or a rank of a spawned group: ``runs.py``): the same model, initial weights (lctrain's seeded init),
 optimizer, schedule, clipping and rows on both.
 
-- ``lctrain``: ``Trainer(build_training_job(cfg)).train_step([batch])`` on the default process group: USP attention,
-  FSDP2 (also at world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by
-  default); each rank feeds its zigzag shard of the rows.
+- ``lctrain``: ``Trainer(build_training_job(cfg))`` on the default process group: USP attention, FSDP2 (also at
+  world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
+  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the
+  gradients then dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
 - ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
   under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
   Face's loss), ``backward``, ``clip_grad_norm_`` to ``optim.max_grad_norm``, lctrain's AdamW (fused, the same
   parameter groups) and schedule; Hugging Face's gradient checkpointing (non-reentrant) when
   ``parallel.activation_checkpointing`` is ``full``.
 
-Rows: random tokens ``[B, S]``, one document per row, or packed with documents of ``doc_len`` tokens (lctrain skips
-attention across documents; the plain loop is given the restarting ``position_ids``, from which transformers builds
-the document mask for sdpa).
+Rows (``rows``): ``random`` tokens ``[batch, S]``, one document per row, or packed with documents of ``doc_len``
+tokens (lctrain skips attention across documents; the plain loop is given the restarting ``position_ids``, from
+which transformers builds the document mask for sdpa); ``pairs``: one preference pair a row (``pair``: prompt and
+answer lengths, the prompt ``shared`` or repeated; ``testbed/pairs.py``), lctrain only; ``loader``: the job's own
+loader, lctrain only.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,31 +71,84 @@ def packed_batch(input_ids: Tensor, doc_len: int | None, shard: Callable[[Tensor
     }
 
 
-class LctrainSide:
-    """``Trainer.train_step`` on the default process group; each rank feeds its shard of the rows."""
+def random_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """A preference pair of random tokens: a prompt of ``prompt`` tokens, two answers of ``completion``."""
+    rng = random.Random(seed)
+    return tuple([rng.randrange(1, 250) for _ in range(n)] for n in (prompt, completion, completion))  # type: ignore[return-value]
 
-    def __init__(self, cfg: JobConfig):
+
+class LctrainSide:
+    """``Trainer`` on the default process group; each rank feeds its shard of the rows. ``spec``: the module doc's
+    ``rows``, ``batch``, ``doc_len``, ``pair``, ``part``, and ``precompute``: the (seq, seed) of every step it will
+    take, whose reference log-probs a preference objective precomputes (the reference model then dropped)."""
+
+    def __init__(self, cfg: JobConfig, spec: dict[str, Any]):
         from lctrain.train.job import build_training_job
         from lctrain.train.trainer import Trainer  # imported here: a process that runs the other side never needs it
 
         self.trainer = Trainer(build_training_job(cfg))
         self.model, self.hf_config = self.trainer.model, self.trainer.hf_config
-        self.place = self.trainer.place
+        self.spec, self.in_use = spec, None
+        if spec.get("rows") == "loader":
+            self.batches = iter(self.trainer.loader)
+        self.trainer.forward_loss = self._noting_memory(self.trainer.forward_loss)
+        if spec.get("precompute"):
+            from lctrain.train.reference import ReferenceCache
 
-    def shard(self, x: Tensor) -> Tensor:
-        return self.place.shard(x, dim=1).contiguous()
+            cache = ReferenceCache(Path(cfg.train.run_dir) / "reference.pt", "precomputed")
+            self.trainer.objective.precompute_reference([[self.batch(*step)] for step in spec["precompute"]], cache)
 
-    def step(self, input_ids: Tensor, doc_len: int | None = None) -> tuple[float, float]:
-        """One optimizer step on the full rows ``input_ids`` (documents of ``doc_len``); (loss, grad norm), read back
-        at the end: the device's work is done."""
-        result = self.trainer.train_step([packed_batch(input_ids, doc_len, self.shard)])
-        return result["loss"], result["grad_norm"]
+    def _noting_memory(self, forward_loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated bytes; CPU: the resident
+        set): with what was in use before the step, what the forward keeps for the backward."""
+        from lctrain.train.meter import proc_bytes
+
+        device = self.trainer.device
+
+        def noted(*args: Any) -> Tensor:
+            result = forward_loss(*args)
+            self.in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else proc_bytes("VmRSS")
+            return result
+
+        return noted
+
+    def batch(self, seq: int, seed: int) -> dict:
+        """The micro-batch of step ``seed``, this rank's part of its rows of ``seq`` tokens (a pair's row: the job's
+        ``data.seq_len``)."""
+        spec, place = self.spec, self.trainer.place
+        if spec.get("rows") == "loader":
+            return next(self.batches)
+        if spec.get("rows") == "pairs":
+            from testbed.pairs import pack_pairs, shard_rows
+
+            pair = random_pair(spec["pair"]["prompt"], spec["pair"]["completion"], seed)
+            row = pack_pairs([pair], self.trainer.cfg.data.seq_len, shared=spec["pair"]["shared"])
+            return shard_rows([row], place)
+        rows = random_rows(self.hf_config.vocab_size, spec.get("batch", 1), seq, seed)
+        return packed_batch(rows, spec.get("doc_len"), lambda x: place.shard(x, dim=1).contiguous())
+
+    def step(self, batch: dict) -> dict[str, Any]:
+        """One step (``part``) on ``batch``; its loss and gradient norm (None where it has none), read back at the end
+        (the device's work is done); with ``parts`` the seconds of each, ``forward_backward_s`` and ``optimizer_s``."""
+        trainer, part, self.in_use = self.trainer, self.spec.get("part", "train_step"), None
+        if part == "train_step":
+            result = trainer.train_step([batch])
+            return {"loss": result["loss"], "grad_norm": result["grad_norm"], "in_use": self.in_use}
+        started = time.perf_counter()
+        totals = trainer.forward_backward([batch])
+        if part == "forward_backward":
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return {"loss": None, "grad_norm": None, "in_use": self.in_use}
+        middle = time.perf_counter()
+        grad_norm = trainer.optimizer_step(totals.trained).item()
+        seconds = {"forward_backward_s": middle - started, "optimizer_s": time.perf_counter() - middle}
+        return {"loss": None, "grad_norm": grad_norm, **seconds}
 
 
 class HFSide:
     """The plain loop of the module docstring, on ``train.device``."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, spec: dict[str, Any]):
         self.device = resolve_device(cfg.train.device)
         self.hf_config = model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer)))
         self.model = build_empty_model(
@@ -103,21 +163,25 @@ class HFSide:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
+        self.spec = spec
 
-    def step(self, input_ids: Tensor, doc_len: int | None = None) -> tuple[float, float]:
-        x = input_ids.to(self.device)
-        extra = {}
-        if doc_len:  # transformers builds the document mask from positions that restart at each document
-            extra["position_ids"] = packed_batch(input_ids, doc_len)["position_ids"].to(self.device)
+    def batch(self, seq: int, seed: int) -> dict:
+        input_ids = random_rows(self.hf_config.vocab_size, self.spec.get("batch", 1), seq, seed)
+        batch = {"input_ids": input_ids.to(self.device)}
+        if self.spec.get("doc_len"):  # transformers builds the document mask from positions that restart there
+            batch["position_ids"] = packed_batch(input_ids, self.spec["doc_len"])["position_ids"].to(self.device)
+        return batch
+
+    def step(self, batch: dict) -> dict[str, Any]:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            loss = self.model(input_ids=x, labels=x, **extra).loss  # shifted inside, mean over B·(S−1)
+            loss = self.model(**batch, labels=batch["input_ids"]).loss  # shifted inside, mean over B·(S−1)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item(), grad_norm.item()
+        return {"loss": loss.item(), "grad_norm": grad_norm.item()}
 
 
-def build_side(side: str, cfg: JobConfig) -> LctrainSide | HFSide:
-    return LctrainSide(cfg) if side == "lctrain" else HFSide(cfg)
+def build_side(cfg: JobConfig, spec: dict[str, Any]) -> LctrainSide | HFSide:
+    return LctrainSide(cfg, spec) if spec["side"] == "lctrain" else HFSide(cfg, spec)

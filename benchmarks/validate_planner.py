@@ -1,37 +1,22 @@
 """Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16).
 
-Run from the repository root::
-
     python -m benchmarks.validate_planner            # every case below, 3-8 minutes on 2 shared cores
     python -m benchmarks.validate_planner --quick    # the one-process cases only, about 2 minutes
     python -m benchmarks.validate_planner --save m.json; python -m benchmarks.validate_planner --load m.json  # re-score
     python -m benchmarks.validate_planner --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
 
-On CUDA (``--device cuda``, ``CUDA_CASES``): Llama-3.2-1B's sizes with an untied head, one GPU, bf16
-(``parallel.param_dtype=bfloat16``), three cases whose peaks lie in different phases (the loss's forward without
-checkpointing, the backward with full checkpointing, small loss chunks); measured = ``torch.cuda.max_memory_allocated``
-over the second step − the memory allocated before the ``Trainer`` was built, against the estimate in bf16 on CUDA.
-The caching allocator's reserve beyond that (fragmentation) is what the planner's ``--headroom`` covers, not this.
-
-For each world size it starts one ``torchrun --standalone --nproc-per-node P`` job running this module as the worker
-(``OMP_NUM_THREADS=1``; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed buffer of 64 KiB or more
-to the OS: the resident set then follows the live tensors, as ``torch.cuda.max_memory_allocated`` does on a GPU,
-instead of keeping the high-water mark of a heap). The worker trains the tiny model of
-``recipes/tiny_cpu.yaml`` on a small generated jsonl corpus (``testbed/corpus.py``), case after case,
-each a fresh ``Trainer`` on the same process group:
-
-1. the resident set before the ``Trainer`` is built (``VmRSS``; imports, the process group and earlier cases'
-   leftovers: the baseline, which the planner does not model);
-2. one training step (AdamW's states now exist, as in every later step);
-3. the kernel's high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and a second step runs;
-4. measured = ``VmHWM`` after that step − the baseline: everything the training step holds at its peak, the model's
-   sharded states included. The largest over ranks is compared with ``lctrain.planner.estimate_memory`` (the
-   largest over pipeline stages).
-
-A warm-up case runs first in every job (imports and kernels that load lazily would otherwise count in the first
-case). The table gives the estimate term by term, the measurement, and the relative error (estimate − measured) /
-measured; and the same on the whole resident set (baseline + peak), which is what ``peak_mem_gib`` in
-``metrics.jsonl`` reports on CPU.
+For each world size one ``torchrun --standalone --nproc-per-node P`` job runs this module as the worker
+(``OMP_NUM_THREADS=1``; on CPU ``MALLOC_MMAP_THRESHOLD_=65536``: the resident set then follows the live tensors, as
+``torch.cuda.max_memory_allocated`` does on a GPU). It trains ``recipes/tiny_cpu.yaml``'s model on a small generated
+corpus (``testbed/corpus.py``), case after case, each a fresh ``Trainer`` on the same process group
+(``runs.Measured``): the memory in use before it is built (the baseline: imports, the process group, earlier cases'
+leftovers, which the planner does not model), one step, then a second whose peak is measured; measured = that peak
+− the baseline (on CPU the resident set, on CUDA the allocated bytes; the caching allocator's reserve beyond them is
+what the planner's ``--headroom`` covers), the largest over ranks, against ``lctrain.planner.estimate_memory`` (the
+largest over pipeline stages). ``CUDA_CASES``: Llama-3.2-1B's sizes (untied) in bf16, peaks in different phases.
+A warm-up case runs first in every job (what loads lazily would otherwise count in the first case). The table gives
+the estimate term by term, the measurement and the relative error, and the same on the whole resident set
+(baseline + peak), what ``peak_mem_gib`` in ``metrics.jsonl`` reports on CPU.
 """
 
 from __future__ import annotations
@@ -39,8 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -49,7 +32,8 @@ from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import command
+from benchmarks.report import command, machine_line
+from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
 MIB = 2**20
@@ -84,58 +68,36 @@ CUDA_CASES = [
 
 def overrides(case: list, corpus: str, run_dir: str, device: str = "cpu") -> list[str]:
     _, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
-    return bench_job(
-        device,
-        f"parallel.pp={pp}",
-        f"parallel.dp={dp}",
-        f"parallel.ring={ring}",
-        f"parallel.ulysses={ulysses}",
-        f"parallel.activation_checkpointing={ac}",
-        f"data.seq_len={seq_len}",
-        f"data.batch_size={rows}",
-        f"train.loss_chunk_tokens={chunk}",
-        f"data.paths=['{corpus}']",
-        "train.steps=2",
-        f"train.run_dir={run_dir}",
-    )
+    layout = (f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.ring={ring}", f"parallel.ulysses={ulysses}")
+    rows = (f"data.seq_len={seq_len}", f"data.batch_size={rows}", f"data.paths=['{corpus}']")
+    memory = (f"parallel.activation_checkpointing={ac}", f"train.loss_chunk_tokens={chunk}")
+    return bench_job(device, *layout, *memory, *rows, "train.steps=2", f"train.run_dir={run_dir}")
 
 
 def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: str) -> None:
-    """Runs under torchrun: measure every case, rank 0 writes the results."""
+    """Runs under torchrun: measure every case (``runs.Measured``: its side built, one step, then the measured one,
+    on the job's own rows), rank 0 writes the results."""
     import torch
     import torch.distributed as dist
 
-    from lctrain.config import load_config
     from lctrain.runtime import init_distributed, resolve_device
-    from lctrain.train.job import build_training_job
-    from lctrain.train.trainer import Trainer
 
-    device = resolve_device(device_type)
-    init_distributed(device, timeout_s=1800)
-    cuda = device.type == "cuda"
-    rank = dist.get_rank()
+    init_distributed(resolve_device(device_type), timeout_s=1800)
     results = []
     warmup = [cases[0][0], *cases[0][1:6], 256, *cases[0][7:]]
     for index, case in enumerate([warmup, *cases]):
-        cfg = load_config(overrides(case, corpus, f"{scratch}/case{index}", device_type))
-        if cuda:
+        if device_type == "cuda":
             torch.cuda.empty_cache()
-        baseline = torch.cuda.memory_allocated(device) if cuda else memory.reset_peak()
-        trainer = Trainer(build_training_job(cfg))
-        batches = iter(trainer.loader)
-        rows = [next(batches) for _ in range(2)]
-        trainer.train_step(rows[:1])
-        dist.barrier()
-        start = time.perf_counter()
-        with memory.StepPeak(device) as step:
-            trainer.train_step(rows[1:])
-        seconds, peak = time.perf_counter() - start, step.peak
-        del trainer, batches, rows
+        job = overrides(case, corpus, f"{scratch}/case{index}", device_type)
+        measured = Measured({"case": {"side": "lctrain", "job": job, "rows": "loader"}})
+        measured.step("case", case[6], 1)
+        step = measured.step("case", case[6], 0)
+        del measured
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"baseline": baseline, "peak": peak})
-        if rank == 0 and index > 0:
-            results.append({"case": case, "ranks": per_rank, "step_s": seconds})
-    if rank == 0:
+        dist.all_gather_object(per_rank, {"baseline": step["base"], "peak": step["base"] + step["peak"]})
+        if dist.get_rank() == 0 and index > 0:
+            results.append({"case": case, "ranks": per_rank, "step_s": step["step_s"]})
+    if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -186,11 +148,7 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
         )
     lines = [
         f"command: {command_line}",
-        machine
-        or (
-            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-            f"load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-        ),
+        machine or f"machine: {machine_line()}",
         model,
         "",
         "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "

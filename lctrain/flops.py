@@ -1,5 +1,5 @@
 """The one FLOP count behind every MFU lctrain reports (the trainer's metrics line, the layout planner, the
-benchmarks). Plain arithmetic."""
+benchmarks), and MFU itself. Plain arithmetic."""
 
 from __future__ import annotations
 
@@ -32,3 +32,9 @@ def document_flops_per_token(num_params: int, num_layers: int, hidden_size: int,
     (S = Σd): the row's visible (query, key) pairs, Σd²/2, instead of S²/2. One document gives ``flops_per_token``."""
     seq_len = sum(doc_lengths)
     return 6 * num_params + 6 * num_layers * hidden_size * sum(d * d for d in doc_lengths) / seq_len
+
+
+def mfu(tokens_per_s: float, per_token: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilization: ``tokens_per_s`` (all ``devices`` together) × FLOPs ``per_token`` over the devices'
+    peak FLOP/s (``peak`` each); None when the peak is unknown."""
+    return None if peak is None else tokens_per_s * per_token / (devices * peak)

@@ -30,6 +30,7 @@ from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.parallel.pipeline import build_schedule
 from lctrain.train.forward import Batch, ModelForward, PipelineForward, RowsForward
+from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
 from lctrain.train.objective import Objective, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.preference import PreferenceLoss
@@ -54,6 +55,7 @@ class TrainingJob:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
+    meter: StepMeter  # each step's time, tokens/s, MFU and peak memory
     suite: TrainingSuite | None  # the ruler suite every ruler.every steps; None when never
 
 
@@ -119,6 +121,13 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
         optimizer,
         build_scheduler(optimizer, cfg.optim, cfg.train.steps),
         Checkpointer(Path(cfg.train.run_dir) / "checkpoints", keep=cfg.checkpoint.keep),
+        StepMeter(
+            device,
+            tokens=cfg.data.seq_len * rows * mesh.dims.dp,
+            per_token=model_flops_per_token(job.prepared.config, model.num_params, cfg.data.seq_len),
+            peak=peak_flops(device, cfg.train.peak_tflops),
+            devices=mesh.dims.world_size,
+        ),
         training_suite(job, hidden_states),
     )
 

@@ -1,43 +1,18 @@
 """Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
 plot at the end (and, when the run validates, a validation plot: ``val_loss.png``; for preference pairs, the reward
-margin and accuracy: ``rewards.png``). Also the peak FLOP/s and memory
-the line reports (FLOPs per token: ``lctrain.flops``)."""
+margin and accuracy: ``rewards.png``). The step's tokens/s, MFU and peak memory the line reports come from
+``meter.py``."""
 
 from __future__ import annotations
 
 import json
 import logging
-import resource
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from lctrain.config.schema import LoggingConfig
 
 logger = logging.getLogger("lctrain")
-
-# Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.
-_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
-def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
-    """The device's peak FLOP/s for the MFU estimate: the configured one, or a known GPU's; None if unknown."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in _PEAK_FLOPS.items():
-            if key in name:
-                return flops
-    return None
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank: allocated CUDA memory, or the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 class MetricsLogger:

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import logging
 import math
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,8 +23,6 @@ from lctrain.checkpoint import complete_checkpoints
 from lctrain.config import JobConfig, to_yaml
 from lctrain.config.checks import check_objective_data
 from lctrain.data import check_data, load_tokenizer
-from lctrain.families import active_parameters, layer_windows
-from lctrain.flops import flops_per_token
 from lctrain.models import export_hf
 from lctrain.models.lora import export_lora
 from lctrain.parallel.pipeline import step_inputs
@@ -33,7 +30,7 @@ from lctrain.runtime import run_command
 from lctrain.train.forward import model_hidden, row_fields
 from lctrain.train.job import TrainingJob, build_training_job
 from lctrain.train.key_tokens import check_key_window
-from lctrain.train.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from lctrain.train.metrics import MetricsLogger
 from lctrain.train.objective import Batch, StepTotals
 from lctrain.train.optim import clip_grad_norm, step_if_finite
 from lctrain.train.ruler_suite import check_job_suite
@@ -67,15 +64,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.logging, self.run_dir, rank=self.rank, resume_step=self.step, job_config=dataclasses.asdict(cfg)
         )
+        self.meter = job.meter
         config, num_params = self.hf_config, base.model.num_params
-        self.flops_per_token = flops_per_token(
-            active_parameters(config, num_params),
-            config.num_hidden_layers,
-            config.hidden_size,
-            cfg.data.seq_len,
-            layer_windows(config),
-        )
-        self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)
         logger.info(
             "model %s: %.2fM parameters, mesh %s, seq_len %d, device %s",
             config.model_type,
@@ -220,7 +210,6 @@ class Trainer:
         """Run to ``train.steps``; returns the losses of the steps run here."""
         cfg = self.cfg
         batches: Iterator[Batch] = iter(self.loader)
-        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.train.grad_accum * self.dims.dp
         bar = tqdm(
             total=cfg.train.steps,
             initial=self.step,
@@ -229,14 +218,10 @@ class Trainer:
         )
         losses = []
         while self.step < cfg.train.steps:
-            start = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
-            result = self.train_step([next(batches) for _ in range(cfg.train.grad_accum)])
+            with self.meter.measure() as figures:  # time, tokens/s, MFU and this step's peak memory
+                result = self.train_step([next(batches) for _ in range(cfg.train.grad_accum)])
             self.step += 1
-            elapsed = time.perf_counter() - start
-            tokens_per_s = tokens_per_step / elapsed
-            devices = dist.get_world_size()
-            mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / (devices * self.peak_flops)
             validation = self.validator.should_validate(self.step)
             ruler = self.suite.run(self.step) if self.suite and self.suite.should_run(self.step) else {}
             line = self.metrics.log(
@@ -244,10 +229,7 @@ class Trainer:
                 {
                     **result,
                     "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": mfu,
-                    "peak_mem_gib": peak_memory_gib(self.device),
-                    "step_time_s": elapsed,
+                    **figures,
                     **(self.validator.validate(self.hidden_states, self.objective) if validation else {}),
                     **ruler,
                 },

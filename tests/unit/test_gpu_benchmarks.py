@@ -202,8 +202,8 @@ def test_bench_context_on_cpu_searches_fits_layers_and_checks_the_prediction(tmp
 
 
 def test_bench_preference_one_process_path_on_cpu() -> None:
-    """``run`` with one rank (the path ``--device cuda`` takes: this process, its default group of one) on a tiny
-    16:1 pair, shared and unshared: a time, a peak and a growth for each side."""
+    """``run`` with one rank (the path ``--device cuda`` takes: one fresh process, its default group of one) on a
+    tiny 16:1 pair, shared and unshared: a time, a peak and a growth for each side."""
     script = """
 import json
 from benchmarks.bench_preference import job, pair_length, run
@@ -213,7 +213,7 @@ specs = {
            "shared": side == "shared"}
     for side in ("shared", "unshared")
 }
-print(json.dumps(run(specs, 0, 1, "cpu", 1)))
+print(json.dumps(run(specs, 0, 1, 1)))
 """
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
