@@ -21,16 +21,7 @@ from torch import Tensor, nn
 from lctrain.attention.transport import group_coordinates
 from lctrain.attention.ulysses import heads_to_seq, seq_to_heads
 from lctrain.linear_attention.context import delta_rule_context
-
-
-def check_linear_heads(key_heads: int, value_heads: int, ulysses: int, *, setting: str = "parallel.ulysses") -> None:
-    """Ulysses gives each rank ``1/ulysses`` of the linear layers' key heads and of their value heads."""
-    if key_heads % ulysses or value_heads % ulysses:
-        raise ValueError(
-            f"{setting}={ulysses} does not divide the linear-attention layers' {key_heads} key heads and "
-            f"{value_heads} value heads (linear_num_key_heads, linear_num_value_heads): choose a ulysses degree that "
-            f"divides both and move the rest to the ring"
-        )
+from lctrain.rules import check_linear_heads
 
 
 def _project(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from lctrain.families import (
+    LANGUAGE_MODELS,
     apply_sliding_window,
     family_of,
     layer_windows,
@@ -82,6 +83,15 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
         config = AutoConfig.from_pretrained(path)
+        if config.model_type in LANGUAGE_MODELS:
+            logger.info(
+                "%s: a %s checkpoint: training its language model (%s); left out: %s",
+                model_source(cfg.path, cfg.family),
+                config.model_type,
+                config.text_config.model_type,
+                LANGUAGE_MODELS[config.model_type],
+            )
+            config = config.text_config
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
     else:

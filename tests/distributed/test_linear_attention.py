@@ -21,7 +21,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from lctrain.attention import SequencePlace, unshard_sequence
-from lctrain.linear_attention.gated_deltanet import check_linear_heads, patch_linear_attention
+from lctrain.linear_attention.gated_deltanet import patch_linear_attention
+from lctrain.rules import check_linear_heads
 from lctrain.testing import run_distributed
 
 LENGTH = 48
