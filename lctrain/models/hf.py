@@ -73,6 +73,8 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     Random init builds ``cfg.family`` (one of ``FAMILIES``), with ``head_dim = hidden_size / num_heads`` where its
     record says (``Family.head_dim_from_width``: Qwen3's config class would default to 128), a mixture of experts
     with ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per token,
+    a hybrid's gated delta layers with ``model.num_kv_heads`` key heads and ``model.num_heads`` value heads of
+    ``hidden_size / num_heads`` (and a shared expert of width ``model.intermediate_size``),
     and no sliding window unless ``model.sliding_window`` > 0, then on every layer (transformers' class defaults,
     Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is
     applied (``set_router_aux_loss``)."""
@@ -114,6 +116,12 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         if family.experts is not None:  # model.num_experts of width model.intermediate_size
             fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
             fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+        if family.linear_mixer is not None:  # the gated delta layers sized as the attention, a shared expert as one
+            head_dim = cfg.hidden_size // cfg.num_heads
+            fields |= {"linear_num_key_heads": cfg.num_kv_heads, "linear_num_value_heads": cfg.num_heads}
+            fields |= {"linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim}
+            if family.experts is not None:
+                fields["shared_expert_intermediate_size"] = cfg.intermediate_size
         config = _random_init_config(cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window))
     set_rope(config, cfg)
     set_router_aux_loss(config, cfg.router_aux_loss_coef)
