@@ -13,16 +13,11 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.families import linear_layers
-from lctrain.models import patch_attention
-from lctrain.parallel.dims import ParallelDims
-from lctrain.parallel.mesh import JobMesh
 from lctrain.testing import run_distributed
-from lctrain.train.loss import chunked_cross_entropy
-from tests.distributed.test_model_parity import VOCAB, loss_sum, packed_row
+from tests.distributed.test_model_parity import VOCAB, assert_documents_alone_match, sharded_step
 
 SIZES = {
     "hidden_size": 64,
@@ -59,33 +54,11 @@ def build_model(family: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str, torch.Tensor]]:
-    mesh = JobMesh.build(ParallelDims(ring=ring, ulysses=ulysses), "cpu")
-    model = build_model(family)
-    patch_attention(model, ulysses_group=mesh.group("ulysses"), ring_group=mesh.group("ring"))
-    input_ids, position_ids, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
-    shard = functools.partial(mesh.place.shard, dim=1)
-    hidden = model.model(
-        input_ids=shard(input_ids),
-        position_ids=shard(position_ids),
-        cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32),
-    ).last_hidden_state
-    local_sum, tokens = chunked_cross_entropy(hidden, model.lm_head.weight, shard(labels), chunk_tokens=5)
-    dist.all_reduce(tokens, group=mesh.cp)
-    loss = local_sum / tokens
-    loss.backward()
-    reported = loss.detach().clone()
-    dist.all_reduce(reported, group=mesh.cp)
-    grads = {}
-    for name, param in model.named_parameters():
-        dist.all_reduce(param.grad, group=mesh.cp)
-        grads[name] = param.grad
-    return reported.item(), grads
-
-
 def world_job(world: int) -> dict:
     return {
-        (ring, ulysses, family): sharded_step(ring, ulysses, family) for w, ring, ulysses, family in CASES if w == world
+        (ring, ulysses, family): sharded_step(ring, ulysses, family, build_model)
+        for w, ring, ulysses, family in CASES
+        if w == world
     }
 
 
@@ -97,11 +70,4 @@ def results_for(world: int) -> dict:
 @pytest.mark.parametrize("world,ring,ulysses,family", CASES, ids=lambda x: str(x))
 def test_sharded_hybrid_matches_documents_run_alone(world: int, ring: int, ulysses: int, family: str) -> None:
     loss, grads = results_for(world)[(ring, ulysses, family)]
-    model = build_model(family)
-    input_ids, _, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
-    total = sum(loss_sum(model(input_ids=input_ids[:, a:b]).logits, labels[:, a:b]) for a, b in zip(bounds, bounds[1:]))
-    expected = total / (labels != -100).sum()
-    expected.backward()
-    assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert_documents_alone_match(build_model(family), 16 * ring * ulysses, loss, grads)
