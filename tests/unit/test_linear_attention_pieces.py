@@ -5,6 +5,8 @@ documents crossing pieces or starting exactly at one."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,11 @@ CASES = {
     "zigzag of 2, documents": ([(0, 12), (36, 48), (12, 24), (24, 36)], [0, 5, 12, 13, 30, 47]),
     "documents at and inside pieces": ([(0, 16), (16, 32), (32, 48)], [0, 3, 16, 17, 40]),
 }
+for seed in range(3):  # random cuts, held in a random order, and random document starts
+    rng = random.Random(seed)
+    cuts = sorted({0, *rng.sample(range(1, LENGTH), 5), LENGTH})
+    pieces = list(zip(cuts, cuts[1:]))
+    CASES[f"random {seed}"] = (rng.sample(pieces, len(pieces)), sorted({0, *rng.sample(range(1, LENGTH), 6)}))
 
 
 def _inputs(seed: int, heads_k: int = 2, heads_v: int = 4, dk: int = 8, dv: int = 6) -> list[torch.Tensor]:
