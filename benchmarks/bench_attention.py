@@ -1,20 +1,5 @@
-"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic.
-
-Run from the repository root::
-
-    python -m benchmarks.bench_attention                        # everything, S=16384, bf16, P=2
-    python -m benchmarks.bench_attention --seq 2048 --iters 1 --only efficiency,baselines
-    python -m benchmarks.bench_attention --only kernel          # the CPU op per pass: bf16 or fp32, layout
-
-Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
-pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
-iterations after ``--warmup`` untimed ones. Sections 1 and 2 run every implementation (T1 on rank 0 alone) in the
-same P processes, one iteration of each in turn (``timing.rounds``), so a change in machine load hits them all
-alike. Peak memory is the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel
-(T1 and DeepSpeed's local SDPA: lctrain's kernel on one device; PyTorch's ring op, cast) computes each pass in the
-dtype that lctrain's CPU kernel computes that pass in on this CPU (``kernels.cpu_compute_dtype``), so the
-comparisons measure the distribution, not the dtype. The output is markdown.
-"""
+"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic. The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

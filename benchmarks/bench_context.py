@@ -1,35 +1,6 @@
 """The longest sequence each side (``sides.py``) trains in one step, lctrain against the plain Hugging Face loop, on
 CPU within a memory budget or on one GPU; and lctrain's memory by layer count (to predict depths and lengths too
-slow to run) and what activation offload saves.
-
-    python -m benchmarks.bench_context                # CPU: lctrain on 4 ranks vs one HF process (about 5 minutes)
-    python -m benchmarks.bench_context --device cuda  # one GPU: all three sections (a 10-minute call on an H200, est.)
-    python -m benchmarks.bench_context --device cuda --sections layers --fit-seqs 524288 1048576 --check-seq 524288
-
-The job is ``bench_trainer``'s (``jobs.job_from_args``). lctrain runs on ``--ring`` × ``--ulysses`` ranks (CPU
-default ring 4: every activation at S/4 tokens per rank; CUDA default one GPU) with activation checkpointing
-``full`` and the chunked loss (``--loss-chunk-tokens``); the HF loop in one process with ``--hf-checkpointing``
-(CPU default none, CUDA full). Every probe is a fresh process or group (``runs.run_steps``): one warm-up step at
-``--warmup-seq``, then one step at S. It fits when it finishes (an out-of-memory or ``--probe-timeout`` is a clean
-"does not fit") and, on CPU, every process's step peak (``MALLOC_MMAP_THRESHOLD_=65536``) stays within
-``--budget-mib``, a watchdog ending a step as it passes it.
-
-Sections (``--sections``; CPU default ``search``, CUDA all three):
-
-1. ``search``: the longest S of each side (``search.py``). The HF loop doubles from ``--start-seq`` (halving while
-   the start does not fit), then bisects ``--bisect`` times; lengths are multiples of ``--seq-unit``, none above
-   ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's result, then tries ``--max-seq`` (the step
-   peak grows with S, so a fit there means every length in between fits: "≥ max-seq"), else doubles and bisects.
-   At each side's longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the
-   largest of several phases' that grow with S at different rates.
-2. ``layers``: lctrain's peak with ``--layer-counts`` layers at each of ``--fit-seqs``; a line fixed + per-layer
-   memory per S predicts the full depth, checked against a real full-depth step at ``--check-seq``.
-3. ``offload``: lctrain with ``--offload-layers`` layers at ``--offload-seq`` without and with
-   ``parallel.activation_offload`` (a no-op on CPU): memory saved and slowdown, the second step timed.
-
-A full 16-layer step at 1M tokens takes many minutes on one GPU, hence depth predicted from shallow models (the
-third command; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
-"""
+slow to run) and what activation offload saves. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

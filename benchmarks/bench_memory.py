@@ -1,26 +1,5 @@
 """Memory per rank against sequence length with every memory saver on, against the plain Hugging Face baseline.
-(The longest context each side trains in one step: ``bench_context.py``.)
-
-    python -m benchmarks.bench_memory                    # every P and length (about 15 minutes on 2 shared cores)
-    python -m benchmarks.bench_memory --per-rank 1024,2048 --ranks 1,2
-    python -m benchmarks.bench_memory --json out.json    # also write the raw measurements
-    python -m benchmarks.bench_memory --from-json a.json --from-json b.json   # report (merged), nothing run
-
-The model: the default job's tiny Llama made wider so that activations, not the logits, dominate the baseline
-(``MODEL``, then ``--override``), fp32, one document per row of random tokens; one step after a warm-up step at
-64·ring·ulysses tokens, one thread per rank. lctrain = ``Trainer.train_step`` with all the memory savers: sequence
-sharded over P ranks (``MESHES``), activation checkpointing ``full``, activation offload (a no-op on CPU), the
-chunked MLP and loss (``--mlp-chunk-tokens``, ``--loss-chunk-tokens``). Baseline = the ``hf`` side of ``sides.py``
-in one process (sdpa, no checkpointing, full logits).
-
-For each P the lengths S = P × ``--per-rank`` up to ``--max-fitted-seq`` run in one process group (``runs.run_steps``),
-shortest first; the baseline at ``--baseline-seqs``. The step peak per rank (max over ranks) is fitted with a line
-against S/P: if memory per rank is O(S/P), the lines of all P coincide and the slope per *global* token halves as P
-doubles. A watchdog ends a run whose step passes its share of ``--safe-gib`` (lowered to what the machine has
-available minus 2 GiB). The step peak is the resident set a step adds (``MALLOC_MMAP_THRESHOLD_=65536``,
-``memory.py``); the machine total adds each process's PSS before the step (shared pages split between the
-processes), an upper bound: the ranks' peaks need not coincide.
-"""
+(The longest context each side trains in one step: ``bench_context.py``.) The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
