@@ -1,21 +1,5 @@
 """Mixture-of-experts layers: lctrain's experts implementation against transformers' own at world size 1, and expert
-parallelism against none on 4 ranks, on CPU; the first on one GPU too.
-
-    python -m benchmarks.bench_experts                  # both parts, about 3 minutes on 2 cores
-    python -m benchmarks.bench_experts --part single --seq 4096
-    python -m benchmarks.bench_experts --part single --device cuda --json OUT.json
-
-- ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
-  ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
-  default experts implementation (``grouped_mm``), its ``eager`` loop, and lctrain's (``lctrain.parallel.expert``)
-  with each local kernel, the one ``expert_kernel`` picks here marked; the same weights and rows, steps in turn
-  (``timing.rounds``): the median step time and its ratio to transformers' default. ``--device cuda``: the same in
-  bf16 on one GPU, by default at Qwen3-30B-A3B's layer sizes on a row of 16,384 tokens.
-- ``ep``: the same model on 4 gloo ranks, each with its own row, its experts on every rank (``ep`` 1) and spread
-  over 2 and 4 ranks, side by side, steps in turn: the median step time (slowest rank), the expert weights each rank
-  holds and its step's memory growth (``lctrain.train.meter.StepMemory``). Without FSDP: each rank holds its experts
-  whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on loopback here).
-"""
+parallelism against none on 4 ranks, on CPU; the first on one GPU too. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

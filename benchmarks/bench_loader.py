@@ -1,28 +1,5 @@
 """Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank, for
-text and for conversations.
-
-    python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
-        [--chat-rows 300] [--long-conversations 4] [--expanded-conversations 1] [--default-job-steps 12]
-
-One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
-embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
-whole rows and keeps S/(R·U) tokens of each, so the loader's figure is per-rank *local* tokens/s. The baseline, in
-the same run: one step of the plain Hugging Face loop (``sides.py``: forward, backward, AdamW) of a tiny Llama
-(hidden 256, 4 layers, 4 heads) on S/(R·U) tokens, in a process of its own (no communication), i.e. the tokens one
-rank consumes per step; on the CPU by default, or on a GPU with ``--device cuda``.
-
-Conversations (the same place, rows as the chat recipes pack them; every figure global rows and tokens per second):
-short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_sft`` reads; its conversations are
-made from the library's files as they are read), and long ones, 200-turn conversations of ~126K tokens in a jsonl
-file at 131,072-token rows, each through the embedded tokenizer's template with ``{% generation %}`` marks
-(``return_assistant_tokens_mask``) and through the same template without them (prefixes and offsets, the path of
-Llama, Qwen and Mistral templates); and the same long conversations through that template with an EOS after the last
-message (as Phi-3.5's writes it), so each is rendered once per assistant turn (``data.divergent_turns=expand``: 100
-documents of up to ~126K tokens): rendered, tokenized and packed (``ChatEncoder`` and ``Packer``, one process), every
-conversation of the file through. Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
-ulysses 2, 1024-token rows) consumes, measured here as the median step of ``--default-job-steps`` training steps of
-it (the first two warm up; the slowest rank's) on a spawned gloo group (``runs.run_steps``).
-"""
+text and for conversations. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """A LoRA step against a full fine-tuning step of the same model on the same mesh, on CPU ranks: per-rank peak memory
-and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule).
-
-    python -m benchmarks.bench_lora                     # 2 ranks (ring 2), width 512, 4 layers, S=2048 (~3 min)
-    python -m benchmarks.bench_lora --ranks 4 --seq 4096 --lora-rank 8 --trainable embed_tokens,norm
-
-Both jobs are ``jobs.bench_job("cpu")`` with the model of ``--hidden``, ``--intermediate`` and ``--layers`` on
-``--ranks`` ranks (``MESHES``), the same seed, rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on
-every projection, alpha = 2 × rank) and ``model.lora.trainable``. Time: both trainers in one gloo group, their steps
-in turn (``runs.run_steps``), each step's ``Trainer.forward_backward`` and ``Trainer.optimizer_step`` timed apart,
-medians over ``--steps`` of the slowest rank after ``--warmup``. Memory: each job in a group of its own
-(``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built, the
-largest over ranks. The bar: the LoRA forward + backward may exceed the full one by at most what the LoRA optimizer
-step saves against the full one.
-"""
+and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule). The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 """Benchmark the pipeline bubble: the measured step time of pp=2 against the ideal, per schedule and micro-batch count,
-beside the textbook bubble fraction.
-
-    python -m benchmarks.bench_pipeline            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
-    python -m benchmarks.bench_pipeline --quick    # GPipe and 1F1B, m ∈ {2, 4}
-    python -m benchmarks.bench_pipeline --schedules GPipe Interleaved1F1B --microbatches 4 16
-
-A step is ``Trainer.forward_backward`` over m rows (``--seq`` random tokens, one document each), the pipeline's m
-micro-batches: the schedule, its P2P sends and the FSDP gradient reduction, no optimizer step. Each configuration
-runs in a fresh gloo group of 2 processes, one thread each (``runs.run_steps``): ``--warmup`` untimed steps, then
-the medians of ``--steps``. ``measured``: the step's wall time, the slower rank's. ``busy``: each rank's CPU time in
-the step (a rank waiting for the other stage sleeps); ``bubble`` = 1 − (the busier rank's busy time) / measured: the
-fraction of the step the busier rank waited. ``textbook`` = (p − 1) / (v·m + p − 1), v stages per rank (GPipe and
-1F1B: 1; the others: 2). The split points balance the stages by parameter count, the LM head counting as
-(vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on loopback (a
-P2P send costs little next to a stage's compute here), fp32, timings that vary by about ±15 % between runs.
-"""
+beside the textbook bubble fraction. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

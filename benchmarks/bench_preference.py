@@ -1,37 +1,6 @@
 """Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
-costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step.
-
-    python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
-    python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
-    python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
-    python -m benchmarks.bench_preference --device cuda --json OUT.json   # 16:1, a 16,384-token prompt, one GPU
-
-Every job is ``jobs.bench_job(device)`` with ``objective.name=dpo``: on CPU the tiny recipe's model and tokenizer,
-fp32, on 4 spawned gloo ranks; on CUDA Llama-3.2-1B's sizes in bf16 in one fresh process, a group of one rank
-(NCCL takes one rank per GPU), shared against unshared only, by default at 16:1 with answers of 1,024 tokens.
-One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
-packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
-shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
-
-- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA:
-  ``runs.run_steps``), so that drift in the machine's load hits both alike; each step is ``Trainer.forward_backward``
-  (the reference pass, the policy's forward and backward; the optimizer step is the same for both), timed on every
-  rank after one warm-up step, the median over ``--steps`` of the slowest rank; beside it the step's CPU time (the
-  process's, the median of the busiest rank's), which other jobs on a shared machine disturb less than the wall time.
-  Memory, the largest over ranks, measured with glibc returning freed buffers (``memory.malloc_env``): the activations
-  (the resident set when the row's forward and loss return, less the one before the step: what the forward keeps for
-  the backward), the step's peak growth (``lctrain.train.meter.StepMemory``: activations, the backward's working set
-  and the gradients, the same gradients on both sides) and its peak (on CPU the resident set less the one before the
-  trainers were built). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its
-  ``max_memory_allocated`` (both trainers' weights and states are resident: growth is what the sides differ by).
-- Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
-  copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
-  the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
-  time and memory as above.
-- ``--longest N`` (instead of the above): prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy
-  reference), each in a group of its own, until a step does not finish: the longest pair that trained, with its step
-  time and growth.
-"""
+costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step. The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

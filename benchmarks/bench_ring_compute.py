@@ -1,21 +1,5 @@
-"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput.
-
-    python -m benchmarks.bench_ring_compute                    # CUDA if present, else CPU (smaller sizes)
-    python -m benchmarks.bench_ring_compute --seq 131072 --ring 8
-    python -m benchmarks.bench_ring_compute --seq 16384 --ring 1 --head-dim 128 --heads 16 --kv-heads 16 \
-        --kernels auto,cudnn,torch_cuda_flash,flash_attn,flash_attn3   # the kernel table of docs/benchmarks.md
-
-For each sequence length it times, forward+backward, causal:
-- ``sdpa``: PyTorch's fused SDPA on the whole sequence (the single-device baseline);
-- ``kernel``: lctrain's resolved blockwise kernel on the whole sequence (one block), for each ``--kernels`` choice
-  (``parallel.attention_kernel``; one that cannot run here is skipped with the reason);
-- ``rank r``: what ring rank r of a zigzag ring of size R computes, forward and backward: the ring's own passes
-  (``lctrain.attention.ring``), its transfers replaced by ``LocalPeers``, which copies the other ranks' K/V rows
-  from the full tensors instead of receiving them.
-It prints TFLOP/s (causal attention counted as half the dense FLOPs) and the compute efficiency
-T(kernel) / (R × max_r T(rank r)): the parallel efficiency the ring would reach if communication were fully
-hidden, with the same kernel on both sides (the kernel row shows T(sdpa) / T(kernel) instead).
-"""
+"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput. The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,45 +1,5 @@
-"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts.
-
-Run from the repository root (as root for the hosts and their limits)::
-
-    python -m benchmarks.bench_ring_overlap                  # P = 2 and 4, MHA and GQA, 300mbit and 100mbit
-    python -m benchmarks.bench_ring_overlap --ranks 2 --shapes mha --rates 300mbit --tokens 2048,4096,8192
-
-Every rank runs on a network "host" of its own (``hosts.py``: network namespaces, two joined by a veth pair, more
-by a bridge), one rank per host, one thread per rank, gloo over those links; each host limits what it sends with
-``tc``'s ``tbf`` (``--rates``). Without root the benchmark says so and runs its ranks on loopback, without a limit.
-
-Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, causal, bf16, forward + backward):
-
-- *compute only*: lctrain's ring on the links without a limit;
-- *comm only*: the same ring with a kernel that computes nothing (``NO_COMPUTE``): every transfer it makes, as it
-  makes them, with nothing to hide behind, on the limited link;
-- *ring*: lctrain's ring on the limited link; *exposed* = (ring − compute only) / comm only: 0 when every transfer
-  hides, 1 when none does; and ring / max(compute only, comm only);
-- *waited / comm*: the same exposure from the timeline (below): the seconds the ring waited for its transfers on
-  the limited link, less those it waited on the link without a limit (ranks out of step), over comm only; the
-  machine's other load blurs it less than the difference of two wall times;
-- *waits*: where it waits, from the ring's timeline (``lctrain.attention.timeline``) of one more run on the
-  limited link: seconds spent waiting for the forward's K/V, the backward's K/V and the dK/dV returns (busiest
-  rank), and in brackets all it waited in one more run on the link without a limit; *blocks limited / no limit*:
-  the seconds the blocks took to compute in those two runs (above 1: the transfers' own CPU work, gloo's threads
-  and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
-- *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
-
-Per link rate and shape, the planner's prediction: ``lctrain.planner.probe.measure`` runs in the same ranks on the
-limited link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
-does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
-equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
-transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
-b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
-(``transport.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
-two passes' knees is the ring's. The waits show where the ring itself stops waiting.
-
-Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
-point runs once, in turn (the limit set for each), so that a change in the machine's load hits them alike. The
-report is markdown; ``--png`` draws the exposed seconds against T (waited, and ring − compute only), a panel per P
-and shape, the predicted threshold of each rate as a dashed line.
-"""
+"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts. The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 """The cost of the ruler suite: scoring an example against a validation forward of the same tokens, and the in-training
-suite against the run it is part of.
-
-    python -m benchmarks.bench_ruler                        # 16K and 64K on 1 and 4 CPU ranks, then the training run
-    python -m benchmarks.bench_ruler --lengths 4096 --steps 20 --every 10   # a short run
-    python -m benchmarks.bench_ruler --parts training                        # the training run only
-
-1. Scoring (targets: ≤ 1.2 x): the tiny recipe's model (random init, fp32) on one process and on 4 ranks (ring 2 x
-   Ulysses 2), for each ``--lengths``: one ``niah_single`` example scored by ``lctrain.train.ruler_score.
-   score_examples`` (one forward; logits at the answer positions), and the same tokens as one validation row scored
-   by ``lctrain.train.validate.score_rows`` (one forward; the loss of every token), taken in turn (A, B, B, A, ...),
-   ``--repeats`` times each after one warm-up of each; the medians of the slowest rank's wall and CPU time, and
-   scoring / validation.
-2. In training (target: ≤ 5 %): the tiny recipe (4 ranks, 1024 tokens a row) for ``--steps`` steps with
-   ``ruler.every=--every`` and the default suite: the suite's time over the rest of the run's (the run's wall time
-   less the suite's), i.e. what the suite adds to the run.
-"""
+suite against the run it is part of. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """lctrain's training step against the plain Hugging Face loop (``sides.py``), on CPU or one GPU, in one run: step
 time, tokens/s, MFU, memory and their ratio; FSDP2's cost at world size 1; on CUDA the fragmentation that lctrain's
-allocator default saves; each side's top kernels on request.
-
-    python -m benchmarks.bench_trainer                  # CPU: the tiny recipe at S=4096 (about 2 minutes on 2 cores)
-    python -m benchmarks.bench_trainer --device cuda    # one GPU: Llama-3.2-1B's sizes, S=16384, AC none and full
-    python -m benchmarks.bench_trainer --device cuda --seq 16384 32768 --rows packed --doc-len 2048 --profile
-    python -m benchmarks.bench_trainer --device cuda --sides lctrain --seq 65536 --checkpointing full \\
-        --cpu-offload --activation-offload --no-allocator-compare
-
-The job (``jobs.bench_job``) at world size 1: on CPU the tiny recipe in fp32, on CUDA Llama-3.2-1B's sizes with an
-untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and
-``--checkpointing`` mode, each side is a run (``runs.Run``, a fresh process): ``--warmup`` steps, then ``--steps``
-measured ones, step i on the same random rows on both sides (the first losses and gradient norms agree up to
-rounding). On CPU a point's runs take their steps in turn (``timing.rounds``) with ``--threads`` threads each; on
-CUDA they run one after the other. Reported per run: the median step and CPU time, tokens/s, MFU (``lctrain.flops``:
-the GPU's dense bf16 peak, ``--peak-tflops`` otherwise, none on CPU; for packed rows also on the attention the rows
-really have), the peak memory and step peak (``runs.py``), on CUDA the reserved memory beyond the allocated; the
-lctrain / HF ratios. On CPU the memory figures come from a second set of runs with ``MALLOC_MMAP_THRESHOLD_``
-(``memory.py``; one warm-up step, then the peak of two); the timed runs keep glibc's default.
-
-Also: FSDP2 at world size 1 (one profiled step of each plain lctrain run: the kernel time launched inside FSDP2's
-``FSDP::*`` ranges over the step's, on CUDA, and their host time over the step's wall time; target ≤ 3 %); on CUDA
-lctrain once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (``--no-allocator-compare`` skips it).
-On request: ``--cpu-offload`` and ``--activation-offload`` (with ``--checkpointing full``) add an lctrain run with
-that setting at each point; ``--profile`` prints each run's ``--top`` kernels (operators on CPU); ``--json PATH``
-writes every result. On CPU the tiny model's LM head is most of its matmul work: the loss weighs more in the ratio
-than on a real model.
-"""
+allocator default saves; each side's top kernels on request. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

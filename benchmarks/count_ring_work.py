@@ -1,18 +1,5 @@
 """What ring attention computes and sends for packed documents and for sliding windows, counted from the ring plan
-(no timing).
-
-    python -m benchmarks.count_ring_work [--seq 1048576] [--ring 8] [--documents 2048 16384] [--cuts 200]
-        [--windows 4096 32768 131072] [--kv-dim 1024]
-
-For a causal row on a ring of R ranks, zigzag and contiguous, each row kind: one document; documents of each length
-of ``--documents``; ``--cuts`` random cuts; one document with each window W of ``--windows``. It prints per rank
-(min … max over ranks, forward pass): the query×key pairs computed (``visible_pairs`` of every block: what a kernel
-that skips masked tiles computes), the busiest rank's share of the one-document work, kernel calls, the ring steps
-run (steps that no rank needs are dropped, with their K/V transfers), the steps at which the rank sends K/V, and the
-K/V elements it sends (rows × 2 × ``--kv-dim``, K and V, ``rings.ring_traffic``; the default 1024 = 8 KV heads ×
-128, Llama-3-8B). The backward runs the same blocks, fetches the same rows again and returns as many dK/dV elements
-(fp32) to their owners. The plan is what ``ring_attention`` executes.
-"""
+(no timing). The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The memory figures of this process beyond a step's (``lctrain.train.meter.StepMemory``, which the benchmarks
-measure every step with): its resident set before anything is built, its proportional set size, what the machine
-has left; the glibc setting the CPU measurements run under; a watchdog that ends a step that cannot fit.
-
-On CPU there is no ``torch.cuda.max_memory_allocated``: torch's profiler (``profile_memory=True``) records the
-allocations of torch's allocator per operator, not a high-water mark of the process, and misses gloo's buffers and
-the allocator's slack. So a step's peak is the resident set's: its high-water mark VmHWM is reset to VmRSS (``5``
-written to ``/proc/self/clear_refs``) right before the step, and the step peak is VmHWM − VmRSS(before) after it.
-"""
+"""The memory figures of a process beyond a step's (``lctrain.train.meter.StepMemory``): its resident set, its
+proportional set size, what the machine has left; the glibc setting CPU measurements run under; a watchdog."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
-"""Runs: sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured: its time,
-the process's CPU time, loss and gradient norm, and its memory (``lctrain.train.meter.StepMemory``).
-
-- ``Run``: one fresh process (spawned) at world size 1 (an NCCL group of one on CUDA,
-  gloo on CPU) holding the named sides of ``specs``, driven step by step from the parent: each step is a request,
-  answered when it is done; a step past its budget, an out-of-memory or a timeout is an answer (``ok`` false), not
-  a failure. A process of its own, so that each peak and each allocator state is that run's own; two runs can be
-  driven in turn.
-- ``run_group``: one spawned CPU gloo group of several ranks (``lctrain.testing.run_distributed``) taking the
-  sides' steps in rounds (``timing.rounds``); every rank measures its own.
-- ``run_steps``: those rounds on any number of ranks (one: a ``Run``; more: a ``run_group``), each step's figures
-  the largest over the ranks.
-
-A spec: ``side`` (``lctrain`` or ``hf``), ``job`` (the Hydra overrides), ``threads`` (torch threads; None: torch's
-default), and the rows and the step of ``sides.py`` (``rows``, ``batch``, ``doc_len``, ``pair``, ``part``,
-``precompute``).
-
-A step's figures: ``step_s``, ``cpu_s``, ``loss``, ``grad_norm`` (``part=parts``: also ``forward_backward_s``,
-``optimizer_s``); ``before`` (bytes in use when it started: CUDA allocated, CPU resident set; on CPU also
-``pss_before``, the proportional set size), ``step_peak`` (the most it added to them), ``peak`` (the most in use during
-it less ``base``, what was in use before the process built its sides: CUDA ``max_memory_allocated`` less the allocated
-bytes; CPU the resident-set peak less the resident set, the runtime; i.e. parameters, optimizer states, activations and
-buffers, as on a GPU), ``reserved`` (CUDA's caching allocator) and, for lctrain's rows through ``Trainer.forward_loss``,
-``kept``: what was in use when the step's forward returned less ``before`` (what the forward keeps for the backward).
-"""
+"""Runs: sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured (time,
+CPU time, loss, gradient norm, memory); the figures are described in ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

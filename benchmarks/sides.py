@@ -1,23 +1,5 @@
-"""The two sides the comparison benchmarks run, built from one ``JobConfig`` in the process that trains (a fresh
-process or a rank of a spawned group: ``runs.py``): the same model, initial weights (lctrain's seeded init),
-optimizer, schedule, clipping and rows on both.
-
-- ``lctrain``: ``Trainer(build_training_job(cfg))`` on the default process group: USP attention, FSDP2 (also at
-  world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
-  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the
-  gradients then dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
-- ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
-  under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
-  Face's loss), ``backward``, ``clip_grad_norm_`` to ``optim.max_grad_norm``, lctrain's AdamW (fused, the same
-  parameter groups) and schedule; Hugging Face's gradient checkpointing (non-reentrant) when
-  ``parallel.activation_checkpointing`` is ``full``.
-
-Rows (``rows``): ``random`` tokens ``[batch, S]``, one document per row, or packed with documents of ``doc_len``
-tokens (lctrain skips attention across documents; the plain loop is given the restarting ``position_ids``, from
-which transformers builds the document mask for sdpa); ``pairs``: one preference pair a row (``pair``: prompt and
-answer lengths, the prompt ``shared`` or repeated; ``testbed/pairs.py``), lctrain only; ``loader``: the job's own
-loader, lctrain only.
-"""
+"""The two sides the comparison benchmarks run, built from one ``JobConfig`` in the process that trains: the same
+model, initial weights, optimizer, schedule, clipping and rows on both (``docs/benchmarks.md``)."""
 
 from __future__ import annotations
 

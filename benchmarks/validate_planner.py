@@ -1,23 +1,5 @@
-"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16).
-
-    python -m benchmarks.validate_planner            # every case below, 3-8 minutes on 2 shared cores
-    python -m benchmarks.validate_planner --quick    # the one-process cases only, about 2 minutes
-    python -m benchmarks.validate_planner --save m.json; python -m benchmarks.validate_planner --load m.json  # re-score
-    python -m benchmarks.validate_planner --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
-
-For each world size one ``torchrun --standalone --nproc-per-node P`` job runs this module as the worker
-(``OMP_NUM_THREADS=1``; on CPU ``MALLOC_MMAP_THRESHOLD_=65536``: the resident set then follows the live tensors, as
-``torch.cuda.max_memory_allocated`` does on a GPU). It trains ``recipes/tiny_cpu.yaml``'s model on a small generated
-corpus (``testbed/corpus.py``), case after case, each a fresh ``Trainer`` on the same process group
-(``runs.Measured``): the memory in use before it is built (the baseline: imports, the process group, earlier cases'
-leftovers, which the planner does not model), one step, then a second whose peak is measured; measured = that peak
-− the baseline (on CPU the resident set, on CUDA the allocated bytes; the caching allocator's reserve beyond them is
-what the planner's ``--headroom`` covers), the largest over ranks, against ``lctrain.planner.estimate_memory`` (the
-largest over pipeline stages). ``CUDA_CASES``: Llama-3.2-1B's sizes (untied) in bf16, peaks in different phases.
-A warm-up case runs first in every job (what loads lazily would otherwise count in the first case). The table gives
-the estimate term by term, the measurement and the relative error, and the same on the whole resident set
-(baseline + peak), what ``peak_mem_gib`` in ``metrics.jsonl`` reports on CPU.
-"""
+"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16). The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
