@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from lctrain.families import (
+    FAMILIES,
     apply_sliding_window,
     family_of,
     layer_windows,
@@ -104,7 +105,9 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         if family.experts is not None:  # model.num_experts of width model.intermediate_size
             fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
             fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
-        config = _random_init_config(cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window))
+        config = _random_init_config(
+            cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window, cfg.num_layers)
+        )
     set_rope(config, cfg)
     set_router_aux_loss(config, cfg.router_aux_loss_coef)
     windows = [window for window in layer_windows(config) if window]
@@ -175,7 +178,8 @@ def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """The model with parameters on the meta device and real buffers (``config`` is deep-copied, not shared)."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        attention = FAMILIES[config.model_type].built_attention if config.model_type in FAMILIES else "sdpa"
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)
     # init_empty_weights re-creates each parameter on meta, which unties tie_word_embeddings models: tie again (one
     # Parameter, kept through FSDP and materialize; tied checkpoints store only the embeddings)
     model.tie_weights()
