@@ -41,6 +41,7 @@ from lctrain.models.layouts import (
     TensorSource,
     checkpoint_files,
     checkpoint_source,
+    dequantizer,
     to_layout,
 )
 
@@ -85,6 +86,8 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path)
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
+        if dequantizer(_quantization(path)) is not None:  # read dequantized: trained and exported unquantized
+            del config.quantization_config
     else:
         family = family_of(cfg.family, model_source(None, cfg.family))
         fields = {
@@ -208,9 +211,16 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
     checkpoint cannot make every tensor of the model."""
     source = model_source(str(path), config.model_type)
     files = checkpoint_files(path)
-    read, plan = checkpoint_source(files, build_empty_model(config), source)
-    logger.info("%s: a %s checkpoint in %s", source, plan.model_type, LAYOUT_WORDS[plan.layout])
+    quantizer = dequantizer(_quantization(path))
+    read, plan = checkpoint_source(files, build_empty_model(config), source, quantizer)
+    dequantized = " (MXFP4 experts dequantized by transformers as they are read)" if quantizer else ""
+    logger.info("%s: a %s checkpoint in %s%s", source, plan.model_type, LAYOUT_WORDS[plan.layout], dequantized)
     return read
+
+
+def _quantization(path: str | Path) -> dict | None:
+    """The ``quantization_config`` of the checkpoint in ``path`` (its config.json), None when it has none."""
+    return json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
 
 
 def checkpoint_layout(path: str | Path) -> str:
@@ -218,7 +228,9 @@ def checkpoint_layout(path: str | Path) -> str:
     ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
     config = AutoConfig.from_pretrained(path)
     source = model_source(str(path), config.model_type)
-    _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source)
+    _, plan = checkpoint_source(
+        checkpoint_files(path), build_empty_model(config), source, dequantizer(_quantization(path))
+    )
     return LAYOUT_WORDS[plan.layout]
 
 
