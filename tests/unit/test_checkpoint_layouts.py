@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from lctrain.models import build_empty_model, materialize, safetensors_source
 from lctrain.models.hf import write_hf
 from lctrain.models.layouts import CheckpointLayoutError, checkpoint_files, checkpoint_source
-from tests.helpers.checkpoints import FAMILIES, MOE_FAMILIES, hf_model, save_checkpoint
+from tests.helpers.checkpoints import FAMILIES, PER_EXPERT_FAMILIES, hf_model, save_checkpoint
 
 
 def _saved(directory: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def test_a_saved_checkpoint_loads_the_tensors_from_pretrained_loads(
     save_checkpoint(original, tmp_path, layout=layout, shards=shards)
     if shards > 1:
         assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
-    if family in MOE_FAMILIES:  # the two layouts differ: one tensor per expert, or the fused ones
+    if family in PER_EXPERT_FAMILIES:  # the two layouts differ: one tensor per expert, or the fused ones
         names = set(checkpoint_files(tmp_path))
         assert any(".experts.0." in name for name in names) == (layout == "published")
     expected = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
@@ -48,7 +48,7 @@ def test_a_saved_checkpoint_loads_the_tensors_from_pretrained_loads(
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
     _, plan = checkpoint_source(checkpoint_files(tmp_path), build_empty_model(original.config), "x")
-    assert plan.layout == (layout if family in MOE_FAMILIES else "single") and plan.unused == []
+    assert plan.layout == (layout if family in PER_EXPERT_FAMILIES else "single") and plan.unused == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)
