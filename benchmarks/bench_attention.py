@@ -277,17 +277,11 @@ def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]
 
 
 def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
-    ring_pair = (
-        "ring_zigzag",
-        "ours: ring_attention (zigzag)",
-        "torch_ring",
-        "PyTorch `_templated_ring_attention` (+ `_backward`)",
-    )
-    pairs, version = [ring_pair], deepspeed_version()
-    if version is not None:
-        pairs.append(
-            ("ulysses", "ours: ulysses_attention", "deepspeed", f"DeepSpeed {version} `DistributedAttention` + SDPA")
-        )
+    torch_ring = "PyTorch `_templated_ring_attention` (+ `_backward`)"
+    pairs = [("ring_zigzag", "ours: ring_attention (zigzag)", "torch_ring", torch_ring)]
+    if (version := deepspeed_version()) is not None:
+        deepspeed = f"DeepSpeed {version} `DistributedAttention` + SDPA"
+        pairs.append(("ulysses", "ours: ulysses_attention", "deepspeed", deepspeed))
     rows = []
     for ours, ours_label, theirs, theirs_label in pairs:
         a, b = results[ours], results[theirs]
@@ -295,17 +289,9 @@ def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]]
         diffs = f"{checks['out']:.1e} / {checks['grads']:.1e} (max \\|out\\| {checks['out_max']:.2f}, "
         diffs += f"\\|grad\\| {checks['grads_max']:.2f})"
         cpu = f"{time_ms(a, 'cpu') / time_ms(b, 'cpu'):.2f} ({time_ms(a, 'cpu'):.0f} / {time_ms(b, 'cpu'):.0f} ms)"
-        rows.append(
-            [
-                ours_label,
-                f"{time_ms(a):.1f}",
-                f"{peak_mib(a):.1f}",
-                theirs_label,
-                f"{time_ms(b):.1f}",
-                f"{peak_mib(b):.1f}",
-            ]
-            + [f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}", diffs]
-        )
+        cells = [ours_label, f"{time_ms(a):.1f}", f"{peak_mib(a):.1f}", theirs_label, f"{time_ms(b):.1f}"]
+        cells += [f"{peak_mib(b):.1f}", f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}"]
+        rows.append([*cells, diffs])
     print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
     header = ["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs"]
     header += ["CPU time ours/theirs (busiest rank)", "mem ours/theirs", "max abs diff out / grads"]

@@ -45,12 +45,12 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
         jobs = {
             "score": functools.partial(
                 score_examples, [example], lambda _: forward, pack_tokens=length, rows_per_run=1, place=place,
-                dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer,
+                dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer
             ),
             "validate": functools.partial(
                 score_rows, hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,
-                chunk_tokens=cfg.train.loss_chunk_tokens,
-            ),
+                chunk_tokens=cfg.train.loss_chunk_tokens
+            )
         }  # fmt: skip
         sides = {name: lambda _, job=job: job() for name, job in jobs.items()}
         results[length] = gathered_slowest(rounds(sides, 1, repeats, barrier=True))
