@@ -400,22 +400,17 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     bench = Bench(args)
-    print("# Longest context: lctrain vs a plain Hugging Face loop\n")
-    print(f"- command: `{command()}`")
-    if args.device == "cpu":
-        print(f"- machine: {machine_line()}")
-    print(
-        f"- job (Hydra overrides of lctrain's probes): `{' '.join(bench.job('lctrain', args.max_seq, None, False))}`\n",
-        flush=True,
-    )
+    machine = f"\n- machine: {machine_line()}" if args.device == "cpu" else ""
+    print(f"# Longest context: lctrain vs a plain Hugging Face loop\n\n- command: `{command()}`{machine}")
+    job = " ".join(bench.job("lctrain", args.max_seq, None, False))
+    print(f"- job (Hydra overrides of lctrain's probes): `{job}`\n", flush=True)
     sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
     sections["scaling"] = scaling_section
     for name in args.sections:
         print("\n".join(sections[name](bench)), flush=True)
         if args.json:
-            Path(args.json).write_text(
-                json.dumps({"command": command(), "probes": bench.log, "scaling": bench.points}, indent=1)
-            )
+            saved = {"command": command(), "probes": bench.log, "scaling": bench.points}
+            Path(args.json).write_text(json.dumps(saved, indent=1))
     device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
     print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
 
