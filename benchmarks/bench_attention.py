@@ -12,7 +12,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,12 +38,7 @@ def inputs(cfg: argparse.Namespace, seq: int) -> tuple[Tensor, ...]:
     return rings.random_inputs(seq, cfg.heads, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype], batch=cfg.batch)
 
 
-@dataclass
-class Case:
-    """One implementation ready to run on this rank: its forward+backward and any correctness figures."""
-
-    step: Callable[[], None]
-    checks: dict[str, float] = field(default_factory=dict)
+Case = tuple[Callable[[], None], dict[str, float]]  # an implementation on this rank: its fwd+bwd, its checks
 
 
 def autograd_step(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], None]:
@@ -68,11 +62,6 @@ def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, f
     return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rank programs
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
     """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.cpu_compute_dtype``)."""
     return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
@@ -93,15 +82,15 @@ def single_process_case(full: tuple[Tensor, ...]) -> Case:
     """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
     kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
     if dist.get_rank() != 0:
-        return Case(lambda: None)
+        return (lambda: None), {}
     q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
-    return Case(autograd_step(ring_attention, q, k, v, dout))
+    return autograd_step(ring_attention, q, k, v, dout), {}
 
 
 def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
     q, k, v, dout = rings.rank_shards(full, layout)
     group = dist.group.WORLD
-    return Case(autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout))
+    return autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout), {}
 
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
@@ -118,13 +107,13 @@ def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
         passes.forward()
         passes.backward()
 
-    return Case(step, checks)
+    return step, checks
 
 
 def ulysses_case(full: tuple[Tensor, ...]) -> Case:
     q, k, v, dout = rings.rank_shards(full, "contiguous")
     group = dist.group.WORLD
-    return Case(autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout))
+    return autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout), {}
 
 
 def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
@@ -145,7 +134,7 @@ def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
 
     ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout)
     theirs = outputs_and_grads(attend, q, k, v, dout)
-    return Case(autograd_step(attend, q, k, v, dout), compare(ours, theirs))
+    return autograd_step(attend, q, k, v, dout), compare(ours, theirs)
 
 
 CASES: dict[str, Callable[[tuple[Tensor, ...]], Case]] = {
@@ -163,10 +152,10 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
     each round's figures the slowest rank's): per case its ``rounds`` (seconds and peak memory growth) and
     ``checks`` (the largest over ranks)."""
     cases = {name: CASES[name](inputs(cfg, cfg.seq)) for name in names}
-    steps = {name: lambda _, case=case: case.step() for name, case in cases.items()}
+    steps = {name: lambda _, case=case: case[0]() for name, case in cases.items()}
     measured = gathered_slowest(rounds(steps, cfg.warmup, cfg.iters, memory=True, barrier=True))
     checks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(checks, {name: case.checks for name, case in cases.items()})
+    dist.all_gather_object(checks, {name: case[1] for name, case in cases.items()})
     return {name: {"rounds": measured[name], "checks": slowest([[c[name]] for c in checks])[0]} for name in names}
 
 
@@ -203,11 +192,6 @@ def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, 
         dist.barrier()
         autograd_step(attend, q, k, v, dout)()
     return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Report (parent process)
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def time_ms(case: dict[str, Any], key: str = "wall") -> float:
@@ -293,17 +277,11 @@ def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]
 
 
 def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
-    ring_pair = (
-        "ring_zigzag",
-        "ours: ring_attention (zigzag)",
-        "torch_ring",
-        "PyTorch `_templated_ring_attention` (+ `_backward`)",
-    )
-    pairs, version = [ring_pair], deepspeed_version()
-    if version is not None:
-        pairs.append(
-            ("ulysses", "ours: ulysses_attention", "deepspeed", f"DeepSpeed {version} `DistributedAttention` + SDPA")
-        )
+    torch_ring = "PyTorch `_templated_ring_attention` (+ `_backward`)"
+    pairs = [("ring_zigzag", "ours: ring_attention (zigzag)", "torch_ring", torch_ring)]
+    if (version := deepspeed_version()) is not None:
+        deepspeed = f"DeepSpeed {version} `DistributedAttention` + SDPA"
+        pairs.append(("ulysses", "ours: ulysses_attention", "deepspeed", deepspeed))
     rows = []
     for ours, ours_label, theirs, theirs_label in pairs:
         a, b = results[ours], results[theirs]
@@ -311,17 +289,9 @@ def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]]
         diffs = f"{checks['out']:.1e} / {checks['grads']:.1e} (max \\|out\\| {checks['out_max']:.2f}, "
         diffs += f"\\|grad\\| {checks['grads_max']:.2f})"
         cpu = f"{time_ms(a, 'cpu') / time_ms(b, 'cpu'):.2f} ({time_ms(a, 'cpu'):.0f} / {time_ms(b, 'cpu'):.0f} ms)"
-        rows.append(
-            [
-                ours_label,
-                f"{time_ms(a):.1f}",
-                f"{peak_mib(a):.1f}",
-                theirs_label,
-                f"{time_ms(b):.1f}",
-                f"{peak_mib(b):.1f}",
-            ]
-            + [f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}", diffs]
-        )
+        cells = [ours_label, f"{time_ms(a):.1f}", f"{peak_mib(a):.1f}", theirs_label, f"{time_ms(b):.1f}"]
+        cells += [f"{peak_mib(b):.1f}", f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}"]
+        rows.append([*cells, diffs])
     print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
     header = ["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs"]
     header += ["CPU time ours/theirs (busiest rank)", "mem ours/theirs", "max abs diff out / grads"]

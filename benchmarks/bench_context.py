@@ -24,21 +24,18 @@ from lctrain.flops import flops_per_token, mfu
 MIB, GIB = 2**20, 2**30
 SECTIONS = ("search", "layers", "offload", "scaling")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # scaling: ranks -> (ring, ulysses)
-# the flags' defaults by device: (CPU, CUDA)
+# the integer flags whose defaults depend on the device: (CPU, CUDA, help)
 DEFAULTS = {
-    "sections": (["search"], list(SECTIONS[:3])),
-    "ring": (4, 1),
-    "hf_checkpointing": ("none", "full"),
-    "budget_mib": (1024, None),
-    "start_seq": (1024, 32768),
-    "max_seq": (32768, 262144),
-    "seq_unit": (256, 8192),
-    "warmup_seq": (512, 4096),
-    "layer_counts": ([1, 2], [2, 4]),
-    "fit_seqs": ([4096, 8192], [131072, 262144]),
-    "check_seq": (4096, 131072),
-    "offload_seq": (8192, 262144),
-    "offload_layers": (2, 4),
+    "ring": (4, 1, "lctrain's ring degree"),
+    "start_seq": (1024, 32768, "the HF loop's first probe"),
+    "max_seq": (32768, 262144, "no probe above this"),
+    "seq_unit": (256, 8192, "probed lengths are multiples of this"),
+    "warmup_seq": (512, 4096, "each probe's warm-up step"),
+    "layer_counts": ([1, 2], [2, 4], "depths of the layer fit"),
+    "fit_seqs": ([4096, 8192], [131072, 262144], "lengths of the layer fit"),
+    "check_seq": (4096, 131072, "the full-depth run checking the prediction"),
+    "offload_seq": (8192, 262144, "activation offload: S"),
+    "offload_layers": (2, 4, "activation offload: layers"),
 }
 
 
@@ -50,25 +47,18 @@ def fits(result: dict[str, Any], budget: int | None) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(parser)
-    parser.add_argument(
-        "--sections", nargs="+", choices=SECTIONS, help="default: search on CPU, all but scaling on CUDA"
-    )
-    parser.add_argument("--ring", type=int, help="lctrain's ring degree (default: 4 on CPU, 1 on CUDA)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
+    for name, (cpu, cuda, text) in DEFAULTS.items():
+        many = "+" if isinstance(cpu, list) else None
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, nargs=many, help=f"{text} (CPU {cpu}, CUDA {cuda})"
+        )
     parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
     parser.add_argument("--budget-mib", type=int, help="CPU: the step peak a process may add (default 1024)")
-    parser.add_argument("--start-seq", type=int, help="the HF loop's first probe")
     parser.add_argument("--target-ratio", type=float, default=4.0, help="lctrain starts at this × the HF loop's S")
-    parser.add_argument("--max-seq", type=int, help="no probe above this")
-    parser.add_argument("--seq-unit", type=int, help="probed lengths are multiples of this")
     parser.add_argument("--bisect", type=int, default=1, help="bisection steps after doubling")
-    parser.add_argument("--warmup-seq", type=int, help="each probe's warm-up step")
-    parser.add_argument("--layer-counts", type=int, nargs="+", help="depths of the layer fit")
-    parser.add_argument("--fit-seqs", type=int, nargs="+", help="lengths of the layer fit")
-    parser.add_argument("--check-seq", type=int, help="the full-depth run checking the prediction")
-    parser.add_argument("--offload-seq", type=int, help="activation offload: S")
-    parser.add_argument("--offload-layers", type=int, help="activation offload: layers")
     scaling = parser.add_argument_group("scaling: every memory saver on, one process group per P")
     scaling.add_argument("--scaling-ranks", type=int, nargs="+", choices=sorted(MESHES), default=[1, 2, 4, 8])
     scaling.add_argument("--per-rank", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="S/P values")
@@ -85,9 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--sections scaling runs CPU process groups: --device cpu")
     if args.device == "cuda" and args.budget_mib is not None:
         parser.error("--budget-mib limits a CPU run's memory; on CUDA the GPU's memory is the limit")
-    for key, values in DEFAULTS.items():
+    cuda = args.device == "cuda"
+    defaults = {name: values[cuda] for name, values in DEFAULTS.items()} | {
+        "hf_checkpointing": "full" if cuda else "none"
+    }
+    defaults |= {"sections": list(SECTIONS[:3]) if cuda else ["search"], "budget_mib": None if cuda else 1024}
+    for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, values[args.device == "cuda"])
+            setattr(args, key, value)
     divisor = 2 * args.ring * args.ulysses  # zigzag sharding
     for name in ("seq_unit", "warmup_seq", "start_seq", "max_seq"):
         if getattr(args, name) % divisor:
@@ -122,19 +117,15 @@ class Bench:
     def job(self, side: str, seq: int, layers: int | None, offload: bool, mesh: tuple | None = None) -> list[str]:
         args = self.args
         ring, ulysses = mesh or ((args.ring, args.ulysses) if side == "lctrain" else (1, 1))
+        lctrain = side == "lctrain"
         changes = [f"parallel.ring={ring}", f"parallel.ulysses={ulysses}", "parallel.dp=1", f"data.seq_len={seq}"]
-        if side == "lctrain":
-            changes.append("parallel.activation_checkpointing=full")
-            if args.loss_chunk_tokens is not None:
-                changes.append(f"train.loss_chunk_tokens={args.loss_chunk_tokens}")
-        else:
-            changes.append(f"parallel.activation_checkpointing={args.hf_checkpointing}")
-        if layers is not None:
-            changes.append(f"model.num_layers={layers}")
-        if offload:
-            changes.append("parallel.activation_offload=true")
-        if mesh is not None and side == "lctrain":  # scaling: every saver on
-            changes.append(f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}")
+        changes.append(f"parallel.activation_checkpointing={'full' if lctrain else args.hf_checkpointing}")
+        chunk = args.loss_chunk_tokens
+        changes += [f"train.loss_chunk_tokens={chunk}"] * (lctrain and chunk is not None)
+        changes += [f"model.num_layers={layers}"] * (layers is not None) + [
+            "parallel.activation_offload=true"
+        ] * offload
+        changes += [f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}"] * (lctrain and mesh is not None)  # scaling
         return job_from_args(args, *changes)
 
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
@@ -169,10 +160,9 @@ class Bench:
     def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
         """A probe's figures (``runs.run_steps``: over its ranks the largest): its steps' times, their largest peak and
         step peak, with the run's description; or the first failure."""
-        steps_of = [(seq, 0)] * steps
-        side = run_steps(
-            {"probe": spec}, ranks, [(warmup_seq, 1)], steps_of, budget=self.budget, timeout_s=self.args.probe_timeout
-        )["probe"]
+        budget, timeout_s = self.budget, self.args.probe_timeout
+        side = run_steps({"p": spec}, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=budget, timeout_s=timeout_s)
+        side = side["p"]
         failed = next((r for r in [side["ready"], *side["steps"]] if not r["ok"]), None)
         if failed is not None:
             return failed
@@ -205,9 +195,7 @@ def probe_cell(probe: Probe, budget: bool) -> str:
 def search_section(bench: Bench) -> list[str]:
     args = bench.args
     unit = args.seq_unit
-    searches = {
-        side: Search(lambda seq, side=side: bench.probe(side, seq), unit, args.max_seq) for side in ("hf", "lctrain")
-    }
+    searches = {side: Search(functools.partial(bench.probe, side), unit, args.max_seq) for side in ("hf", "lctrain")}
     hf = searches["hf"].run(args.start_seq, bisect=args.bisect)
     start = min(args.max_seq, max(unit, int(args.target_ratio * (hf or unit)) // unit * unit))
     lctrain = searches["lctrain"].run(start, bisect=args.bisect, jump=True)  # a fit at --max-seq ends it
@@ -220,10 +208,8 @@ def search_section(bench: Bench) -> list[str]:
         label = "none fits" if longest is None else f"{'≥ ' if longest >= args.max_seq else ''}{longest:,}"
         cells = [labels[side], label, "—" if failure is None else f"{failure:,} ({search.probes[failure].reason[:60]})"]
         cells += ["—"] * 3 if longest is None else step_figures(args, search.probes[longest])
-        probes = "; ".join(
-            probe_cell(p, bench.budget is not None) for p in sorted(search.probes.values(), key=lambda p: p.seq)
-        )
-        rows.append([*cells, probes])
+        tried = sorted(search.probes.values(), key=lambda p: p.seq)
+        rows.append([*cells, "; ".join(probe_cell(p, bench.budget is not None) for p in tried)])
     ratio = f"**{'≥ ' if lctrain and lctrain >= args.max_seq else ''}{lctrain / hf:.1f}×**" if lctrain and hf else "—"
     header = ["side", "longest S", "shortest failure", "step (s)", "MFU", "peak memory (GiB)", "probes"]
     measured = "peak allocated" if bench.budget is None else "resident set"
@@ -252,23 +238,16 @@ def layers_section(bench: Bench) -> list[str]:
             continue
         fixed, per_layer = fit_line(list(points), list(points.values()))
         predicted = fixed + per_layer * depth
-        rows.append(
-            [
-                f"{seq:,}",
-                f"{depth} (predicted)",
-                f"**{predicted / GIB:.2f}** = {fixed / GIB:.2f} + {depth} × {per_layer / GIB:.3f}",
-            ]
-        )
+        line = f"**{predicted / GIB:.2f}** = {fixed / GIB:.2f} + {depth} × {per_layer / GIB:.3f}"
+        rows.append([f"{seq:,}", f"{depth} (predicted)", line])
         if seq == args.check_seq:
             real = bench.probe("lctrain", seq)  # the search's probe, when it ran this length
-            if real.fits:
-                measured = real.result["peak"]
-                check_rows.append(
-                    [f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", f"{measured / GIB:.2f}"]
-                    + [f"{(predicted - measured) / measured:+.1%}"]
-                )
-            else:
-                check_rows.append([f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", real.reason[:60], "—"])
+            cells = [f"{seq:,}", str(depth), f"{predicted / GIB:.2f}"]
+            if not real.fits:
+                check_rows.append([*cells, real.reason[:60], "—"])
+                continue
+            measured = real.result["peak"]
+            check_rows.append([*cells, f"{measured / GIB:.2f}", f"{(predicted - measured) / measured:+.1%}"])
     lines = ["## lctrain's memory by layer count", "", table(["S", "layers", "peak memory (GiB)"], rows), ""]
     if check_rows:
         header = ["S", "layers", "predicted (GiB)", "measured (GiB)", "error"]
@@ -302,11 +281,9 @@ def scaling_points(bench: Bench, side: str, ranks: int, seqs: list[int]) -> list
     args, mesh = bench.args, MESHES[ranks]
     print(f"scaling: {side}, ring {mesh[0]} × ulysses {mesh[1]}: S = {seqs}", file=sys.stderr, flush=True)
     spec = {"side": side, "job": bench.job(side, max(seqs), None, side == "lctrain", mesh), "threads": 1}
+    steps, budget = [(seq, 0) for seq in seqs], int(args.safe_gib * GIB / ranks)
     with memory.malloc_env(for_memory=True):
-        warmup = [(64 * ranks, 1)]
-        result = run_steps(
-            {side: spec}, ranks, warmup, [(seq, 0) for seq in seqs], budget=int(args.safe_gib * GIB / ranks)
-        )
+        result = run_steps({side: spec}, ranks, [(64 * ranks, 1)], steps, budget=budget)
     done = sum(step["ok"] for step in result[side]["steps"])
     if done < len(seqs):
         print(f"    stopped at S={seqs[done]:,}: past its share of --safe-gib", file=sys.stderr, flush=True)
@@ -363,16 +340,11 @@ def scaling_section(bench: Bench) -> list[str]:
         if found is None:
             continue
         a, b, residual = found
-        label, per_global = mesh_label(side, ranks), f"{b / ranks / 1024:.2f}" if ranks else "—"
-        if side == "pooled":
-            label, ranks = (
-                "**lctrain, every P ≥ 2 together**",
-                ", ".join(str(n) for n in sorted({p["ranks"] for p in own})),
-            )
-        lengths = ", ".join(f"{n:,}" for n in sorted({per_rank_tokens(p) for p in own}))
-        fits.append(
-            [label, str(ranks), lengths, f"{b / 1024:.2f}", per_global, f"{a / MIB:,.0f}", f"{residual / MIB:.1f}"]
-        )
+        cells = [mesh_label(side, ranks), str(ranks)] if ranks else ["**lctrain, every P ≥ 2 together**"]
+        cells += [] if ranks else [", ".join(str(n) for n in sorted({p["ranks"] for p in own}))]
+        cells += [", ".join(f"{n:,}" for n in sorted({per_rank_tokens(p) for p in own})), f"{b / 1024:.2f}"]
+        cells += [f"{b / ranks / 1024:.2f}" if ranks else "—", f"{a / MIB:,.0f}", f"{residual / MIB:.1f}"]
+        fits.append(cells)
     if args.plot:
         plot(points, pooled, Path(args.plot), args.fit_min_per_rank)
     header = ["side", "P", "S", "S/P", "step peak/rank (MiB, max)", "min … max over ranks", "RSS before (MiB)"]
@@ -428,22 +400,17 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     bench = Bench(args)
-    print("# Longest context: lctrain vs a plain Hugging Face loop\n")
-    print(f"- command: `{command()}`")
-    if args.device == "cpu":
-        print(f"- machine: {machine_line()}")
-    print(
-        f"- job (Hydra overrides of lctrain's probes): `{' '.join(bench.job('lctrain', args.max_seq, None, False))}`\n",
-        flush=True,
-    )
+    machine = f"\n- machine: {machine_line()}" if args.device == "cpu" else ""
+    print(f"# Longest context: lctrain vs a plain Hugging Face loop\n\n- command: `{command()}`{machine}")
+    job = " ".join(bench.job("lctrain", args.max_seq, None, False))
+    print(f"- job (Hydra overrides of lctrain's probes): `{job}`\n", flush=True)
     sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
     sections["scaling"] = scaling_section
     for name in args.sections:
         print("\n".join(sections[name](bench)), flush=True)
         if args.json:
-            Path(args.json).write_text(
-                json.dumps({"command": command(), "probes": bench.log, "scaling": bench.points}, indent=1)
-            )
+            saved = {"command": command(), "probes": bench.log, "scaling": bench.points}
+            Path(args.json).write_text(json.dumps(saved, indent=1))
     device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
     print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
 

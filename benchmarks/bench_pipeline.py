@@ -18,13 +18,8 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> list[str]:
-    shape = {
-        "hidden": args.hidden,
-        "intermediate": args.hidden * 8 // 3,
-        "layers": args.layers,
-        "heads": 8,
-        "kv_heads": 4,
-    }
+    shape = {"hidden": args.hidden, "intermediate": args.hidden * 8 // 3, "layers": args.layers, "heads": 8}
+    shape["kv_heads"] = 4
     rows = (f"data.seq_len={args.seq}", f"data.batch_size={microbatches}")
     return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *shape_overrides(shape), *rows, *pipeline)
 
@@ -71,40 +66,21 @@ def main() -> None:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp = 2
     head = head_layers(args)
-    print(f"`{command()}`")
-    print()
-    print(machine_line())
-    print()
-    print(
-        f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts "
-        f"as {head:.1f} layers for the split."
-    )
-    print()
+    print(f"`{command()}`\n\n{machine_line()}\n")
+    print(f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts as "
+          f"{head:.1f} layers for the split.\n")  # fmt: skip
     rows = []
     for schedule in args.schedules:
-        stages_per_rank = 1 if schedule in SINGLE_STAGE else 2
-        split = balanced_split(args.layers, head, pp * stages_per_rank)
-        pipeline = [
-            f"parallel.pp={pp}",
-            f"parallel.pp_schedule={schedule}",
-            f"parallel.pp_stages_per_rank={stages_per_rank}",
-            f"parallel.pp_split_points=[{','.join(split)}]",
-        ]
+        v = 1 if schedule in SINGLE_STAGE else 2
+        split = balanced_split(args.layers, head, pp * v)
+        pipeline = [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={v}"]
+        pipeline.append(f"parallel.pp_split_points=[{','.join(split)}]")
         for m in args.microbatches:
             measured, busy = time_steps(args, m, pipeline)
-            ideal = max(busy)
-            textbook = (pp - 1) / (stages_per_rank * m + pp - 1)
-            rows.append(
-                [
-                    schedule,
-                    " ".join(point.rsplit(".", 1)[1] for point in split),
-                    str(m),
-                    f"{measured * 1e3:.0f}",
-                    " / ".join(f"{cpu * 1e3:.0f}" for cpu in busy),
-                    f"{1 - ideal / measured:.2f}",
-                    f"{textbook:.2f}",
-                ]
-            )
+            textbook = (pp - 1) / (v * m + pp - 1)
+            cells = [schedule, " ".join(point.rsplit(".", 1)[1] for point in split), str(m), f"{measured * 1e3:.0f}"]
+            cells += [" / ".join(f"{cpu * 1e3:.0f}" for cpu in busy), f"{1 - max(busy) / measured:.2f}"]
+            rows.append([*cells, f"{textbook:.2f}"])
             print(f"{schedule} m={m}: {measured * 1e3:.0f} ms, busy {busy}", file=sys.stderr, flush=True)
     header = ["schedule", "split at layer", "m", "measured (ms)", "busy rank 0 / 1 (ms)", "bubble", "textbook"]
     print(table(header, rows))

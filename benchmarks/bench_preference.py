@@ -13,6 +13,7 @@ from benchmarks import memory
 from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
 from benchmarks.runs import run_steps
+from benchmarks.search import Probe, Search
 from benchmarks.timing import median
 
 MIB = 2**20
@@ -29,6 +30,12 @@ def pair_length(prompt: int, completion: int, shared: bool) -> int:
 
 def job(device: str, seq: int, *changes: str) -> list[str]:
     return bench_job(device, *MESH[device], f"data.seq_len={seq}", "objective.name=dpo", *changes)
+
+
+def pair_spec(args: argparse.Namespace, prompt: int, shared: bool, *changes: str) -> dict[str, Any]:
+    """A side of ``run``: one pair a row, of ``prompt`` and ``--completion`` tokens."""
+    seq = pair_length(prompt, args.completion, shared)
+    return {"job": job(args.device, seq, *changes), "prompt": prompt, "completion": args.completion, "shared": shared}
 
 
 def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -> dict[str, dict[str, float]]:
@@ -58,15 +65,7 @@ def sharing(args: argparse.Namespace) -> None:
     rows, cases = [], []
     for ratio in args.ratios:
         prompt = ratio * args.completion
-        specs = {
-            side: {
-                "job": job(args.device, pair_length(prompt, args.completion, side == "shared")),
-                "prompt": prompt,
-                "completion": args.completion,
-                "shared": side == "shared",
-            }
-            for side in ("shared", "unshared")
-        }
+        specs = {side: pair_spec(args, prompt, side == "shared") for side in ("shared", "unshared")}
         result = run(specs, args.warmup, args.steps, RANKS[args.device])
         shared, unshared = result["shared"], result["unshared"]
         cells = [f"{ratio}:1", f"{prompt:,} + 2 x {args.completion}"]
@@ -81,47 +80,39 @@ def sharing(args: argparse.Namespace) -> None:
         if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
             Path(args.json).write_text(json.dumps({"command": command(), "cases": cases}, indent=1))
     header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step CPU", "ratio"]
-    header += ["activations", "ratio"]
-    header += ["step peak growth", "ratio", "step peak", "ratio"]
+    header += ["activations", "ratio", "step peak growth", "ratio", "step peak", "ratio"]
     print("\n" + table(header, rows))
 
 
 def references(args: argparse.Namespace) -> None:
-    prompt = args.reference_ratio * args.completion
-    seq = pair_length(prompt, args.completion, True)
-    base = {"prompt": prompt, "completion": args.completion, "shared": True}
-    lora = ("model.lora.rank=16", "model.lora.alpha=32")
-    specs = {
-        "full: none (simpo)": {**base, "job": job(args.device, seq, "objective.loss_type=[simpo]")},
-        "full: frozen copy": {**base, "job": job(args.device, seq)},
-        "full: precomputed": {**base, "job": job(args.device, seq), "precompute": True},
-        "LoRA: none (simpo)": {**base, "job": job(args.device, seq, *lora, "objective.loss_type=[simpo]")},
-        "LoRA: base, adapters off": {**base, "job": job(args.device, seq, *lora)},
-    }
+    prompt, simpo = args.reference_ratio * args.completion, "objective.loss_type=[simpo]"
+    lora = ["model.lora.rank=16", "model.lora.alpha=32"]
+    options = {"full: none (simpo)": [simpo], "full: frozen copy": [], "full: precomputed": []}
+    options |= {"LoRA: none (simpo)": [*lora, simpo], "LoRA: base, adapters off": lora}
+    specs = {name: pair_spec(args, prompt, True, *changes) for name, changes in options.items()}
+    specs["full: precomputed"]["precompute"] = True
     result = run(specs, args.warmup, args.steps, RANKS[args.device])
-    rows = [
-        [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
-        for name, r in result.items()
-    ]
+    rows = [[name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
+            for name, r in result.items()]  # fmt: skip
     print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared; sigmoid unless said)\n")
     print(table(["reference", "step", "activations", "step peak growth"], rows))
 
 
 def longest(args: argparse.Namespace) -> None:
-    prompt, found = 4096, None
-    while prompt <= args.longest:
-        seq = pair_length(prompt, args.completion, True)
-        spec = {"job": job(args.device, seq), "prompt": prompt, "completion": args.completion, "shared": True}
+    """Prompts doubling from 4,096 tokens (``search.Search``) until a step does not finish."""
+
+    def probe(prompt: int) -> Probe:
         try:
-            result = run({"shared": spec}, 0, 1, RANKS[args.device])["shared"]
+            result = run({"shared": pair_spec(args, prompt, True)}, 0, 1, RANKS[args.device])["shared"]
         except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
             print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
-            break
-        found = (prompt, result)
+            return Probe(prompt, False, {"error": type(error).__name__})
         print(f"  prompt {prompt:,}: {result['time']:.1f} s, growth {result['growth'] / MIB:,.0f} MiB", flush=True)
-        prompt *= 2
-    if found:
-        prompt, result = found
+        return Probe(prompt, True, result)
+
+    search = Search(probe, 4096, args.longest)
+    if (prompt := search.run(4096, bisect=0)) is not None:
+        result = search.probes[prompt].result
         print(
             f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
             f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "

@@ -17,18 +17,13 @@ from unittest import mock
 
 from benchmarks import rings
 from benchmarks.report import command, machine_line, table
-from benchmarks.timing import gathered_slowest, median, rounds
+from benchmarks.timing import clock, gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"mha": (2, 2), "gqa": (4, 1)}  # (query heads, key/value heads), head_dim 64
 HEAD_DIM = 64
 LINK = "LCTRAIN_BENCH_LINK"  # the worker's own link, which it limits (namespace hosts only)
 WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (ring_waits)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The ranks
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
@@ -47,30 +42,25 @@ def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
     return AttentionKernel("no_compute", forward, backward)
 
 
-class NoCompute:
-    """lctrain's ring ``passes`` with ``no_compute_kernel``: only its transfers, as it makes them."""
+def no_compute(passes: rings.Passes) -> rings.Passes:
+    """lctrain's ring ``passes`` with ``no_compute_kernel`` (chosen in the forward): only its transfers."""
 
-    def __init__(self, passes: Any) -> None:
-        self.passes = passes
-
-    def forward(self) -> Any:
+    def forward() -> Any:
         with mock.patch("lctrain.attention.ring.resolve_kernel", no_compute_kernel):
-            return self.passes.forward()
+            return passes.forward()
 
-    def backward(self) -> Any:
-        return self.passes.backward()  # the kernel chosen in the forward
+    return rings.Passes(forward, passes.backward)
 
 
 def timed_pass(rate: str | None, passes: Any, _round: int = 0) -> dict[str, float]:
     """With the link limited to ``rate``, one forward + backward, every rank starting together: its forward,
     backward and total seconds."""
     set_limit(rate)
-    start = time.perf_counter()
-    passes.forward()
-    middle = time.perf_counter()
-    passes.backward()
-    end = time.perf_counter()
-    return {"forward": middle - start, "backward": end - middle, "total": end - start}
+    with clock() as forward:
+        passes.forward()
+    with clock() as backward:
+        passes.backward()
+    return {"forward": forward["wall"], "backward": backward["wall"], "total": forward["wall"] + backward["wall"]}
 
 
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
@@ -79,9 +69,7 @@ def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int
     rank's ``timed_pass``."""
     steps = {name: functools.partial(timed_pass, *side) for name, side in sides.items()}
     measured = gathered_slowest(rounds(steps, warmup, iters, alternate=False, timed=False))
-    return {
-        side: {n: median(records, n) for n in ("forward", "backward", "total")} for side, records in measured.items()
-    }
+    return {side: {n: median(r, n) for n in ("forward", "backward", "total")} for side, r in measured.items()}
 
 
 def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
@@ -141,7 +129,7 @@ def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 write_hardware(record, hardware)
             for tokens, tensors in inputs.items():
                 ours, theirs = rings.lctrain_ring(*tensors, group), rings.torch_ring(*tensors, group)
-                sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, NoCompute(ours))}
+                sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, no_compute(ours))}
                 sides |= {"ring": (rate, ours), "torch": (rate, theirs)}
                 point = {"shape": shape, "rate": rate, "tokens": tokens, "hardware": str(hardware)}
                 point |= time_sides(sides, warmup, iters)
@@ -167,11 +155,6 @@ def worker(spec_path: str) -> None:
         (Path(spec["out"]) / "results.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The parent: hosts, launch, report
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool, timeout_s: float) -> list[dict]:

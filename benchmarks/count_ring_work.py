@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from benchmarks.report import table
 from benchmarks.rings import ring_traffic
 from lctrain.attention.ring_blocks import plan_ring, visible_pairs
 
@@ -50,28 +51,28 @@ def main() -> None:
         f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
         f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}"
     )
-    print(
-        "| layout | row | query×key pairs | busiest / one document | kernel calls | ring steps run | "
-        "steps sending K/V | K/V elements sent |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    table_rows = []
     for layout in ("zigzag", "contiguous"):
         dense = None
         for name, (bounds, window) in rows(args.seq, args.documents, args.cuts, args.windows).items():
             row = {"cu_seqlens": None if bounds is None else tuple(bounds), "window": window}
-            plans = [
-                plan_ring(rank, args.ring, piece_len, causal=True, layout=layout, **row) for rank in range(args.ring)
-            ]
+            plans = [plan_ring(r, args.ring, piece_len, causal=True, layout=layout, **row) for r in range(args.ring)]
             work = [sum(visible_pairs(b) for step in plan for b in step.blocks) for plan in plans]
             dense = dense or max(work)  # the first row is one document
             calls = [sum(len(step.blocks) for step in plan) for plan in plans]
             traffic = ring_traffic(args.ring, piece_len, layout=layout, **row)
-            sending = [sum(rows > 0 for rows in t.kv) for t in traffic]
-            rows_sent = [sum(t.kv) for t in traffic]
-            print(
-                f"| {layout} | {name} | {span_e(work)} | {max(work) / dense:.4f} | {span(calls)} | "
-                f"{len(plans[0])}/{args.ring} | {span(sending)} | {span([2 * r * args.kv_dim for r in rows_sent])} |"
-            )
+            sending, sent = [sum(n > 0 for n in t.kv) for t in traffic], [2 * sum(t.kv) * args.kv_dim for t in traffic]
+            cells = [
+                layout,
+                name,
+                span_e(work),
+                f"{max(work) / dense:.4f}",
+                span(calls),
+                f"{len(plans[0])}/{args.ring}",
+            ]
+            table_rows.append([*cells, span(sending), span(sent)])
+    header = ["layout", "row", "query×key pairs", "busiest / one document", "kernel calls", "ring steps run"]
+    print(table([*header, "steps sending K/V", "K/V elements sent"], table_rows))
 
 
 if __name__ == "__main__":

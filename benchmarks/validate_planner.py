@@ -10,11 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import command, machine_line
+from benchmarks.report import command, machine_line, table
 from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
@@ -85,17 +86,14 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: 
 
 
 def estimate(case: list, device: str = "cpu") -> dict:
-    from lctrain.planner import GIB, NAMED_MODELS, Layout, ModelSpec, Workload, estimate_memory
+    from lctrain.planner import GIB, NAMED_MODELS, Layout, Workload, estimate_memory
 
     world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
     layout = Layout(pp, dp, ring, ulysses, ac)
     e = 4 if device == "cpu" else 2
     work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=e, loss_chunk_tokens=chunk, device=device)
-    m = LLAMA_1B_UNTIED
-    gpu_model = ModelSpec(
-        "llama3.2-1b-untied", m["hidden"], m["intermediate"], m["layers"], m["heads"], m["kv_heads"], m["vocab"], 64
-    )
-    estimated = estimate_memory(NAMED_MODELS["tiny"] if device == "cpu" else gpu_model, layout, work)
+    model = NAMED_MODELS["tiny"] if device == "cpu" else replace(NAMED_MODELS["llama3.2-1b"], tied=False)  # jobs.py's
+    estimated = estimate_memory(model, layout, work)
     return {k: v * GIB / MIB for k, v in estimated.gib().items() if isinstance(v, float)} | {"phase": estimated.phase}
 
 
@@ -128,19 +126,13 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
             f"heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
             "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)"
         )
-    lines = [
-        f"command: {command_line}",
-        machine or f"machine: {machine_line()}",
-        model,
-        "",
-        "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
-        "recompute + backward + loss (phase) | estimate | measured | error | baseline | total error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    errors, total_errors = [], []
+    lines = [f"command: {command_line}", machine or f"machine: {machine_line()}", model, ""]
+    header = ["P", "pp", "dp", "ring", "uly", "AC", "seq_len", "rows", "loss chunk"]
+    header += ["estimate: states + gathered + activations + recompute + backward + loss (phase)", "estimate"]
+    header += ["measured", "error", "baseline", "total error"]
+    rows, errors, total_errors = [], [], []
     for result in results:
         case = result["case"]
-        world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
         est = estimate(case, device)
         worst = max(result["ranks"], key=lambda r: r["peak"] - r["baseline"])
         measured = (worst["peak"] - worst["baseline"]) / MIB
@@ -150,12 +142,10 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
         errors.append(abs(error))
         total_errors.append(abs(total_error))
         terms = " + ".join(f"{est[k]:.1f}" for k in ("states", "gathered", "activations", "recompute", "backward"))
-        lines.append(
-            f"| {world} | {pp} | {dp} | {ring} | {ulysses} | {ac} | {seq_len} | {rows} | {chunk} | {terms} + "
-            f"{est['loss']:.1f} ({est['phase']}) | {est['total']:.1f} | {measured:.1f} | {error:+.1%} | "
-            f"{baseline:.0f} | {total_error:+.1%} |"
-        )
+        cells = [*map(str, case), f"{terms} + {est['loss']:.1f} ({est['phase']})", f"{est['total']:.1f}"]
+        rows.append([*cells, f"{measured:.1f}", f"{error:+.1%}", f"{baseline:.0f}", f"{total_error:+.1%}"])
     lines += [
+        table(header, rows),
         "",
         f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} (of the measured step peak); with "
         f"the baseline mean {sum(total_errors) / len(total_errors):.1%}, max {max(total_errors):.1%}",
