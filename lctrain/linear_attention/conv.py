@@ -33,4 +33,4 @@ def causal_conv(x: Tensor, halo: Tensor, weight: Tensor, start: int, doc_starts:
     for back in range(1, taps):
         keep = (positions - back >= first).to(x.dtype)[None, :, None]
         out = out + extended[:, taps - 1 - back : taps - 1 - back + length] * weight[:, taps - 1 - back] * keep
-    return F.silu(out)
+    return F.silu(out).to(x.dtype)

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from lctrain.families import (
     FAMILIES,
+    LANGUAGE_MODELS,
     apply_sliding_window,
     family_of,
     layer_windows,
@@ -84,6 +85,15 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
         config = AutoConfig.from_pretrained(path)
+        if config.model_type in LANGUAGE_MODELS:
+            logger.info(
+                "%s: a %s checkpoint: training its language model (%s); left out: %s",
+                model_source(cfg.path, cfg.family),
+                config.model_type,
+                config.text_config.model_type,
+                LANGUAGE_MODELS[config.model_type],
+            )
+            config = config.text_config
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
         if dequantizer(_quantization(path)) is not None:  # read dequantized: trained and exported unquantized
