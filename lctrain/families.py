@@ -19,7 +19,10 @@ of its layers); adding a family is adding a record, a parity test and a row of t
   ``use_sliding_window`` is false;
 - the mixtures of experts (a record with ``experts``: a router and experts in place of the MLP,
   ``lctrain.models.moe``): ``mixtral`` (``config.sliding_window`` on every layer, as Mistral), ``qwen3_moe`` (q/k
-  RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``).
+  RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``);
+  ``gpt_oss`` (attention sinks, biased experts with a clamped SwiGLU, a biased router): ``config.sliding_window``
+  (128) on the layers ``config.layer_types`` marks ``sliding_attention`` (every other one), the rule ``pattern``:
+  the config has no switch, so no window means every layer ``full_attention``, the window kept.
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -55,7 +58,9 @@ class Family:
 
     model_type: str
     models: str  # the published models of the family, for messages and docs
-    window: str = "none"  # how the attention gets its window: none, model (every layer), layers (layer_types)
+    # how the attention gets its window: none, model (every layer), layers (layer_types), pattern (layer_types, a
+    # window always declared: the model builds its sliding mask whether or not a layer uses it)
+    window: str = "none"
     window_flag: bool = False  # the config keeps sliding_window only with use_sliding_window set (else drops it)
     qk_norm: bool = False  # an RMSNorm on each head's queries and keys
     qkv_bias: bool = False  # q/k/v biases whatever attention_bias says (Qwen2)
@@ -65,6 +70,8 @@ class Family:
     # model.lora.target_modules' default: a mixture of experts' attention only (peft reads Qwen3-MoE's MLP names as its
     # experts': lctrain.models.lora), its experts get adapters from model.lora.target_parameters
     lora_targets: tuple[str, ...] = PROJECTIONS
+    # the attention transformers builds the plain model with (before lctrain selects its own): gpt-oss has no sdpa
+    built_attention: str = "sdpa"
     # the decoder layers' attribute holding a gated delta (linear-attention) mixer, on the layers whose
     # config.layer_types[i] is linear_attention: run over the context-parallel ranks by lctrain.linear_attention
     linear_mixer: str | None = None
@@ -98,6 +105,15 @@ FAMILIES = {
             head_dim_from_width=True,
             experts=Experts("num_local_experts", "intermediate_size"),
             lora_targets=ATTENTION,
+        ),
+        Family(
+            "gpt_oss",
+            "gpt-oss-20b, gpt-oss-120b",
+            window="pattern",
+            head_dim_from_width=True,
+            experts=Experts("num_local_experts", "intermediate_size"),
+            lora_targets=ATTENTION,
+            built_attention="eager",
         ),
         # the hybrids: three gated delta layers before each gated full-attention layer (partial rotary, q/k norms)
         Family(
@@ -190,14 +206,17 @@ def layer_windows(config: Any) -> list[int | None]:
     window = getattr(config, "sliding_window", None)
     if rule == "model":
         return [window] * layers
-    return [window if kind == "sliding_attention" else None for kind in config.layer_types]
+    return [window if kind == "sliding_attention" else None for kind in config.layer_types]  # layers, pattern
 
 
-def random_init_window_kwargs(family: Family, setting: int | None) -> dict[str, Any]:
+def random_init_window_kwargs(family: Family, setting: int | None, num_layers: int) -> dict[str, Any]:
     """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
     (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
-    every layer. Llama has no window (a positive setting is refused by ``check_model_features``)."""
+    every layer, or on the family's own sliding layers (``pattern``: gpt-oss's every other one). Llama has no window
+    (a positive setting is refused by ``check_model_features``)."""
     window = setting if setting and setting > 0 else None
+    if family.window == "pattern":  # the config class's own layer_types, or none sliding
+        return {"sliding_window": window} if window else {"layer_types": ["full_attention"] * num_layers}
     if family.window == "model":
         flag = {"use_sliding_window": window is not None} if family.window_flag else {}
         return {"sliding_window": window, **flag}
@@ -216,6 +235,9 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
     rule = family.window
     if setting is None or rule == "none":
         return  # a positive window on a family without one is refused by check_model_features
+    if setting == 0 and rule == "pattern":  # the model builds its sliding mask from sliding_window: kept
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        return
     if setting == 0:
         config.sliding_window = None
         if family.window_flag:
@@ -230,7 +252,8 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
             config.use_sliding_window = True  # transformers drops sliding_window on reload without it
     elif "sliding_attention" in config.layer_types:
         config.sliding_window = setting
-        config.use_sliding_window = True  # transformers drops sliding_window on reload without it
+        if rule == "layers":
+            config.use_sliding_window = True  # transformers drops sliding_window on reload without it
 
 
 def check_model_features(config: Any, source: str, window_setting: int | None) -> None:
@@ -270,7 +293,7 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
             f"differently on each rank; set router_jitter_noise to 0 in its config.json"
         )
-    if rule == "layers" or FAMILIES[model_type].linear_mixer:
+    if rule in ("layers", "pattern") or FAMILIES[model_type].linear_mixer:
         known = HYBRID_LAYER_TYPES if FAMILIES[model_type].linear_mixer else LAYER_TYPES
         unknown = sorted(set(config.layer_types) - set(known))
         if unknown:

@@ -50,12 +50,13 @@ def usp_attention_forward(
     sliding_window: int | None = None,
     cu_seq_lens_q: Tensor | None = None,
     doc_prefix: Tensor | None = None,
+    s_aux: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """The transformers attention signature: q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` ->
     (``[B, S_local, Hq, D]``, no weights). Causal; documents from ``cu_seq_lens_q``, their shared prefixes from
     ``doc_prefix``; the layer's ``sliding_window`` (None on full-attention layers) becomes the window, with
-    transformers' meaning."""
+    transformers' meaning; ``s_aux`` (gpt-oss's ``sinks``, ``[Hq]``) the attention sinks."""
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by USP attention: set attention_dropout=0")
     if attention_mask is not None:
@@ -73,6 +74,7 @@ def usp_attention_forward(
         doc_prefix=doc_prefix,
         window=sliding_window,
         kernel=kernel,
+        sinks=s_aux,
     )
     return out, None
 
