@@ -46,7 +46,7 @@ def write_corpus(root: Path, text_mb: float, chat_mb: float) -> None:
             turns = 2 * rng.randint(1, 4)
             roles = ["user", "assistant"] * turns
             f.write(
-                json.dumps({"messages": [{"role": r, "content": excerpt(500, 4000)} for r in roles[:turns]]}) + "\n"
+                json.dumps({"messages": [{"role": r, "content": excerpt(200, 1500)} for r in roles[:turns]]}) + "\n"
             )
 
 
