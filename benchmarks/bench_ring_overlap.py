@@ -206,7 +206,7 @@ def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, i
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
     """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
     a·T²): b / (overlap · a) (module doc)."""
-    from lctrain.attention.transport import PIECES
+    from lctrain.attention.ring_transfers import PIECES
 
     overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
     result = {}

@@ -19,7 +19,10 @@ of its layers); adding a family is adding a record, a parity test and a row of t
   ``use_sliding_window`` is false;
 - the mixtures of experts (a record with ``experts``: a router and experts in place of the MLP,
   ``lctrain.models.moe``): ``mixtral`` (``config.sliding_window`` on every layer, as Mistral), ``qwen3_moe`` (q/k
-  RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``).
+  RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``);
+  ``gpt_oss`` (attention sinks, biased experts with a clamped SwiGLU, a biased router): ``config.sliding_window``
+  (128) on the layers ``config.layer_types`` marks ``sliding_attention`` (every other one), the rule ``pattern``:
+  the config has no switch, so no window means every layer ``full_attention``, the window kept.
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -34,6 +37,9 @@ from typing import Any
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections, in every family
 PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")  # with a dense MLP's
+# the projections of the gated delta (linear-attention) layers: Qwen3-Next's fused ones, Qwen3.5's
+QWEN3_NEXT_LINEAR = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+QWEN3_5_LINEAR = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,9 @@ class Family:
 
     model_type: str
     models: str  # the published models of the family, for messages and docs
-    window: str = "none"  # how the attention gets its window: none, model (every layer), layers (layer_types)
+    # how the attention gets its window: none, model (every layer), layers (layer_types), pattern (layer_types, a
+    # window always declared: the model builds its sliding mask whether or not a layer uses it)
+    window: str = "none"
     window_flag: bool = False  # the config keeps sliding_window only with use_sliding_window set (else drops it)
     qk_norm: bool = False  # an RMSNorm on each head's queries and keys
     qkv_bias: bool = False  # q/k/v biases whatever attention_bias says (Qwen2)
@@ -62,6 +70,11 @@ class Family:
     # model.lora.target_modules' default: a mixture of experts' attention only (peft reads Qwen3-MoE's MLP names as its
     # experts': lctrain.models.lora), its experts get adapters from model.lora.target_parameters
     lora_targets: tuple[str, ...] = PROJECTIONS
+    # the attention transformers builds the plain model with (before lctrain selects its own): gpt-oss has no sdpa
+    built_attention: str = "sdpa"
+    # the decoder layers' attribute holding a gated delta (linear-attention) mixer, on the layers whose
+    # config.layer_types[i] is linear_attention: run over the context-parallel ranks by lctrain.linear_attention
+    linear_mixer: str | None = None
 
     @property
     def moe(self) -> bool:
@@ -93,6 +106,42 @@ FAMILIES = {
             experts=Experts("num_local_experts", "intermediate_size"),
             lora_targets=ATTENTION,
         ),
+        Family(
+            "gpt_oss",
+            "gpt-oss-20b, gpt-oss-120b",
+            window="pattern",
+            head_dim_from_width=True,
+            experts=Experts("num_local_experts", "intermediate_size"),
+            lora_targets=ATTENTION,
+            built_attention="eager",
+        ),
+        # the hybrids: three gated delta layers before each gated full-attention layer (partial rotary, q/k norms)
+        Family(
+            "qwen3_next",
+            "Qwen3-Next-80B-A3B",
+            qk_norm=True,
+            head_dim_from_width=True,
+            experts=Experts("num_experts", "moe_intermediate_size", sparse_layers=True),
+            lora_targets=(*ATTENTION, *QWEN3_NEXT_LINEAR),
+            linear_mixer="linear_attn",
+        ),
+        Family(
+            "qwen3_5_text",
+            "Qwen3.5 dense (the language model)",
+            qk_norm=True,
+            head_dim_from_width=True,
+            lora_targets=(*PROJECTIONS, *QWEN3_5_LINEAR),
+            linear_mixer="linear_attn",
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "Qwen3.5 MoE (the language model)",
+            qk_norm=True,
+            head_dim_from_width=True,
+            experts=Experts("num_experts", "moe_intermediate_size"),
+            lora_targets=(*ATTENTION, *QWEN3_5_LINEAR),
+            linear_mixer="linear_attn",
+        ),
     )
 }
 # RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
@@ -100,11 +149,15 @@ FAMILIES = {
 # the longest position in the batch, which differs between context-parallel ranks; proportional) are refused
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 ROPE_SCALING_TYPES = ROPE_TYPES[1:]
+# checkpoints of these model types hold a language model of a family (their config's text_config) beside what lctrain
+# leaves out: it trains the language model alone
+LANGUAGE_MODELS = {"qwen3_5": "its vision tower", "qwen3_5_moe": "its vision tower"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")  # a family with a linear_mixer
 
 _MOE = (
     "it is a mixture-of-experts model whose router or shared experts lctrain has not been made and checked to run "
-    "exactly (the mixtures it runs: qwen3_moe, mixtral)"
+    "exactly (the mixtures it runs: qwen3_moe, mixtral, qwen3_next, qwen3_5_moe_text)"
 )
 _ALIBI = "its attention adds ALiBi position biases to the scores, which USP attention does not compute"
 # why some model types people ask for are refused (any other type: not one of FAMILIES)
@@ -153,14 +206,17 @@ def layer_windows(config: Any) -> list[int | None]:
     window = getattr(config, "sliding_window", None)
     if rule == "model":
         return [window] * layers
-    return [window if kind == "sliding_attention" else None for kind in config.layer_types]
+    return [window if kind == "sliding_attention" else None for kind in config.layer_types]  # layers, pattern
 
 
-def random_init_window_kwargs(family: Family, setting: int | None) -> dict[str, Any]:
+def random_init_window_kwargs(family: Family, setting: int | None, num_layers: int) -> dict[str, Any]:
     """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
     (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
-    every layer. Llama has no window (a positive setting is refused by ``check_model_features``)."""
+    every layer, or on the family's own sliding layers (``pattern``: gpt-oss's every other one). Llama has no window
+    (a positive setting is refused by ``check_model_features``)."""
     window = setting if setting and setting > 0 else None
+    if family.window == "pattern":  # the config class's own layer_types, or none sliding
+        return {"sliding_window": window} if window else {"layer_types": ["full_attention"] * num_layers}
     if family.window == "model":
         flag = {"use_sliding_window": window is not None} if family.window_flag else {}
         return {"sliding_window": window, **flag}
@@ -179,6 +235,9 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
     rule = family.window
     if setting is None or rule == "none":
         return  # a positive window on a family without one is refused by check_model_features
+    if setting == 0 and rule == "pattern":  # the model builds its sliding mask from sliding_window: kept
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        return
     if setting == 0:
         config.sliding_window = None
         if family.window_flag:
@@ -193,7 +252,8 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
             config.use_sliding_window = True  # transformers drops sliding_window on reload without it
     elif "sliding_attention" in config.layer_types:
         config.sliding_window = setting
-        config.use_sliding_window = True  # transformers drops sliding_window on reload without it
+        if rule == "layers":
+            config.use_sliding_window = True  # transformers drops sliding_window on reload without it
 
 
 def check_model_features(config: Any, source: str, window_setting: int | None) -> None:
@@ -233,10 +293,11 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
             f"differently on each rank; set router_jitter_noise to 0 in its config.json"
         )
-    if rule == "layers":
-        unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if rule in ("layers", "pattern") or FAMILIES[model_type].linear_mixer:
+        known = HYBRID_LAYER_TYPES if FAMILIES[model_type].linear_mixer else LAYER_TYPES
+        unknown = sorted(set(config.layer_types) - set(known))
         if unknown:
-            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {LAYER_TYPES} layers exactly")
+            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {known} layers exactly")
     if window_setting and not any(layer_windows(config)):
         if rule == "none":
             reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
@@ -276,6 +337,13 @@ def check_experts(config: Any, source: str, coef_setting: float | None, scope: s
             f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
             f"model.experts_per_token between 1 and model.num_experts"
         )
+
+
+def linear_layers(config: Any) -> list[int]:
+    """The decoder layers whose sequence mixer is a gated delta (linear-attention) layer; [] for a family without."""
+    if FAMILIES[config.model_type].linear_mixer is None:
+        return []
+    return [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
 
 
 def num_experts(config: Any) -> int:

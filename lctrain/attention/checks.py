@@ -31,6 +31,17 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
+def check_sinks(sinks: Tensor | None, q: Tensor) -> None:
+    """Sinks are one float logit per query head (``[Hq]``), on q's device."""
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[2],) or not sinks.dtype.is_floating_point or sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be a float tensor [query heads] = [{q.shape[2]}] on {q.device}; got shape "
+            f"{tuple(sinks.shape)}, dtype {sinks.dtype} on {sinks.device}"
+        )
+
+
 def check_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int) -> list[int] | None:
     """Validate document boundaries of a global sequence of ``seq_len`` tokens; return them as a list."""
     if cu_seqlens is None:
@@ -114,14 +125,16 @@ def check_attention_inputs(
     cu_seqlens: Tensor | None,
     doc_prefix: Tensor | None,
     kernel: str,
+    sinks: Tensor | None = None,
 ) -> tuple[list[int] | None, tuple[int, ...] | None]:
-    """Every input check of an attention call: q, k, v (``check_qkv``), the layout, the window, the heads over the
-    Ulysses ranks, a zigzag piece of two equal chunks, the document bounds of the global row of
+    """Every input check of an attention call: q, k, v (``check_qkv``), the sinks, the layout, the window, the
+    heads over the Ulysses ranks, a zigzag piece of two equal chunks, the document bounds of the global row of
     ``S_local · ulysses_size · ring_size`` tokens and their prefixes, the kernel's name and the two groups'
     orthogonality. Returns the bounds as a list (None without ``cu_seqlens``) and the prefixes as a tuple (None
     when no document has one)."""
     ulysses_size, ring_size = group_coordinates(ulysses_group)[1], group_coordinates(ring_group)[1]
     check_qkv(q, k, v)
+    check_sinks(sinks, q)
     check_layout(layout)
     check_window(window, causal)
     if ulysses_size > 1:

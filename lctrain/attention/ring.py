@@ -12,11 +12,14 @@ Forward: each rank keeps its queries; it posts the transfers of the next step be
 (two steps' K/V buffers at most), so the transfer overlaps the block computation; the own piece (step 0) comes
 first, so the first transfer overlaps it. The last step's K/V travel in ``PIECES`` pieces of rows, and its full
 rectangles are computed piece by piece as the rows arrive. Partial results are merged with the online-softmax
-rule in fp32. K and V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one
+rule in fp32. A learned sink per head (gpt-oss) enters once, after the last merge (``merge.fold_sink``), never per
+block or per rank. K and V are never repeated for GQA. The K/V rows of the last step are kept for the backward (one
 more K/V piece per layer).
 
 Backward: the steps run in reverse, the last one first, on the K/V kept from the forward, so the first step
-fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse``, so it is exact on its own.
+fetches nothing. Each block's gradient is computed with the final ``out`` and ``lse`` (the sink's folded in), so it
+is exact on its own; the sink's gradient is a sum over this rank's queries (``merge.sink_grad``), which the
+gradient reduction of replicated weights completes.
 While a step's blocks run, the K/V of the step after it travel; the dK/dV this rank computes (fp32) for the
 step's keys leave for their owner in pieces as their rows are complete, once the previous step's have come back;
 the own piece comes last, so the last return overlaps it. Each rank adds what comes back to the gradients of its
@@ -42,19 +45,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
-from lctrain.attention.merge import merge_block
+from lctrain.attention.merge import fold_sink, merge_block, sink_grad
 from lctrain.attention.ring_blocks import Block, Step, group_documents, plain, plan_ring
-from lctrain.attention.transport import (
-    PIECES,
-    Arriving,
-    Peers,
-    Returning,
-    fetch,
-    group_coordinates,
-    pass_peers,
-    row_count,
-    row_cuts,
-)
+from lctrain.attention.ring_transfers import PIECES, Returning, fetch
+from lctrain.attention.transport import Arriving, Peers, group_coordinates, pass_peers, row_count, row_cuts
 
 
 def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, Block]]:
@@ -113,8 +107,10 @@ def _ring_forward(
     *,
     scale: float,
     kernel: AttentionKernel,
+    sink: Tensor | None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """(out, lse, the last step's K/V when it is not the own piece: kept for the backward)."""
+    """(out, lse, the last step's K/V when it is not the own piece: kept for the backward); with a ``sink`` ``[H]``
+    folded into the merged rows once, after every block (``fold_sink``)."""
     timeline = peers.timeline
     batch, seq_len, heads, _ = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
@@ -141,6 +137,8 @@ def _ring_forward(
             merge_block(out[:, block.rows], lse[:, :, block.rows], out_block, lse_block)
         arriving.wait()  # pieces no block needed
     timeline.finish()
+    if sink is not None:
+        out, lse = fold_sink(out, lse, sink)
     kept = (k_step, v_step) if plan[-1].source != 0 else None
     return out.to(q.dtype), lse, kept
 
@@ -232,7 +230,7 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, scale, choice):  # noqa: ANN001, ANN205 (autograd signature)
+    def forward(ctx, q, k, v, sink, group, plan, scale, choice):  # noqa: ANN001, ANN205 (autograd signature)
         kernel = resolve_kernel(
             q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
         )
@@ -241,15 +239,15 @@ class _RingAttention(torch.autograd.Function):
             q, k, v = (t.to(kernel.backward_dtype(input_dtype)) for t in (q, k, v))
         else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
             k, v = k.contiguous(), v.contiguous()
-        peers = pass_peers(group, "forward", plan)
-        out, lse, kept = _ring_forward(q, k, v, peers, plan, scale=scale, kernel=kernel)
-        ctx.save_for_backward(q, k, v, out, lse, *(kept or (None, None)))
+        peers = pass_peers(group, "forward", len(plan))
+        out, lse, kept = _ring_forward(q, k, v, peers, plan, scale=scale, kernel=kernel, sink=sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, *(kept or (None, None)))
         ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
         return out.to(input_dtype)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse, k_kept, v_kept = ctx.saved_tensors
+        q, k, v, out, lse, sink, k_kept, v_kept = ctx.saved_tensors
         options = ctx.options
         dq, dk, dv = _ring_backward(
             q,
@@ -257,13 +255,14 @@ class _RingAttention(torch.autograd.Function):
             v,
             (dout.contiguous(), out, lse),
             None if k_kept is None else (k_kept, v_kept),
-            pass_peers(options["group"], "backward", options["plan"]),
+            pass_peers(options["group"], "backward", len(options["plan"])),
             options["plan"],
             scale=options["scale"],
             kernel=options["kernel"],
         )
         dtype = options["input_dtype"]
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None
+        dsink = None if sink is None else sink_grad(dout, out, lse, sink).to(sink.dtype)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsink, None, None, None, None
 
 
 def attend_ring(
@@ -279,12 +278,13 @@ def attend_ring(
     prefixes: tuple[int, ...] | None,
     window: int | None,
     kernel: str,
+    sink: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` (None: a ring of one) with ``shard_sequence(layout=
     layout)``, on inputs already checked (``checks.check_attention_inputs``; ``bounds`` and ``prefixes`` are what
     it returned): q ``[B, S_local, Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]`` in q's dtype,
-    differentiable in q, k, v. The ring inside ``usp_attention``, and with it ``ring_attention`` and
-    ``ulysses_attention``."""
+    differentiable in q, k, v and ``sink`` (``[Hq]``, these heads' sinks, or None: ``merge.fold_sink``). The ring
+    inside ``usp_attention``, and with it ``ring_attention`` and ``ulysses_attention``."""
     rank, size = group_coordinates(group)
     if size == 1:  # a ring of one holds the whole sequence in order: both layouts are the same
         layout = "contiguous"
@@ -300,4 +300,4 @@ def attend_ring(
         doc_prefix=prefixes,
         window=None if window is None or window >= seq_len else window,
     )
-    return _RingAttention.apply(q, k, v, group, plan, scale, kernel)
+    return _RingAttention.apply(q, k, v, sink, group, plan, scale, kernel)

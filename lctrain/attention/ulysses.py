@@ -70,6 +70,16 @@ def heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _HeadsToSeq.apply(x, group)
 
 
+def own_heads(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The part of a per-head tensor ``[H, ...]`` (the sinks) for this rank's head group after ``seq_to_heads``:
+    heads ``[u·H/U, (u+1)·H/U)``; differentiable (its gradient is zero on the other heads, which the other ranks of
+    the group fill)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return x
+    return x.chunk(size)[dist.get_rank(group)]
+
+
 def attend_head_sharded(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
 ) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lctrain.attention.checks import check_attention_inputs
 from lctrain.attention.ring import attend_ring
-from lctrain.attention.ulysses import attend_head_sharded
+from lctrain.attention.ulysses import attend_head_sharded, own_heads
 
 
 def usp_attention(
@@ -31,6 +31,7 @@ def usp_attention(
     doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded with ``shard_sequence`` over (ring, ulysses) ranks.
 
@@ -46,15 +47,27 @@ def usp_attention(
     with ``i - window < j <= i`` (``window`` keys, itself included: Hugging Face's ``sliding_window``), in its
     document, counted in positions for a prefix's keys (for the rejected answer: as if the chosen one were not
     between them); ``window >= S`` is the same as no window. ``kernel``: ``"auto"`` or a kernel name
-    (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block.
+    (``KERNEL_CHOICES``), the first choice of ``resolve_kernel`` for each kind of block. ``sinks`` (``[Hq]``, any
+    float dtype, differentiable; gpt-oss): a learned logit per head in every query's softmax denominator, with no
+    value behind it, not scaled by ``scale``; each Ulysses rank takes its heads' and the ring folds them in once,
+    after merging every block (``merge.fold_sink``). Each rank's gradient of ``sinks`` sums over its own queries
+    and heads: summed over the ranks (as a replicated weight's gradient is), it is the whole sequence's.
     """
     options = dict(causal=causal, layout=layout, window=window)  # read by the checks and by the ring
     documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
     bounds, prefixes = check_attention_inputs(
-        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, kernel=kernel, **documents, **options
+        q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, kernel=kernel, sinks=sinks, **documents, **options
     )
+    sink = None if sinks is None else own_heads(sinks, ulysses_group)
     attend = functools.partial(
-        attend_ring, group=ring_group, scale=scale, bounds=bounds, prefixes=prefixes, kernel=kernel, **options
+        attend_ring,
+        group=ring_group,
+        scale=scale,
+        bounds=bounds,
+        prefixes=prefixes,
+        kernel=kernel,
+        sink=sink,
+        **options,
     )
     return attend_head_sharded(q, k, v, ulysses_group, attend)
 
@@ -72,11 +85,12 @@ def ring_attention(
     doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``usp_attention`` with ``ring_group=group`` and no Ulysses group: q ``[B, S_local, Hq, D]``, k/v
     ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]``, sharded with ``shard_sequence(layout=layout)``."""
     documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
-    options = dict(causal=causal, layout=layout, scale=scale, window=window, kernel=kernel)
+    options = dict(causal=causal, layout=layout, scale=scale, window=window, kernel=kernel, sinks=sinks)
     return usp_attention(q, k, v, ring_group=group, **documents, **options)
 
 
@@ -92,10 +106,11 @@ def ulysses_attention(
     doc_prefix: Tensor | None = None,
     window: int | None = None,
     kernel: str = "auto",
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``usp_attention`` with ``ulysses_group=group`` and no ring group: a sequence split contiguously over
     ``group``. q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``; needs ``Hq % U == 0`` and
     ``Hkv % U == 0`` or ``U % Hkv == 0``."""
     documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
-    options = dict(causal=causal, layout="contiguous", scale=scale, window=window, kernel=kernel)
+    options = dict(causal=causal, layout="contiguous", scale=scale, window=window, kernel=kernel, sinks=sinks)
     return usp_attention(q, k, v, ulysses_group=group, **documents, **options)

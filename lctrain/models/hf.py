@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from lctrain.families import (
+    FAMILIES,
+    LANGUAGE_MODELS,
     apply_sliding_window,
     family_of,
     layer_windows,
@@ -40,6 +42,7 @@ from lctrain.models.layouts import (
     TensorSource,
     checkpoint_files,
     checkpoint_source,
+    dequantizer,
     to_layout,
 )
 
@@ -82,8 +85,19 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
         config = AutoConfig.from_pretrained(path)
+        if config.model_type in LANGUAGE_MODELS:
+            logger.info(
+                "%s: a %s checkpoint: training its language model (%s); left out: %s",
+                model_source(cfg.path, cfg.family),
+                config.model_type,
+                config.text_config.model_type,
+                LANGUAGE_MODELS[config.model_type],
+            )
+            config = config.text_config
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
+        if dequantizer(_quantization(path)) is not None:  # read dequantized: trained and exported unquantized
+            del config.quantization_config
     else:
         family = family_of(cfg.family, model_source(None, cfg.family))
         fields = {
@@ -104,7 +118,9 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         if family.experts is not None:  # model.num_experts of width model.intermediate_size
             fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
             fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
-        config = _random_init_config(cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window))
+        config = _random_init_config(
+            cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window, cfg.num_layers)
+        )
     set_rope(config, cfg)
     set_router_aux_loss(config, cfg.router_aux_loss_coef)
     windows = [window for window in layer_windows(config) if window]
@@ -175,7 +191,8 @@ def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """The model with parameters on the meta device and real buffers (``config`` is deep-copied, not shared)."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        attention = FAMILIES[config.model_type].built_attention if config.model_type in FAMILIES else "sdpa"
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)
     # init_empty_weights re-creates each parameter on meta, which unties tie_word_embeddings models: tie again (one
     # Parameter, kept through FSDP and materialize; tied checkpoints store only the embeddings)
     model.tie_weights()
@@ -204,9 +221,16 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
     checkpoint cannot make every tensor of the model."""
     source = model_source(str(path), config.model_type)
     files = checkpoint_files(path)
-    read, plan = checkpoint_source(files, build_empty_model(config), source)
-    logger.info("%s: a %s checkpoint in %s", source, plan.model_type, LAYOUT_WORDS[plan.layout])
+    quantizer = dequantizer(_quantization(path))
+    read, plan = checkpoint_source(files, build_empty_model(config), source, quantizer)
+    dequantized = " (MXFP4 experts dequantized by transformers as they are read)" if quantizer else ""
+    logger.info("%s: a %s checkpoint in %s%s", source, plan.model_type, LAYOUT_WORDS[plan.layout], dequantized)
     return read
+
+
+def _quantization(path: str | Path) -> dict | None:
+    """The ``quantization_config`` of the checkpoint in ``path`` (its config.json), None when it has none."""
+    return json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
 
 
 def checkpoint_layout(path: str | Path) -> str:
@@ -214,7 +238,9 @@ def checkpoint_layout(path: str | Path) -> str:
     ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
     config = AutoConfig.from_pretrained(path)
     source = model_source(str(path), config.model_type)
-    _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source)
+    _, plan = checkpoint_source(
+        checkpoint_files(path), build_empty_model(config), source, dequantizer(_quantization(path))
+    )
     return LAYOUT_WORDS[plan.layout]
 
 

@@ -19,6 +19,9 @@ names being its published ones.
   ``checkpoint.export_layout=fused``) passes the renames unchanged and loads through the same code. Before any
   weight is read, every model tensor must have its sources, else one line names the first missing tensor, the
   layouts tried and the fix (``CheckpointLayoutError``).
+- **Dequantizing** (``dequantizer``): gpt-oss's published experts are MXFP4 (``*_blocks``, ``*_scales``);
+  transformers' own MXFP4 dequantization converts them on read, as ``from_pretrained`` with
+  ``Mxfp4Config(dequantize=True)`` does, and the model trains and exports full-precision weights.
 - **Writing** (``to_layout``): full tensors under the model's names to the published layout (transformers' reverse
   transforms, as ``save_pretrained`` applies them) or kept fused.
 """
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import Mxfp4Config, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -45,6 +48,7 @@ from transformers.core_model_loading import (
     rename_source_key,
     revert_weight_conversion,
 )
+from transformers.quantizers import AutoHfQuantizer, HfQuantizer
 
 logger = logging.getLogger("lctrain")
 
@@ -117,17 +121,30 @@ class LayoutPlan:
     unused: list[str]  # checkpoint tensors that make no model tensor (e.g. a vision tower beside a language model)
 
 
-def conversions(model: PreTrainedModel, *, legacy: bool) -> list:
+def conversions(model: PreTrainedModel, *, legacy: bool, quantizer: HfQuantizer | None = None) -> list:
     """transformers' transforms from the published layout to ``model``'s in-memory one, for its model type and its
-    sub-models: ``from_pretrained``'s, with (``legacy``) the renames of old checkpoints' names it also applies."""
-    return get_model_conversion_mapping(model, add_legacy=legacy)
+    sub-models: ``from_pretrained``'s, with (``legacy``) the renames of old checkpoints' names it also applies, and
+    a pre-quantized checkpoint's dequantization (``quantizer``: ``dequantizer``'s)."""
+    return get_model_conversion_mapping(model, hf_quantizer=quantizer, add_legacy=legacy)
 
 
-def plan_checkpoint(names: list[str], model: PreTrainedModel, source: str) -> LayoutPlan:
-    """Map the checkpoint tensor ``names`` onto ``model`` (empty, on meta) as ``from_pretrained`` does. Raises
-    ``CheckpointLayoutError`` naming the first model tensor no checkpoint tensor makes. ``source`` names the
-    checkpoint in messages (``model.path='...'``)."""
-    transforms = conversions(model, legacy=True)
+def dequantizer(quantization: dict | None) -> HfQuantizer | None:
+    """transformers' quantizer that dequantizes a pre-quantized checkpoint of ``quantization`` (its config.json's
+    ``quantization_config``) as it loads, as ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``
+    does: gpt-oss's MXFP4 experts (``*_blocks`` and ``*_scales``) become full-precision weights. None: an unquantized
+    checkpoint; another quantization is refused by ``families.check_model_features``."""
+    if not quantization or quantization.get("quant_method") != "mxfp4":
+        return None
+    return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
+
+
+def plan_checkpoint(
+    names: list[str], model: PreTrainedModel, source: str, quantizer: HfQuantizer | None = None
+) -> LayoutPlan:
+    """Map the checkpoint tensor ``names`` onto ``model`` (empty, on meta) as ``from_pretrained`` does (with
+    ``quantizer``'s dequantization, ``dequantizer``). Raises ``CheckpointLayoutError`` naming the first model tensor
+    no checkpoint tensor makes. ``source`` names the checkpoint in messages (``model.path='...'``)."""
+    transforms = conversions(model, legacy=True, quantizer=quantizer)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -184,13 +201,15 @@ def _describe(transform: WeightRenaming | WeightConverter) -> str:
     return f"{' + '.join(transform.source_patterns)} -> {', '.join(transform.target_patterns)}"
 
 
-def checkpoint_source(files: dict[str, Path], model: PreTrainedModel, source: str) -> tuple[TensorSource, LayoutPlan]:
+def checkpoint_source(
+    files: dict[str, Path], model: PreTrainedModel, source: str, quantizer: HfQuantizer | None = None
+) -> tuple[TensorSource, LayoutPlan]:
     """Full model tensors by name from the checkpoint whose tensors are in ``files`` (``checkpoint_files``), in any
-    layout ``plan_checkpoint`` reads, and the plan. ``model``: the job's model, empty (on meta), of which only the
-    names, shapes and config are read. Each call
-    ``read(name, shape)`` reads and converts that tensor's sources (a one-to-many conversion's other outputs are kept
-    until they are asked for); a shape other than ``shape`` is named."""
-    plan = plan_checkpoint(list(files), model, source)
+    layout ``plan_checkpoint`` reads (dequantized by ``quantizer``: ``dequantizer``), and the plan. ``model``: the
+    job's model, empty (on meta), of which only the names, shapes and config are read. Each call ``read(name,
+    shape)`` reads and converts that tensor's sources (a one-to-many conversion's other outputs are kept until they
+    are asked for); a shape other than ``shape`` is named."""
+    plan = plan_checkpoint(list(files), model, source, quantizer)
     if plan.unused:
         logger.warning(
             "%s: %d tensors of the checkpoint are not part of the %s model and are not read (first: %s)",

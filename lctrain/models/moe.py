@@ -47,12 +47,13 @@ from torch import Tensor, nn
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:
-    """The model's routers by decoder layer index, in layer order: the ``gate`` of each MoE block (a module with
-    ``top_k`` and ``num_experts``, transformers' ``Qwen3MoeTopKRouter`` and ``MixtralTopKRouter``); a dense layer
-    (Qwen3-MoE's ``mlp_only_layers``) has none."""
+    """The model's routers by decoder layer index, in layer order: the ``gate`` (``router``: gpt-oss) of each MoE
+    block (a module with ``top_k`` and ``num_experts``, transformers' ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``,
+    ``GptOssTopKRouter``, whose first output is the router logits); a dense layer (Qwen3-MoE's ``mlp_only_layers``)
+    has none."""
     found = {}
     for name, module in model.named_modules():
-        if name.endswith(".gate") and hasattr(module, "top_k") and hasattr(module, "num_experts"):
+        if name.endswith((".gate", ".router")) and hasattr(module, "top_k") and hasattr(module, "num_experts"):
             parts = name.split(".")
             found[int(parts[parts.index("layers") + 1])] = module
     return found

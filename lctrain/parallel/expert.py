@@ -2,7 +2,8 @@
 routed to an expert travel to its rank by all-to-all and come back the same way.
 
 The experts are transformers' own modules (``Qwen3MoeExperts``, ``MixtralExperts``: ``gate_up_proj`` [E, 2I, H],
-``down_proj`` [E, H, I], called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``).
+``down_proj`` [E, H, I]; ``GptOssExperts``: transposed, ``[E, H, 2I]`` and ``[E, I, H]``, with per-expert biases
+and its own gate), called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``).
 They run through transformers' public experts registry (``ExpertsInterface``): ``apply_expert_parallel`` shards the
 expert weights on dim 0 over the EP mesh (DTensors: each rank keeps its experts) and selects the implementation
 registered here, which
@@ -86,11 +87,29 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _projection(experts: nn.Module, name: str, x: torch.Tensor, counts: list[int], kernel: str) -> torch.Tensor:
+    """One projection of the local experts on their rows (``x`` sorted by expert), with its bias where the module
+    has them (``has_bias``: gpt-oss); weights stored ``[E, in, out]`` (``is_transposed``: gpt-oss) or ``[E, out,
+    in]``."""
+    weight = local_weight(getattr(experts, name))
+    out = grouped_linear(x, weight.transpose(-2, -1) if experts.is_transposed else weight, counts, kernel)
+    if experts.has_bias:
+        bias = local_weight(getattr(experts, f"{name}_bias"))  # [E, out]
+        out = out + bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0, output_size=len(x))
+    return out
+
+
 def expert_ffn(experts: nn.Module, x: torch.Tensor, counts: list[int], kernel: str) -> torch.Tensor:
-    """The gated feed-forward of each local expert on its rows: ``x`` [N, H] sorted by expert -> [N, H]."""
-    gate_up, down = local_weight(experts.gate_up_proj), local_weight(experts.down_proj)
-    gate, up = grouped_linear(x, gate_up, counts, kernel).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
-    return grouped_linear(experts.act_fn(gate) * up, down, counts, kernel)
+    """The gated feed-forward of each local expert on its rows: ``x`` [N, H] sorted by expert -> [N, H]. The gate
+    is the module's own (``_apply_gate``: transformers' ``act_fn(gate) * up`` of the two halves, or gpt-oss's
+    clamped SwiGLU of interleaved columns)."""
+    return _projection(
+        experts,
+        "down_proj",
+        experts._apply_gate(_projection(experts, "gate_up_proj", x, counts, kernel)),
+        counts,
+        kernel,
+    )
 
 
 def inverse(permutation: torch.Tensor) -> torch.Tensor:
@@ -175,6 +194,13 @@ def fastest_cpu_kernel(dtype: torch.dtype) -> str:
     return min(best, key=best.get) if best else "loop"
 
 
+def expert_weights(experts: nn.Module) -> tuple[str, ...]:
+    """The names of an experts module's per-expert tensors (dim 0: the expert): the projections and, where the
+    module has them (gpt-oss), their biases."""
+    names = ("gate_up_proj", "down_proj")
+    return names + tuple(f"{name}_bias" for name in names) if experts.has_bias else names
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, kernel: str) -> None:
     """Run every experts module of ``model`` (built with all E experts) through ``experts_forward`` with the local
     GEMM ``kernel`` (``expert_kernel``). With ``ep_mesh`` (the 1-D EP mesh of ``ep`` ranks), each rank keeps experts
@@ -193,7 +219,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, kernel: 
                     f"parallel.ep={ep_mesh.size()} does not divide the {total} experts: choose an ep that divides "
                     f"{total}"
                 )
-            for name in ("gate_up_proj", "down_proj"):
+            for name in expert_weights(experts):
                 full = getattr(experts, name)
                 shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
                 setattr(experts, name, nn.Parameter(shard, full.requires_grad))

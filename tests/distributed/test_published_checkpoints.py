@@ -1,12 +1,14 @@
 """Checkpoints as users have them train exactly: every family's tiny model made by transformers and written by its
 default ``save_pretrained`` (the published layout: Qwen3-MoE's ``mlp.experts.N.gate_proj.weight``, Mixtral's
-``block_sparse_moe.experts.N.w1.weight``; Qwen3-MoE's sharded over 3 files with an index), and the mixtures of
-experts' checkpoints in transformers' fused layout (``save_original_format=False``), given as ``model.path``.
+``block_sparse_moe.experts.N.w1.weight``, gpt-oss's fused experts with their biases; Qwen3-MoE's sharded over 3
+files with an index), and the per-expert mixtures' checkpoints in transformers' fused layout
+(``save_original_format=False``), given as ``model.path``. gpt-oss's sliding layers have a window of 8 tokens and
+its attention sinks: their gradients are among those compared.
 
 Cases (``STEPS`` steps each, the parity tests' corpus and settings, ``model.router_aux_loss_coef`` 0.1 on the
-mixtures of experts): on one process, both mixtures of experts in both layouts; on 4 processes, every family on
-ring 2 × Ulysses 2, and both mixtures of experts on dp 2 × ring 2 with expert parallelism (``parallel.ep=2``) from
-either layout (with accumulation 2). The reference is the
+mixtures of experts): on one process, every mixture of experts in each of its layouts; on 4 processes, every family
+on ring 2 × Ulysses 2, and every mixture of experts on dp 2 × ring 2 with expert parallelism (``parallel.ep=2``) from
+each of its layouts (with accumulation 2). The reference is the
 plain single-process model whose weights transformers' own ``from_pretrained`` read from the same directory
 (``tests/helpers/reference_training.py``), over the same rows; the tolerances are trainer parity's: first step's
 loss within 1e-5 relative and every gradient within 1e-5 absolute + 1e-4 relative, every step's loss within 1e-5
@@ -28,7 +30,7 @@ import torch
 
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
-from tests.helpers.checkpoints import FAMILIES, MOE_FAMILIES, hf_model, save_checkpoint
+from tests.helpers.checkpoints import FAMILIES, MOE_FAMILIES, PER_EXPERT_FAMILIES, hf_model, layouts, save_checkpoint
 from tests.helpers.reference_training import assert_curve_matches, assert_first_step_matches, reference, world_job
 
 STEPS = 3
@@ -37,11 +39,11 @@ CONTEXT = ("parallel.ring=2", "parallel.ulysses=2")
 EXPERT_PARALLEL = ("parallel.dp=2", "parallel.ring=2", "parallel.ep=2")
 # world size -> case -> (family, checkpoint layout, parallel overrides)
 CASES = {
-    1: {f"{family}-{layout}": (family, layout, ()) for family in MOE_FAMILIES for layout in ("published", "fused")},
+    1: {f"{family}-{layout}": (family, layout, ()) for family in MOE_FAMILIES for layout in layouts(family)},
     4: {
         **{f"{family}-published": (family, "published", CONTEXT) for family in FAMILIES},
         **{f"{family}-published-ep2": (family, "published", EXPERT_PARALLEL) for family in MOE_FAMILIES},
-        **{f"{family}-fused-ep2": (family, "fused", EXPERT_PARALLEL) for family in MOE_FAMILIES},
+        **{f"{family}-fused-ep2": (family, "fused", EXPERT_PARALLEL) for family in PER_EXPERT_FAMILIES},
     },
 }
 EXPORTS = {"mixtral-published-ep2": "published", "mixtral-fused-ep2": "fused"}
@@ -56,7 +58,7 @@ def write_checkpoints(workdir: str) -> None:
     """Each family's checkpoint in the layouts the cases read, from one model per family."""
     for family in FAMILIES:
         model = hf_model(family)
-        for layout in ("published", "fused") if family in MOE_FAMILIES else ("published",):
+        for layout in layouts(family):
             shards = 3 if (family, layout) == ("qwen3_moe", "published") else 1
             save_checkpoint(model, Path(checkpoint_dir(workdir, family, layout)), layout=layout, shards=shards)
 

@@ -16,6 +16,15 @@ from lctrain.families import FAMILIES as RECORDS
 
 FAMILIES = tuple(RECORDS)
 MOE_FAMILIES = tuple(name for name, record in RECORDS.items() if record.moe)
+# the mixtures whose published checkpoints hold one tensor per expert, unlike the model (gpt-oss's hold them fused)
+PER_EXPERT_FAMILIES = tuple(name for name in MOE_FAMILIES if name != "gpt_oss")
+
+
+def layouts(family: str) -> tuple[str, ...]:
+    """The checkpoint layouts of ``family`` that differ: published and fused for ``PER_EXPERT_FAMILIES``, else one."""
+    return ("published", "fused") if family in PER_EXPERT_FAMILIES else ("published",)
+
+
 _SIZES = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -24,13 +33,28 @@ _SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
+# a hybrid's gated delta layer first, its full-attention layer second; a mixture of experts' shared expert
+_LINEAR = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+}
 
 
 def hf_model(family: str, seed: int = 0) -> PreTrainedModel:
     """A tiny ``family`` model with transformers' own random init (seeded), fp32, the embedded tokenizer's vocab; a
-    mixture of experts with 4 experts of width 32, 2 per token."""
-    experts = RECORDS[family].experts
+    mixture of experts with 4 experts of width 32, 2 per token (and a shared expert of width 32 where it has one);
+    a hybrid with a gated delta layer (2 key heads, 4 value heads of 8) before its full-attention layer;
+    gpt-oss's sliding layers with a window of 8."""
+    record = RECORDS[family]
+    experts = record.experts
     sizes = _SIZES if experts is None else {**_SIZES, experts.count: 4, experts.width: 32, "num_experts_per_tok": 2}
+    if record.window == "pattern":  # its own sliding layers, with a window shorter than the tests' rows
+        sizes = {**sizes, "sliding_window": 8}
+    if record.linear_mixer is not None:
+        sizes = {**sizes, **_LINEAR} | ({"shared_expert_intermediate_size": 32} if experts is not None else {})
     config = AutoConfig.for_model(family, vocab_size=len(load_tokenizer(None)), **sizes)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -137,3 +137,28 @@ def random_pairs(seq_len: int, rng: random.Random) -> tuple[list[int], list[int]
         for length in lengths:
             bounds.append(bounds[-1] + length)
     return bounds, doc_prefix
+
+
+def sink_reference_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    sinks: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float | None = None,
+) -> list[torch.Tensor]:
+    """out, dq, dk, dv, dsinks of float64 attention ``[B, S, H, D]`` whose softmax has one more column per head, the
+    sink ``sinks[h]`` (unscaled, no value behind it), with the mask ``visible`` (bool ``[S, S]``), K/V heads
+    repeated for GQA: what gpt-oss's eager attention computes."""
+    q, k, v, sinks = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    batch, seq_len, heads, dim = q.shape
+    groups = heads // k.shape[2]
+    keys, values = (t.repeat_interleave(groups, dim=2) for t in (k, v))
+    scale = dim**-0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
+    column = sinks.view(1, heads, 1, 1).expand(batch, heads, seq_len, 1)
+    probs = torch.softmax(torch.cat([scores.masked_fill(~visible, float("-inf")), column], dim=-1), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs[..., :-1], values)
+    out.backward(dout.double())
+    return [out.detach(), q.grad, k.grad, v.grad, sinks.grad]

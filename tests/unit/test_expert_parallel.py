@@ -1,7 +1,7 @@
 """Expert parallelism on one process: the experts implementation lctrain registers equals transformers' own experts
-(Qwen3-MoE and Mixtral, each local kernel), the CPU kernel choice is a known kernel, and bad ``parallel.ep`` settings
-fail before anything runs with one message naming the setting and the fix. The EP runs themselves (2 and 4 ranks)
-are in ``tests/distributed/test_expert_parallel.py``."""
+(Qwen3-MoE, Mixtral and gpt-oss with its biases and clamped SwiGLU, each local kernel), the CPU kernel choice is a
+known kernel, and bad ``parallel.ep`` settings fail before anything runs with one message naming the setting and the
+fix. The EP runs themselves (2 and 4 ranks) are in ``tests/distributed/test_expert_parallel.py``."""
 
 from __future__ import annotations
 
@@ -20,13 +20,21 @@ SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "n
 FAMILIES = {
     "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 16, "norm_topk_prob": True},
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 16},
+    # a SwiGLU limit that clamps some of the tiny model's activations (the published one is 7)
+    "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "intermediate_size": 16, "swiglu_limit": 0.5},
 }
 
 
 def tiny(family: str) -> torch.nn.Module:
+    """A tiny model of ``family``; gpt-oss's expert biases (transformers' init: zeros) drawn from N(0, 1)."""
     torch.manual_seed(0)
     config = AutoConfig.for_model(**FAMILIES[family], **SIZES, vocab_size=61, num_experts_per_tok=2)
-    return AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj_bias"):
+                param.normal_()
+    return model
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -50,7 +58,7 @@ def test_cpu_kernel_choice_is_measured_among_the_kernels() -> None:
 
 
 def test_num_experts_reads_each_family() -> None:
-    assert [num_experts(tiny(family).config) for family in FAMILIES] == [8, 4]
+    assert [num_experts(tiny(family).config) for family in FAMILIES] == [8, 4, 4]
     assert num_experts(AutoConfig.for_model("llama")) == 0
 
 
@@ -87,4 +95,4 @@ def test_ep_ranks_come_from_dp_cp() -> None:
 
 
 def test_experts_of_the_tiny_models() -> None:
-    assert [len(experts_modules(tiny(family))) for family in FAMILIES] == [2, 2]
+    assert [len(experts_modules(tiny(family))) for family in FAMILIES] == [2, 2, 2]

@@ -54,6 +54,14 @@ QWEN3_MOE = {
     "head_dim": 16,
     "use_sliding_window": False,
 }
+GPT_OSS = {  # gpt-oss-20b: every other layer slides (128 tokens there)
+    "model_type": "gpt_oss",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "head_dim": 8,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+}
 # (config.json fields, model.sliding_window, the window of each of the 3 layers)
 CHECKPOINTS = {
     "llama": ({"model_type": "llama"}, None, [None, None, None]),
@@ -89,6 +97,9 @@ CHECKPOINTS = {
     "qwen3_moe_16": (QWEN3_MOE, 16, [16, 16, 16]),
     "qwen3_moe_sliding": ({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}, None, [8, 8, 8]),
     "qwen3_moe_sliding_off": ({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}, 0, [None] * 3),
+    "gpt_oss": (GPT_OSS, None, [8, None, 8]),
+    "gpt_oss_off": (GPT_OSS, 0, [None, None, None]),
+    "gpt_oss_16": (GPT_OSS, 16, [16, None, 16]),
 }
 # random init: (model.family, model.sliding_window, windows)
 RANDOM_INIT = {
@@ -103,6 +114,8 @@ RANDOM_INIT = {
     "mixtral_16": ("mixtral", 16, [16, 16, 16]),
     "qwen3_moe": ("qwen3_moe", None, [None, None, None]),
     "qwen3_moe_16": ("qwen3_moe", 16, [16, 16, 16]),
+    "gpt_oss": ("gpt_oss", None, [None, None, None]),  # not transformers' default 128 on every other layer
+    "gpt_oss_16": ("gpt_oss", 16, [16, None, 16]),  # its own sliding layers
 }
 
 _received: dict[int, int | None] = {}

@@ -1,0 +1,107 @@
+"""The hybrid linear-attention families (Qwen3-Next, Qwen3.5 dense and MoE: gated delta layers before a gated
+full-attention layer with partial rotary and q/k norms) patched by ``patch_attention`` on a (ring x ulysses) mesh
+reproduce transformers' single-process model run on each document alone.
+
+As ``test_model_parity``: every rank holds the full model (same seed) and its zigzag shard of one packed row (a
+one-token document first, documents crossing the pieces); loss and gradients summed over the context-parallel group.
+Tolerances (fp32): loss within 1e-5 relative; every parameter gradient within 1e-5 absolute + 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lctrain.families import linear_layers
+from lctrain.models import patch_attention
+from lctrain.parallel.dims import ParallelDims
+from lctrain.parallel.mesh import JobMesh
+from lctrain.testing import run_distributed
+from lctrain.train.loss import chunked_cross_entropy
+from tests.distributed.test_model_parity import VOCAB, loss_sum, packed_row
+
+SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1024,
+    "use_cache": False,  # as lctrain builds its models: training takes no cache
+}
+EXPERTS = {
+    "num_experts": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+}
+FAMILIES = {"qwen3_5_text": {}, "qwen3_next": EXPERTS, "qwen3_5_moe_text": EXPERTS}
+CASES = [(2, 2, 1, "qwen3_5_text"), (2, 1, 2, "qwen3_5_text"), (4, 4, 1, "qwen3_5_text")] + [
+    (4, 2, 2, family) for family in FAMILIES
+]
+
+
+def build_model(family: str) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **SIZES, **FAMILIES[family])
+    assert linear_layers(config) == [0]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    mesh = JobMesh.build(ParallelDims(ring=ring, ulysses=ulysses), "cpu")
+    model = build_model(family)
+    patch_attention(model, ulysses_group=mesh.group("ulysses"), ring_group=mesh.group("ring"))
+    input_ids, position_ids, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
+    shard = functools.partial(mesh.place.shard, dim=1)
+    hidden = model.model(
+        input_ids=shard(input_ids),
+        position_ids=shard(position_ids),
+        cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32),
+    ).last_hidden_state
+    local_sum, tokens = chunked_cross_entropy(hidden, model.lm_head.weight, shard(labels), chunk_tokens=5)
+    dist.all_reduce(tokens, group=mesh.cp)
+    loss = local_sum / tokens
+    loss.backward()
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=mesh.cp)
+    grads = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad, group=mesh.cp)
+        grads[name] = param.grad
+    return reported.item(), grads
+
+
+def world_job(world: int) -> dict:
+    return {
+        (ring, ulysses, family): sharded_step(ring, ulysses, family) for w, ring, ulysses, family in CASES if w == world
+    }
+
+
+@functools.cache
+def results_for(world: int) -> dict:
+    return run_distributed(world_job, world, world)[0]
+
+
+@pytest.mark.parametrize("world,ring,ulysses,family", CASES, ids=lambda x: str(x))
+def test_sharded_hybrid_matches_documents_run_alone(world: int, ring: int, ulysses: int, family: str) -> None:
+    loss, grads = results_for(world)[(ring, ulysses, family)]
+    model = build_model(family)
+    input_ids, _, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
+    total = sum(loss_sum(model(input_ids=input_ids[:, a:b]).logits, labels[:, a:b]) for a, b in zip(bounds, bounds[1:]))
+    expected = total / (labels != -100).sum()
+    expected.backward()
+    assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
