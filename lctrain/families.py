@@ -22,7 +22,10 @@ of its layers); adding a family is adding a record, a parity test and a row of t
   RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``);
   ``gpt_oss`` (attention sinks, biased experts with a clamped SwiGLU, a biased router): ``config.sliding_window``
   (128) on the layers ``config.layer_types`` marks ``sliding_attention`` (every other one), the rule ``pattern``:
-  the config has no switch, so no window means every layer ``full_attention``, the window kept.
+  the config has no switch, so no window means every layer ``full_attention``, the window kept;
+- ``gemma3_text`` (Gemma 3: q/k RMSNorm, ``query_pre_attn_scalar`` as the softmax scale, scaled embeddings, RoPE per
+  layer type): ``config.sliding_window`` on the ``sliding_attention`` layers (five of every six), the rule
+  ``pattern``.
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -69,6 +72,9 @@ class Family:
     lora_targets: tuple[str, ...] = PROJECTIONS
     # the attention transformers builds the plain model with (before lctrain selects its own): gpt-oss has no sdpa
     built_attention: str = "sdpa"
+    # RoPE per layer type (config.rope_parameters keyed by layer_types' kinds, rotary_emb(x, positions, layer_type)):
+    # Gemma 3's local layers have their own base, its global layers theirs with the scaling
+    rope_per_layer_type: bool = False
 
     @property
     def moe(self) -> bool:
@@ -109,6 +115,14 @@ FAMILIES = {
             lora_targets=ATTENTION,
             built_attention="eager",
         ),
+        Family(
+            "gemma3_text",
+            "Gemma 3 1B-27B (the language model)",
+            window="pattern",
+            qk_norm=True,
+            head_dim_from_width=True,
+            rope_per_layer_type=True,
+        ),
     )
 }
 # RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
@@ -118,6 +132,13 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 ROPE_SCALING_TYPES = ROPE_TYPES[1:]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# image-text model types whose language model lctrain trains alone: (the config attribute holding the language
+# model's config, the renames of the checkpoint's language-model tensors to the text model's names). The vision tower
+# and projector are left out: neither read, trained nor exported (the export is the text model's checkpoint).
+LANGUAGE_MODELS = {
+    "gemma3": ("text_config", {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head."}),
+}
+
 _MOE = (
     "it is a mixture-of-experts model whose router or shared experts lctrain has not been made and checked to run "
     "exactly (the mixtures it runs: qwen3_moe, mixtral)"
@@ -126,9 +147,6 @@ _ALIBI = "its attention adds ALiBi position biases to the scores, which USP atte
 # why some model types people ask for are refused (any other type: not one of FAMILIES)
 REFUSED = {
     "gemma2": "its attention soft-caps the scores (attn_logit_softcapping), which USP attention does not compute",
-    "gemma3_text": "its sliding layers use their own RoPE base and its attention a query_pre_attn_scalar scale, which "
-    "lctrain's pipeline stages (one rotary embedding) and tests do not cover",
-    "gemma3": "a vision-language model: lctrain trains text-only decoders",
     "phi3": "it uses longrope RoPE (factors chosen by the longest position in the batch, which differs between "
     "context-parallel ranks) and fused qkv/gate_up projections lctrain does not test",
     "falcon": "its decoder layer (attention and MLP in parallel, a fused query_key_value projection, ALiBi in some "
@@ -141,6 +159,14 @@ REFUSED = {
     "olmoe": _MOE,
     "dbrx": _MOE,
 }
+
+
+def rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
+    """The RoPE parameters of each kind of layer: ``{layer type: parameters}`` for a family with RoPE per layer type
+    (``Family.rope_per_layer_type``), else ``{"all": config.rope_parameters}``; the dicts are the config's own."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    family = FAMILIES.get(config.model_type)
+    return dict(rope) if family is not None and family.rope_per_layer_type else {"all": rope}
 
 
 def model_source(path: str | None, family: str) -> str:
@@ -243,13 +269,22 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} holds quantized weights (quantization_config in its config.json): lctrain trains full-"
             f"precision weights; use the unquantized checkpoint"
         )
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
-            f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
-            f"replaces it)"
-        )
+    for rope in rope_parameters(config).values():
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
+                f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
+                f"replaces it)"
+            )
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None):
+            raise ValueError(
+                f"{source} sets {field}={getattr(config, field)}: lctrain's attention and loss do not soft-cap "
+                f"scores or logits, so training would not be the model's; use a checkpoint without it"
+            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{source} sets use_bidirectional_attention: lctrain trains causal decoders; set it to false")
     jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
     if jitter:
         raise ValueError(
