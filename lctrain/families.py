@@ -75,6 +75,9 @@ class Family:
     # RoPE per layer type (config.rope_parameters keyed by layer_types' kinds, rotary_emb(x, positions, layer_type)):
     # Gemma 3's local layers have their own base, its global layers theirs with the scaling
     rope_per_layer_type: bool = False
+    sinks: bool = False  # a learned attention sink per head (gpt-oss): one parameter per head and layer
+    expert_bias: bool = False  # biased experts (gate_up and down) and router (gpt-oss)
+    layer_norms: int = 2  # RMSNorms of hidden size per decoder layer (Gemma 3's four: around attention and MLP)
 
     @property
     def moe(self) -> bool:
@@ -114,6 +117,8 @@ FAMILIES = {
             experts=Experts("num_local_experts", "intermediate_size"),
             lora_targets=ATTENTION,
             built_attention="eager",
+            sinks=True,
+            expert_bias=True,
         ),
         Family(
             "gemma3_text",
@@ -122,6 +127,7 @@ FAMILIES = {
             qk_norm=True,
             head_dim_from_width=True,
             rope_per_layer_type=True,
+            layer_norms=4,
         ),
     )
 }
@@ -362,10 +368,12 @@ def moe_layers(config: Any) -> list[int]:
 
 def active_parameters(config: Any, num_params: int) -> int:
     """The parameters one token computes with, of a model of ``num_params``: each MoE layer's experts count for the
-    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width); a dense model's
-    all. What the FLOP count (MFU) of a mixture of experts takes."""
+    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width, and gpt-oss's
+    biases, 2 · width + hidden); a dense model's all. What the FLOP count (MFU) of a mixture of experts takes."""
     layers = moe_layers(config)
     if not layers:
         return num_params
     idle = num_experts(config) - config.num_experts_per_tok
-    return num_params - len(layers) * idle * 3 * config.hidden_size * expert_width(config)
+    hidden, width = config.hidden_size, expert_width(config)
+    expert = 3 * hidden * width + (2 * width + hidden) * FAMILIES[config.model_type].expert_bias  # gpt-oss's biases
+    return num_params - len(layers) * idle * expert
