@@ -1,20 +1,5 @@
-"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic.
-
-Run from the repository root::
-
-    python -m benchmarks.bench_attention                        # everything, S=16384, bf16, P=2
-    python -m benchmarks.bench_attention --seq 2048 --iters 1 --only efficiency,baselines
-    python -m benchmarks.bench_attention --only kernel          # the CPU op per pass: bf16 or fp32, layout
-
-Every rank is a spawned gloo process with one thread. A timed iteration is one forward + backward; all ranks
-pass a barrier before it, its time is the slowest rank's, and the reported figure is the median over ``--iters``
-iterations after ``--warmup`` untimed ones. Sections 1 and 2 run every implementation (T1 on rank 0 alone) in the
-same P processes, one iteration of each in turn (``timing.rounds``), so a change in machine load hits them all
-alike. Peak memory is the growth of a rank's resident set during a timed forward + backward. Every fused CPU kernel
-(T1 and DeepSpeed's local SDPA: lctrain's kernel on one device; PyTorch's ring op, cast) computes each pass in the
-dtype that lctrain's CPU kernel computes that pass in on this CPU (``kernels.cpu_compute_dtype``), so the
-comparisons measure the distribution, not the dtype. The output is markdown.
-"""
+"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic. The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -27,8 +12,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -49,31 +34,12 @@ MIB = 2**20
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
-@dataclass(frozen=True)
-class Config:
-    """Problem size and measurement settings shared by every rank."""
-
-    seq: int
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    warmup: int
-    iters: int
-
-    def inputs(self, seq: int) -> tuple[Tensor, ...]:
-        """Full-sequence q, k, v, dout ``[B, S, H, D]``, identical on every rank."""
-        shape = (seq, self.heads, self.kv_heads, self.head_dim, DTYPES[self.dtype])
-        return rings.random_inputs(*shape, batch=self.batch)
+def inputs(cfg: argparse.Namespace, seq: int) -> tuple[Tensor, ...]:
+    """Full-sequence q, k, v, dout ``[B, S, H, D]``, identical on every rank."""
+    return rings.random_inputs(seq, cfg.heads, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype], batch=cfg.batch)
 
 
-@dataclass
-class Case:
-    """One implementation ready to run on this rank: its forward+backward and any correctness figures."""
-
-    step: Callable[[], None]
-    checks: dict[str, float] = field(default_factory=dict)
+Case = tuple[Callable[[], None], dict[str, float]]  # an implementation on this rank: its fwd+bwd, its checks
 
 
 def autograd_step(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], None]:
@@ -97,11 +63,6 @@ def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, f
     return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rank programs
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
     """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.cpu_compute_dtype``)."""
     return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
@@ -122,15 +83,15 @@ def single_process_case(full: tuple[Tensor, ...]) -> Case:
     """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
     kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
     if dist.get_rank() != 0:
-        return Case(lambda: None)
+        return (lambda: None), {}
     q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
-    return Case(autograd_step(ring_attention, q, k, v, dout))
+    return autograd_step(ring_attention, q, k, v, dout), {}
 
 
 def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
     q, k, v, dout = rings.rank_shards(full, layout)
     group = dist.group.WORLD
-    return Case(autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout))
+    return autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout), {}
 
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
@@ -147,13 +108,13 @@ def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
         passes.forward()
         passes.backward()
 
-    return Case(step, checks)
+    return step, checks
 
 
 def ulysses_case(full: tuple[Tensor, ...]) -> Case:
     q, k, v, dout = rings.rank_shards(full, "contiguous")
     group = dist.group.WORLD
-    return Case(autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout))
+    return autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout), {}
 
 
 def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
@@ -174,7 +135,7 @@ def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
 
     ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout)
     theirs = outputs_and_grads(attend, q, k, v, dout)
-    return Case(autograd_step(attend, q, k, v, dout), compare(ours, theirs))
+    return autograd_step(attend, q, k, v, dout), compare(ours, theirs)
 
 
 CASES: dict[str, Callable[[tuple[Tensor, ...]], Case]] = {
@@ -187,56 +148,42 @@ CASES: dict[str, Callable[[tuple[Tensor, ...]], Case]] = {
 }
 
 
-def parallel_cases(cfg: Config, names: list[str]) -> dict[str, dict[str, Any]]:
+def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
     """Build the named implementations on the same global inputs, then measure them in rounds (``timing.rounds``,
     each round's figures the slowest rank's): per case its ``rounds`` (seconds and peak memory growth) and
     ``checks`` (the largest over ranks)."""
-    cases = {name: CASES[name](cfg.inputs(cfg.seq)) for name in names}
-    steps = {name: lambda _, case=case: case.step() for name, case in cases.items()}
+    cases = {name: CASES[name](inputs(cfg, cfg.seq)) for name in names}
+    steps = {name: lambda _, case=case: case[0]() for name, case in cases.items()}
     measured = gathered_slowest(rounds(steps, cfg.warmup, cfg.iters, memory=True, barrier=True))
     checks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(checks, {name: case.checks for name, case in cases.items()})
+    dist.all_gather_object(checks, {name: case[1] for name, case in cases.items()})
     return {name: {"rounds": measured[name], "checks": slowest([[c[name]] for c in checks])[0]} for name in names}
 
 
-class SendCounter:
-    """Stands in for ``dist.batch_isend_irecv`` and adds up the bytes of every ``isend`` it is given."""
-
-    def __init__(self) -> None:
-        self.original = dist.batch_isend_irecv
-        self.sent = 0
-
-    def __call__(self, ops: list[dist.P2POp]) -> list[dist.Work]:
-        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return self.original(ops)
-
-
-def memory_and_traffic(cfg: Config, seq_per_rank: int) -> dict[str, int]:
+def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, int]:
     """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
     growth of a second one."""
-    q, k, v, dout = rings.rank_shards(cfg.inputs(seq_per_rank * dist.get_world_size()), "zigzag")
+    q, k, v, dout = rings.rank_shards(inputs(cfg, seq_per_rank * dist.get_world_size()), "zigzag")
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return usp_attention(q, k, v, ulysses_group=None, ring_group=dist.group.WORLD)
 
-    counter = SendCounter()
-    dist.batch_isend_irecv = counter
-    try:  # the counted iteration doubles as the warm-up of the memory measurement
+    sent, original = [0], dist.batch_isend_irecv
+
+    def counted(ops: list[dist.P2POp]) -> list[dist.Work]:
+        """``dist.batch_isend_irecv``, adding up the bytes of every ``isend``."""
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    with mock.patch.object(dist, "batch_isend_irecv", counted):  # doubles as the memory measurement's warm-up
         out = attend(q, k, v)
-        forward_sent = counter.sent
+        forward_sent = sent[0]
         torch.autograd.grad(out, (q, k, v), dout)
-    finally:
-        dist.batch_isend_irecv = counter.original
     del out
     with StepMemory(torch.device("cpu"), collect=True) as peak:
         dist.barrier()
         autograd_step(attend, q, k, v, dout)()
-    return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Report (parent process)
-# ---------------------------------------------------------------------------------------------------------------
+    return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": sent[0] - forward_sent}
 
 
 def time_ms(case: dict[str, Any], key: str = "wall") -> float:
@@ -272,7 +219,7 @@ def block_passes(inputs: list[Tensor], dtype: torch.dtype, layout: str, causal: 
     return {"forward": forward["thread"], "backward": backward["thread"]}
 
 
-def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
+def kernel_pass_times(cfg: argparse.Namespace, reps: int) -> list[list[str]]:
     """CPU time (this thread, min of ``reps``) of ``block_passes`` on the blocks of a zigzag ring of two (the causal
     diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), for each compute dtype and input layout: what
     ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from."""
@@ -295,7 +242,7 @@ def kernel_pass_times(cfg: Config, reps: int) -> list[list[str]]:
     return rows
 
 
-def report_kernel(cfg: Config, reps: int) -> None:
+def report_kernel(cfg: argparse.Namespace, reps: int) -> None:
     torch.set_num_threads(1)
     rows = kernel_pass_times(cfg, reps)
     dtypes = kernels.cpu_bf16_dtypes()
@@ -307,7 +254,7 @@ def report_kernel(cfg: Config, reps: int) -> None:
     )
 
 
-def report_efficiency(cfg: Config, results: dict[str, dict[str, Any]], ranks: int) -> None:
+def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
     t1 = results["single"]
     base = time_ms(t1)
     rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
@@ -319,25 +266,14 @@ def report_efficiency(cfg: Config, results: dict[str, dict[str, Any]], ranks: in
         )
     print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
     print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
-    print(
-        "\nT1 runs on rank 0 while the other ranks wait at a barrier (no CPU), interleaved with the ring runs. "
-        "Target: efficiency ≥ 0.85 for zigzag. Contiguous sharding leaves rank 0 idle after the diagonal block "
-        "under causal masking."
-    )
 
 
-def report_baselines(cfg: Config, results: dict[str, dict[str, Any]], ranks: int) -> None:
-    ring_pair = (
-        "ring_zigzag",
-        "ours: ring_attention (zigzag)",
-        "torch_ring",
-        "PyTorch `_templated_ring_attention` (+ `_backward`)",
-    )
-    pairs, version = [ring_pair], deepspeed_version()
-    if version is not None:
-        pairs.append(
-            ("ulysses", "ours: ulysses_attention", "deepspeed", f"DeepSpeed {version} `DistributedAttention` + SDPA")
-        )
+def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
+    torch_ring = "PyTorch `_templated_ring_attention` (+ `_backward`)"
+    pairs = [("ring_zigzag", "ours: ring_attention (zigzag)", "torch_ring", torch_ring)]
+    if (version := deepspeed_version()) is not None:
+        deepspeed = f"DeepSpeed {version} `DistributedAttention` + SDPA"
+        pairs.append(("ulysses", "ours: ulysses_attention", "deepspeed", deepspeed))
     rows = []
     for ours, ours_label, theirs, theirs_label in pairs:
         a, b = results[ours], results[theirs]
@@ -345,32 +281,18 @@ def report_baselines(cfg: Config, results: dict[str, dict[str, Any]], ranks: int
         diffs = f"{checks['out']:.1e} / {checks['grads']:.1e} (max \\|out\\| {checks['out_max']:.2f}, "
         diffs += f"\\|grad\\| {checks['grads_max']:.2f})"
         cpu = f"{time_ms(a, 'cpu') / time_ms(b, 'cpu'):.2f} ({time_ms(a, 'cpu'):.0f} / {time_ms(b, 'cpu'):.0f} ms)"
-        rows.append(
-            [
-                ours_label,
-                f"{time_ms(a):.1f}",
-                f"{peak_mib(a):.1f}",
-                theirs_label,
-                f"{time_ms(b):.1f}",
-                f"{peak_mib(b):.1f}",
-            ]
-            + [f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}", diffs]
-        )
+        cells = [ours_label, f"{time_ms(a):.1f}", f"{peak_mib(a):.1f}", theirs_label, f"{time_ms(b):.1f}"]
+        cells += [f"{peak_mib(b):.1f}", f"{time_ms(a) / time_ms(b):.2f}", cpu, f"{peak_mib(a) / peak_mib(b):.2f}"]
+        rows.append([*cells, diffs])
     print(f"\n## 2. Baselines (S={cfg.seq}, P={ranks}, causal, same inputs)\n")
     header = ["ours", "ms", "MiB/rank", "theirs", "ms", "MiB/rank", "time ours/theirs"]
     header += ["CPU time ours/theirs (busiest rank)", "mem ours/theirs", "max abs diff out / grads"]
     print(table(header, rows))
     if version is None:
         print("\ndeepspeed not installed (pip install -e .[deepspeed]): the Ulysses row is skipped.")
-    print(
-        "\nPyTorch's ring runs with its module defaults: head-tail load balancing (fed our zigzag shards), "
-        "K/V rotated by one all-gather in the forward and all-to-all for dK/dV in the backward, fp32 merging. "
-        "The diffs compare its outputs (and dq, dk, dv) with ours on every rank before timing; DeepSpeed is "
-        "compared with our ulysses_attention the same way."
-    )
 
 
-def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
+def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
     element = DTYPES[cfg.dtype].itemsize
     accumulator = accumulation_dtype(DTYPES[cfg.dtype])
     d_model = cfg.kv_heads * cfg.head_dim
@@ -392,14 +314,7 @@ def report_memory(cfg: Config, seq_per_rank: int, results: dict[int, list[dict[s
     header = ["P", "S", "peak mem/rank (MiB)", "fwd bytes sent/rank (min … max)", "plan (max; ✓ = every rank)"]
     header += ["bwd bytes sent/rank (min … max)", "plan (max; ✓ = every rank)"]
     print(table(header, rows))
-    print(
-        f"\nd_model = Hkv·D = {d_model}. Forward: at ring step s each rank sends ring rank + s the K/V rows it needs "
-        f"({cfg.dtype}): the whole piece when that rank comes earlier in the sequence, the first half otherwise "
-        f"(zigzag, causal), so one step sends at most 2·{element}·(S/P)·d_model bytes. Backward: the same K/V again "
-        f"but the last step's (kept from the forward), plus the dK/dV ({accumulator}) of "
-        f"the rows each rank fetched, returned to their owner. No timings here: P>2 oversubscribes "
-        f"{os.cpu_count()} cores. The peak should stay flat from P=2 on (O(S/P)); P=1 has no receive buffers."
-    )
+    print(f"\nd_model = Hkv·D = {d_model}; K/V sent in {cfg.dtype}, dK/dV in {accumulator}; {os.cpu_count()} cores.")
 
 
 def parse_args() -> argparse.Namespace:
@@ -426,59 +341,37 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = Config(args.seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype, args.warmup, args.iters)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
-    print("# Attention benchmark\n")
-    print(f"- command: `{command()}`")
-    print(f"- machine: {machine_line()}")
-    print(
-        f"- problem: B={cfg.batch}, Hq={cfg.heads}, Hkv={cfg.kv_heads}, D={cfg.head_dim}, {cfg.dtype}, causal; "
-        f"forward+backward, one thread per rank, {cfg.warmup} warm-up + median of {cfg.iters} timed iterations, "
-        f"time = slowest rank"
-    )
-    sys.stdout.flush()
-
+    sys.stdout.reconfigure(line_buffering=True)
+    print(f"# Attention benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(f"- problem: B={args.batch}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, causal; "
+          f"forward+backward, one thread per rank, {args.warmup} warm-up + median of {args.iters} timed iterations, "
+          "time = slowest rank")  # fmt: skip
     names: list[str] = []
     if "efficiency" in args.only:
         names += ["single", "ring_zigzag", "ring_contiguous"]
     if "baselines" in args.only:
         names += [n for n in ("ring_zigzag", "torch_ring") if n not in names]
         names += ["ulysses", "deepspeed"] if deepspeed_version() is not None else []
-    results = run_distributed(parallel_cases, args.ranks, cfg, names)[0] if names else {}
+    results = run_distributed(parallel_cases, args.ranks, args, names)[0] if names else {}
     if "efficiency" in args.only:
-        report_efficiency(cfg, results, args.ranks)
-        sys.stdout.flush()
+        report_efficiency(args, results, args.ranks)
     if "baselines" in args.only:
-        report_baselines(cfg, results, args.ranks)
-        sys.stdout.flush()
+        report_baselines(args, results, args.ranks)
     if "kernel" in args.only:
-        report_kernel(cfg, max(cfg.iters, 3))
-        sys.stdout.flush()
+        report_kernel(args, max(args.iters, 3))
     if "memory" in args.only:
-        memory_ranks = [int(p) for p in args.memory_ranks.split(",")]
+        ranks = [int(p) for p in args.memory_ranks.split(",")]
         report_memory(
-            cfg,
-            args.seq_per_rank,
-            {p: run_distributed(memory_and_traffic, p, cfg, args.seq_per_rank) for p in memory_ranks},
+            args, args.seq_per_rank, {p: run_distributed(memory_and_traffic, p, args, args.seq_per_rank) for p in ranks}
         )
-    forward, backward = (kernels.cpu_compute_dtype(DTYPES[cfg.dtype], name) for name in ("forward", "backward"))
-    if (forward, backward) != (DTYPES[cfg.dtype],) * 2:
-        print(
-            f"\nCompute dtype: lctrain's CPU kernel computes {cfg.dtype} blocks in {forward} forward and {backward} "
-            f"backward (`kernels.cpu_bf16_dtypes`: {kernels.cpu_bf16_dtypes().reason}; section 4 measures both); T1, "
-            f"PyTorch's ring op and DeepSpeed's local attention get the same cast per pass (inputs, outputs and "
-            f"everything communicated stay {cfg.dtype})."
-        )
-    print(
-        "\nPeak memory = VmHWM − VmRSS around a forward+backward (VmHWM reset by writing 5 to /proc/self/clear_refs "
-        "just before it), max over the timed iterations and over ranks (section 3: one forward+backward after a "
-        f"warm-up one). Every rank runs with MALLOC_MMAP_THRESHOLD_={MALLOC_MMAP_THRESHOLD} so freed large buffers "
-        "go back to the OS and one phase cannot hide another's memory; the timings run with that setting too, "
-        "for every implementation alike."
-    )
+    forward, backward = (kernels.cpu_compute_dtype(DTYPES[args.dtype], name) for name in ("forward", "backward"))
+    if (forward, backward) != (DTYPES[args.dtype],) * 2:
+        reason = kernels.cpu_bf16_dtypes().reason
+        print(f"\nCompute dtype: {args.dtype} blocks computed in {forward} forward, {backward} backward ({reason}).")
     print(f"\nTotal wall time {time.perf_counter() - started:.0f} s.")
 
 

@@ -1,35 +1,7 @@
 """The longest sequence each side (``sides.py``) trains in one step, lctrain against the plain Hugging Face loop, on
-CPU within a memory budget or on one GPU; and lctrain's memory by layer count (to predict depths and lengths too
-slow to run) and what activation offload saves.
-
-    python -m benchmarks.bench_context                # CPU: lctrain on 4 ranks vs one HF process (about 5 minutes)
-    python -m benchmarks.bench_context --device cuda  # one GPU: all three sections (a 10-minute call on an H200, est.)
-    python -m benchmarks.bench_context --device cuda --sections layers --fit-seqs 524288 1048576 --check-seq 524288
-
-The job is ``bench_trainer``'s (``jobs.job_from_args``). lctrain runs on ``--ring`` × ``--ulysses`` ranks (CPU
-default ring 4: every activation at S/4 tokens per rank; CUDA default one GPU) with activation checkpointing
-``full`` and the chunked loss (``--loss-chunk-tokens``); the HF loop in one process with ``--hf-checkpointing``
-(CPU default none, CUDA full). Every probe is a fresh process or group (``runs.run_steps``): one warm-up step at
-``--warmup-seq``, then one step at S. It fits when it finishes (an out-of-memory or ``--probe-timeout`` is a clean
-"does not fit") and, on CPU, every process's step peak (``MALLOC_MMAP_THRESHOLD_=65536``) stays within
-``--budget-mib``, a watchdog ending a step as it passes it.
-
-Sections (``--sections``; CPU default ``search``, CUDA all three):
-
-1. ``search``: the longest S of each side (``search.py``). The HF loop doubles from ``--start-seq`` (halving while
-   the start does not fit), then bisects ``--bisect`` times; lengths are multiples of ``--seq-unit``, none above
-   ``--max-seq``. lctrain starts at ``--target-ratio`` × the HF loop's result, then tries ``--max-seq`` (the step
-   peak grows with S, so a fit there means every length in between fits: "≥ max-seq"), else doubles and bisects.
-   At each side's longest fit: step time, MFU and peak memory. No extrapolation: lctrain's step peak is the
-   largest of several phases' that grow with S at different rates.
-2. ``layers``: lctrain's peak with ``--layer-counts`` layers at each of ``--fit-seqs``; a line fixed + per-layer
-   memory per S predicts the full depth, checked against a real full-depth step at ``--check-seq``.
-3. ``offload``: lctrain with ``--offload-layers`` layers at ``--offload-seq`` without and with
-   ``parallel.activation_offload`` (a no-op on CPU): memory saved and slowdown, the second step timed.
-
-A full 16-layer step at 1M tokens takes many minutes on one GPU, hence depth predicted from shallow models (the
-third command; longer than 10 minutes: split it by section). ``--json PATH`` writes every probe.
-"""
+CPU within a memory budget or on one GPU; lctrain's memory by layer count (to predict depths and lengths too slow
+to run), what activation offload saves, and the step peak per rank against S/P with every memory saver on. The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -42,30 +14,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import memory
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.memory import malloc_env
 from benchmarks.report import command, fit_line, machine_line, percent, table
 from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
 
 MIB, GIB = 2**20, 2**30
-SECTIONS = ("search", "layers", "offload")
-# the flags' defaults by device: (CPU, CUDA)
+SECTIONS = ("search", "layers", "offload", "scaling")
+MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # scaling: ranks -> (ring, ulysses)
+# the integer flags whose defaults depend on the device: (CPU, CUDA, help)
 DEFAULTS = {
-    "sections": (["search"], list(SECTIONS)),
-    "ring": (4, 1),
-    "hf_checkpointing": ("none", "full"),
-    "budget_mib": (1024, None),
-    "start_seq": (1024, 32768),
-    "max_seq": (32768, 262144),
-    "seq_unit": (256, 8192),
-    "warmup_seq": (512, 4096),
-    "layer_counts": ([1, 2], [2, 4]),
-    "fit_seqs": ([4096, 8192], [131072, 262144]),
-    "check_seq": (4096, 131072),
-    "offload_seq": (8192, 262144),
-    "offload_layers": (2, 4),
+    "ring": (4, 1, "lctrain's ring degree"),
+    "start_seq": (1024, 32768, "the HF loop's first probe"),
+    "max_seq": (32768, 262144, "no probe above this"),
+    "seq_unit": (256, 8192, "probed lengths are multiples of this"),
+    "warmup_seq": (512, 4096, "each probe's warm-up step"),
+    "layer_counts": ([1, 2], [2, 4], "depths of the layer fit"),
+    "fit_seqs": ([4096, 8192], [131072, 262144], "lengths of the layer fit"),
+    "check_seq": (4096, 131072, "the full-depth run checking the prediction"),
+    "offload_seq": (8192, 262144, "activation offload: S"),
+    "offload_layers": (2, 4, "activation offload: layers"),
 }
 
 
@@ -77,31 +47,42 @@ def fits(result: dict[str, Any], budget: int | None) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(parser)
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search on CPU, all on CUDA")
-    parser.add_argument("--ring", type=int, help="lctrain's ring degree (default: 4 on CPU, 1 on CUDA)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
+    for name, (cpu, cuda, text) in DEFAULTS.items():
+        many = "+" if isinstance(cpu, list) else None
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, nargs=many, help=f"{text} (CPU {cpu}, CUDA {cuda})"
+        )
     parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
     parser.add_argument("--budget-mib", type=int, help="CPU: the step peak a process may add (default 1024)")
-    parser.add_argument("--start-seq", type=int, help="the HF loop's first probe")
     parser.add_argument("--target-ratio", type=float, default=4.0, help="lctrain starts at this × the HF loop's S")
-    parser.add_argument("--max-seq", type=int, help="no probe above this")
-    parser.add_argument("--seq-unit", type=int, help="probed lengths are multiples of this")
     parser.add_argument("--bisect", type=int, default=1, help="bisection steps after doubling")
-    parser.add_argument("--warmup-seq", type=int, help="each probe's warm-up step")
-    parser.add_argument("--layer-counts", type=int, nargs="+", help="depths of the layer fit")
-    parser.add_argument("--fit-seqs", type=int, nargs="+", help="lengths of the layer fit")
-    parser.add_argument("--check-seq", type=int, help="the full-depth run checking the prediction")
-    parser.add_argument("--offload-seq", type=int, help="activation offload: S")
-    parser.add_argument("--offload-layers", type=int, help="activation offload: layers")
+    scaling = parser.add_argument_group("scaling: every memory saver on, one process group per P")
+    scaling.add_argument("--scaling-ranks", type=int, nargs="+", choices=sorted(MESHES), default=[1, 2, 4, 8])
+    scaling.add_argument("--per-rank", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="S/P values")
+    scaling.add_argument("--max-scaling-seq", type=int, default=16384, help="skip longer S (step time grows as S²)")
+    scaling.add_argument("--fit-min-per-rank", type=int, default=2048, help="fit S/P ≥ this (below: a floor)")
+    scaling.add_argument("--baseline-seqs", type=int, nargs="*", default=[1024, 2048, 4096, 8192], help="HF loop's S")
+    scaling.add_argument("--mlp-chunk-tokens", type=int, default=256, help="lctrain's parallel.mlp_chunk_tokens")
+    scaling.add_argument("--safe-gib", type=float, default=16.0, help="stop a run whose ranks pass this together")
+    scaling.add_argument("--plot", default="docs/memory_per_rank.png", help="the PNG of step peak per rank vs S/P")
     parser.add_argument("--probe-timeout", type=float, default=240, help="seconds a probe may take to start or step")
     parser.add_argument("--json", metavar="PATH", help="also write every probe as JSON")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and "scaling" in (args.sections or []):
+        parser.error("--sections scaling runs CPU process groups: --device cpu")
     if args.device == "cuda" and args.budget_mib is not None:
         parser.error("--budget-mib limits a CPU run's memory; on CUDA the GPU's memory is the limit")
-    for key, values in DEFAULTS.items():
+    cuda = args.device == "cuda"
+    defaults = {name: values[cuda] for name, values in DEFAULTS.items()} | {
+        "hf_checkpointing": "full" if cuda else "none"
+    }
+    defaults |= {"sections": list(SECTIONS[:3]) if cuda else ["search"], "budget_mib": None if cuda else 1024}
+    for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, values[args.device == "cuda"])
+            setattr(args, key, value)
     divisor = 2 * args.ring * args.ulysses  # zigzag sharding
     for name in ("seq_unit", "warmup_seq", "start_seq", "max_seq"):
         if getattr(args, name) % divisor:
@@ -120,6 +101,7 @@ class Bench:
     args: argparse.Namespace
     log: list[dict[str, Any]] = field(default_factory=list)
     done: dict[tuple, Probe] = field(default_factory=dict)  # every probe by what it ran: a section reuses another's
+    points: list[dict[str, Any]] = field(default_factory=list)  # the scaling section's steps
 
     @functools.cached_property
     def depth(self) -> int:
@@ -132,20 +114,18 @@ class Bench:
     def budget(self) -> int | None:
         return None if self.args.budget_mib is None else self.args.budget_mib * MIB
 
-    def job(self, side: str, seq: int, layers: int | None, offload: bool) -> list[str]:
+    def job(self, side: str, seq: int, layers: int | None, offload: bool, mesh: tuple | None = None) -> list[str]:
         args = self.args
-        ring, ulysses = (args.ring, args.ulysses) if side == "lctrain" else (1, 1)
+        ring, ulysses = mesh or ((args.ring, args.ulysses) if side == "lctrain" else (1, 1))
+        lctrain = side == "lctrain"
         changes = [f"parallel.ring={ring}", f"parallel.ulysses={ulysses}", "parallel.dp=1", f"data.seq_len={seq}"]
-        if side == "lctrain":
-            changes.append("parallel.activation_checkpointing=full")
-            if args.loss_chunk_tokens is not None:
-                changes.append(f"train.loss_chunk_tokens={args.loss_chunk_tokens}")
-        else:
-            changes.append(f"parallel.activation_checkpointing={args.hf_checkpointing}")
-        if layers is not None:
-            changes.append(f"model.num_layers={layers}")
-        if offload:
-            changes.append("parallel.activation_offload=true")
+        changes.append(f"parallel.activation_checkpointing={'full' if lctrain else args.hf_checkpointing}")
+        chunk = args.loss_chunk_tokens
+        changes += [f"train.loss_chunk_tokens={chunk}"] * (lctrain and chunk is not None)
+        changes += [f"model.num_layers={layers}"] * (layers is not None) + [
+            "parallel.activation_offload=true"
+        ] * offload
+        changes += [f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}"] * (lctrain and mesh is not None)  # scaling
         return job_from_args(args, *changes)
 
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
@@ -163,7 +143,7 @@ class Bench:
         what += ", activation offload" if offload else ""
         print(f"probe: {what} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        with malloc_env(for_memory=args.device == "cpu"):
+        with memory.malloc_env(for_memory=args.device == "cpu"):
             result = self.run(spec, ranks, warmup_seq, seq, steps)
         result["wall_s"] = time.perf_counter() - started
         probe = Probe(seq, fits(result, self.budget), result)
@@ -180,10 +160,9 @@ class Bench:
     def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
         """A probe's figures (``runs.run_steps``: over its ranks the largest): its steps' times, their largest peak and
         step peak, with the run's description; or the first failure."""
-        steps_of = [(seq, 0)] * steps
-        side = run_steps(
-            {"probe": spec}, ranks, [(warmup_seq, 1)], steps_of, budget=self.budget, timeout_s=self.args.probe_timeout
-        )["probe"]
+        budget, timeout_s = self.budget, self.args.probe_timeout
+        side = run_steps({"p": spec}, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=budget, timeout_s=timeout_s)
+        side = side["p"]
         failed = next((r for r in [side["ready"], *side["steps"]] if not r["ok"]), None)
         if failed is not None:
             return failed
@@ -216,9 +195,7 @@ def probe_cell(probe: Probe, budget: bool) -> str:
 def search_section(bench: Bench) -> list[str]:
     args = bench.args
     unit = args.seq_unit
-    searches = {
-        side: Search(lambda seq, side=side: bench.probe(side, seq), unit, args.max_seq) for side in ("hf", "lctrain")
-    }
+    searches = {side: Search(functools.partial(bench.probe, side), unit, args.max_seq) for side in ("hf", "lctrain")}
     hf = searches["hf"].run(args.start_seq, bisect=args.bisect)
     start = min(args.max_seq, max(unit, int(args.target_ratio * (hf or unit)) // unit * unit))
     lctrain = searches["lctrain"].run(start, bisect=args.bisect, jump=True)  # a fit at --max-seq ends it
@@ -231,20 +208,16 @@ def search_section(bench: Bench) -> list[str]:
         label = "none fits" if longest is None else f"{'≥ ' if longest >= args.max_seq else ''}{longest:,}"
         cells = [labels[side], label, "—" if failure is None else f"{failure:,} ({search.probes[failure].reason[:60]})"]
         cells += ["—"] * 3 if longest is None else step_figures(args, search.probes[longest])
-        probes = "; ".join(
-            probe_cell(p, bench.budget is not None) for p in sorted(search.probes.values(), key=lambda p: p.seq)
-        )
-        rows.append([*cells, probes])
+        tried = sorted(search.probes.values(), key=lambda p: p.seq)
+        rows.append([*cells, "; ".join(probe_cell(p, bench.budget is not None) for p in tried)])
     ratio = f"**{'≥ ' if lctrain and lctrain >= args.max_seq else ''}{lctrain / hf:.1f}×**" if lctrain and hf else "—"
     header = ["side", "longest S", "shortest failure", "step (s)", "MFU", "peak memory (GiB)", "probes"]
-    if bench.budget is None:
-        memory = "peak allocated"
-    else:
-        memory = f"resident set; fits: step peak ≤ {args.budget_mib:,} MiB per process"
+    measured = "peak allocated" if bench.budget is None else "resident set"
+    measured += "" if bench.budget is None else f"; fits: step peak ≤ {args.budget_mib:,} MiB per process"
     note = (
         f"One training step; lctrain on ring {args.ring} × ulysses {args.ulysses} with activation checkpointing full, "
         f"the HF loop in one process with checkpointing {args.hf_checkpointing}; each probe a fresh process (group): a "
-        f"warm-up step at {args.warmup_seq:,} tokens, then one at S; memory = {memory}. lctrain / HF loop: {ratio}."
+        f"warm-up step at {args.warmup_seq:,} tokens, then one at S; memory = {measured}. lctrain / HF loop: {ratio}."
     )
     return ["## Longest sequence", "", note, "", table(header, rows), ""]
 
@@ -265,23 +238,16 @@ def layers_section(bench: Bench) -> list[str]:
             continue
         fixed, per_layer = fit_line(list(points), list(points.values()))
         predicted = fixed + per_layer * depth
-        rows.append(
-            [
-                f"{seq:,}",
-                f"{depth} (predicted)",
-                f"**{predicted / GIB:.2f}** = {fixed / GIB:.2f} + {depth} × {per_layer / GIB:.3f}",
-            ]
-        )
+        line = f"**{predicted / GIB:.2f}** = {fixed / GIB:.2f} + {depth} × {per_layer / GIB:.3f}"
+        rows.append([f"{seq:,}", f"{depth} (predicted)", line])
         if seq == args.check_seq:
             real = bench.probe("lctrain", seq)  # the search's probe, when it ran this length
-            if real.fits:
-                measured = real.result["peak"]
-                check_rows.append(
-                    [f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", f"{measured / GIB:.2f}"]
-                    + [f"{(predicted - measured) / measured:+.1%}"]
-                )
-            else:
-                check_rows.append([f"{seq:,}", str(depth), f"{predicted / GIB:.2f}", real.reason[:60], "—"])
+            cells = [f"{seq:,}", str(depth), f"{predicted / GIB:.2f}"]
+            if not real.fits:
+                check_rows.append([*cells, real.reason[:60], "—"])
+                continue
+            measured = real.result["peak"]
+            check_rows.append([*cells, f"{measured / GIB:.2f}", f"{(predicted - measured) / measured:+.1%}"])
     lines = ["## lctrain's memory by layer count", "", table(["S", "layers", "peak memory (GiB)"], rows), ""]
     if check_rows:
         header = ["S", "layers", "predicted (GiB)", "measured (GiB)", "error"]
@@ -309,25 +275,142 @@ def offload_section(bench: Bench) -> list[str]:
     return ["## Activation offload", "", where, "", table(header, rows), ""]
 
 
+def scaling_points(bench: Bench, side: str, ranks: int, seqs: list[int]) -> list[dict[str, Any]]:
+    """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group: each rank's
+    step peak, PSS and resident set before the step, and the slowest rank's step time."""
+    args, mesh = bench.args, MESHES[ranks]
+    print(f"scaling: {side}, ring {mesh[0]} × ulysses {mesh[1]}: S = {seqs}", file=sys.stderr, flush=True)
+    spec = {"side": side, "job": bench.job(side, max(seqs), None, side == "lctrain", mesh), "threads": 1}
+    steps, budget = [(seq, 0) for seq in seqs], int(args.safe_gib * GIB / ranks)
+    with memory.malloc_env(for_memory=True):
+        result = run_steps({side: spec}, ranks, [(64 * ranks, 1)], steps, budget=budget)
+    done = sum(step["ok"] for step in result[side]["steps"])
+    if done < len(seqs):
+        print(f"    stopped at S={seqs[done]:,}: past its share of --safe-gib", file=sys.stderr, flush=True)
+    per_rank, slowest = result[side]["per_rank"], result[side]["steps"]
+    keys = {"peaks": "step_peak", "pss_before": "pss_before", "rss_before": "before"}
+    return [
+        {"side": side, "ranks": ranks, "seq": seq, "step_s": slowest[i]["step_s"]}
+        | {name: [rank[i][key] for rank in per_rank] for name, key in keys.items()}
+        for i, seq in enumerate(seqs[:done])
+    ]
+
+
+def per_rank_tokens(point: dict[str, Any]) -> int:
+    return point["seq"] // point["ranks"]
+
+
+def line(points: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """Step peak per rank = a + b·(S/P), least squares, and the largest residual; None without two S/P."""
+    xs, ys = [per_rank_tokens(p) for p in points], [max(p["peaks"]) for p in points]
+    if len(set(xs)) < 2:
+        return None
+    a, b = fit_line(xs, ys)
+    return a, b, max(abs(y - a - b * x) for x, y in zip(xs, ys, strict=True))
+
+
+def mesh_label(side: str, ranks: int) -> str:
+    return "HF baseline, 1 process" if side == "hf" else "lctrain, ring {} × ulysses {}".format(*MESHES[ranks])
+
+
+def scaling_section(bench: Bench) -> list[str]:
+    args = bench.args
+    args.safe_gib = min(args.safe_gib, (memory.available() - 2 * GIB) / GIB)  # what is free now
+    for ranks in sorted(args.scaling_ranks):
+        seqs = [ranks * n for n in args.per_rank if ranks * n <= args.max_scaling_seq]
+        bench.points += scaling_points(bench, "lctrain", ranks, seqs)
+    if args.baseline_seqs:
+        bench.points += scaling_points(bench, "hf", 1, args.baseline_seqs)
+    points = sorted(bench.points, key=lambda p: (p["side"] != "lctrain", p["ranks"], p["seq"]))
+    fitted = [p for p in points if p["side"] == "hf" or per_rank_tokens(p) >= args.fit_min_per_rank]
+    rows, fits = [], []
+    for p in points:
+        cells = [mesh_label(p["side"], p["ranks"]), str(p["ranks"]), f"{p['seq']:,}", f"{per_rank_tokens(p):,}"]
+        total = (sum(p["pss_before"]) + sum(p["peaks"])) / GIB  # every rank at its peak: an upper bound
+        cells += [f"**{max(p['peaks']) / MIB:,.0f}**", f"{min(p['peaks']) / MIB:,.0f} … {max(p['peaks']) / MIB:,.0f}"]
+        cells += [f"{max(p['rss_before']) / MIB:,.0f}", f"{total:,.2f}", f"{p['step_s']:.1f}"]
+        rows.append([*cells, "fitted" if p in fitted else "floor"])
+    groups = {(p["side"], p["ranks"]): [q for q in fitted if (q["side"], q["ranks"]) == (p["side"], p["ranks"])]
+              for p in points}  # fmt: skip
+    pooled = [p for p in fitted if p["side"] == "lctrain" and p["ranks"] >= 2]  # every P ≥ 2: one line
+    if len({p["ranks"] for p in pooled}) > 1:
+        groups[("pooled", 0)] = pooled
+    for (side, ranks), own in groups.items():
+        found = line(own)
+        if found is None:
+            continue
+        a, b, residual = found
+        cells = [mesh_label(side, ranks), str(ranks)] if ranks else ["**lctrain, every P ≥ 2 together**"]
+        cells += [] if ranks else [", ".join(str(n) for n in sorted({p["ranks"] for p in own}))]
+        cells += [", ".join(f"{n:,}" for n in sorted({per_rank_tokens(p) for p in own})), f"{b / 1024:.2f}"]
+        cells += [f"{b / ranks / 1024:.2f}" if ranks else "—", f"{a / MIB:,.0f}", f"{residual / MIB:.1f}"]
+        fits.append(cells)
+    if args.plot:
+        plot(points, pooled, Path(args.plot), args.fit_min_per_rank)
+    header = ["side", "P", "S", "S/P", "step peak/rank (MiB, max)", "min … max over ranks", "RSS before (MiB)"]
+    header += ["total, all ranks (GiB)", "step (s)", "use"]
+    fit_header = ["fit: step peak per rank = a + b·(S/P)", "P", "fitted S/P", "b: KiB per token of the rank"]
+    fit_header += ["b/P: KiB per token of the sequence", "a (MiB)", "max residual (MiB)"]
+    note = (
+        f"One step per length after a warm-up step, one thread per rank; lctrain with activation checkpointing full, "
+        f"activation offload (a no-op on CPU), MLP chunks of {args.mlp_chunk_tokens} tokens and the chunked loss; "
+        f"the HF loop without checkpointing, full logits. Step peak = VmHWM − VmRSS before the step; total = Σ PSS "
+        f"before + Σ step peaks."
+    )
+    lines = ["## Memory per rank vs sequence length", "", note, "", table(header, rows), "", table(fit_header, fits)]
+    return [*lines, "", f"plot: {args.plot}" if args.plot else ""]
+
+
+def plot(points: list[dict[str, Any]], pooled: list[dict[str, Any]], path: Path, min_per_rank: int) -> None:
+    """Left: lctrain's step peak per rank against S/P for every P and the line fitted to P ≥ 2; right: the same and
+    the HF loop against S (log axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for side, ranks in dict.fromkeys((p["side"], p["ranks"]) for p in points):
+        own = [p for p in points if (p["side"], p["ranks"]) == (side, ranks)]
+        style = {"linestyle": "--" if side == "hf" else "-", "marker": "o", "label": mesh_label(side, ranks)}
+        peaks = [max(p["peaks"]) / MIB for p in own]
+        if side == "lctrain":
+            left.plot([per_rank_tokens(p) for p in own], peaks, **style)
+        right.plot([p["seq"] for p in own], peaks, **style)
+    found = line(pooled)
+    if found is not None:
+        x = [min_per_rank / 2, max(per_rank_tokens(p) for p in pooled)]
+        left.plot(x, [(found[0] + found[1] * t) / MIB for t in x], ":", color="black", label="fit to every P ≥ 2")
+    left.set(xlabel="tokens per rank S/P", title="lctrain, all savers: step peak per rank vs S/P")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    right.set(xlabel="sequence length S", title="step peak per rank vs S (and the plain HF baseline)")
+    for ax in (left, right):
+        ax.set_ylabel("step peak per rank (MiB, max over ranks)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main() -> None:
     """Each section is printed (and the JSON rewritten) as soon as it is done: a run stopped by a timeout keeps what
     it measured."""
     args = parse_args()
     started = time.perf_counter()
     bench = Bench(args)
-    print("# Longest context: lctrain vs a plain Hugging Face loop\n")
-    print(f"- command: `{command()}`")
-    if args.device == "cpu":
-        print(f"- machine: {machine_line()}")
-    print(
-        f"- job (Hydra overrides of lctrain's probes): `{' '.join(bench.job('lctrain', args.max_seq, None, False))}`\n",
-        flush=True,
-    )
+    machine = f"\n- machine: {machine_line()}" if args.device == "cpu" else ""
+    print(f"# Longest context: lctrain vs a plain Hugging Face loop\n\n- command: `{command()}`{machine}")
+    job = " ".join(bench.job("lctrain", args.max_seq, None, False))
+    print(f"- job (Hydra overrides of lctrain's probes): `{job}`\n", flush=True)
     sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
+    sections["scaling"] = scaling_section
     for name in args.sections:
         print("\n".join(sections[name](bench)), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": command(), "probes": bench.log}, indent=1))
+            saved = {"command": command(), "probes": bench.log, "scaling": bench.points}
+            Path(args.json).write_text(json.dumps(saved, indent=1))
     device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
     print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
 

@@ -1,21 +1,5 @@
 """Mixture-of-experts layers: lctrain's experts implementation against transformers' own at world size 1, and expert
-parallelism against none on 4 ranks, on CPU; the first on one GPU too.
-
-    python -m benchmarks.bench_experts                  # both parts, about 3 minutes on 2 cores
-    python -m benchmarks.bench_experts --part single --seq 4096
-    python -m benchmarks.bench_experts --part single --device cuda --json OUT.json
-
-- ``single``: a Qwen3-MoE model (``--layers`` layers of ``--experts`` experts of width ``--expert-width``, top
-  ``--top-k``, hidden ``--hidden``) on one row of ``--seq`` tokens, forward and backward in fp32: transformers'
-  default experts implementation (``grouped_mm``), its ``eager`` loop, and lctrain's (``lctrain.parallel.expert``)
-  with each local kernel, the one ``expert_kernel`` picks here marked; the same weights and rows, steps in turn
-  (``timing.rounds``): the median step time and its ratio to transformers' default. ``--device cuda``: the same in
-  bf16 on one GPU, by default at Qwen3-30B-A3B's layer sizes on a row of 16,384 tokens.
-- ``ep``: the same model on 4 gloo ranks, each with its own row, its experts on every rank (``ep`` 1) and spread
-  over 2 and 4 ranks, side by side, steps in turn: the median step time (slowest rank), the expert weights each rank
-  holds and its step's memory growth (``lctrain.train.meter.StepMemory``). Without FSDP: each rank holds its experts
-  whole, so the saving is the experts' (E - E/ep)/E and the cost the all-to-alls (on loopback here).
-"""
+parallelism against none on 4 ranks, on CPU; the first on one GPU too. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -47,19 +31,14 @@ SHAPES = {
 def build(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "qwen3_moe",
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        vocab_size=VOCAB,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.expert_width,
-        norm_topk_prob=True,
-    )
+    sizes = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "head_dim": args.hidden // 4}
+    sizes |= {
+        "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.expert_width,
+    }
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    config = AutoConfig.for_model("qwen3_moe", **sizes, **heads, vocab_size=VOCAB, norm_topk_prob=True)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
@@ -100,30 +79,19 @@ def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     the expert weights held here."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    models = {}
+    world, models, held = dist.get_world_size(), {}, {}
     for ep in EP_DEGREES:
-        model = build(args)
-        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep")) if ep > 1 else None
-        apply_expert_parallel(
-            model, None if mesh is None else mesh["ep"], expert_kernel(torch.device("cpu"), torch.float32)
-        )
-        models[ep] = model
+        models[ep] = model = build(args)
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("same", "ep"))["ep"] if ep > 1 else None
+        apply_expert_parallel(model, mesh, expert_kernel(torch.device("cpu"), torch.float32))
+        weights = [p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
+        held[ep] = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in weights)
     input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
     steps = {ep: functools.partial(step, model, input_ids) for ep, model in models.items()}
     measured = gathered_slowest(rounds(steps, args.warmup, args.steps, alternate=False, memory=True, barrier=True))
-    return {
-        ep: {
-            "step_s": median(measured[ep], "wall"),
-            "experts_bytes": sum(
-                p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
-                for name, p in models[ep].named_parameters()
-                if name.endswith(("gate_up_proj", "down_proj"))
-            ),
-            "growth_bytes": max(r["growth"] for r in measured[ep]),
-        }
-        for ep in EP_DEGREES
-    }
+    growth = {ep: max(r["growth"] for r in measured[ep]) for ep in EP_DEGREES}
+    return {ep: {"step_s": median(measured[ep], "wall"), "experts_bytes": held[ep], "growth_bytes": growth[ep]}
+            for ep in EP_DEGREES}  # fmt: skip
 
 
 def expert_parallel(args: argparse.Namespace) -> str:
@@ -140,11 +108,11 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_experts", description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the single part only, in bf16")
-    for flag, key in (("--seq", "seq"), ("--hidden", "hidden"), ("--experts", "experts")):
-        p.add_argument(flag, type=int, help=f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}")
+    for key in SHAPES["cpu"]:
+        p.add_argument(
+            f"--{key.replace('_', '-')}", type=int, help=f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}"
+        )
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--expert-width", type=int, help="CPU 256, CUDA 768")
-    p.add_argument("--top-k", type=int, help="CPU 4, CUDA 8")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="also write the single part's step times as JSON")

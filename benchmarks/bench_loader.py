@@ -1,28 +1,5 @@
 """Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank, for
-text and for conversations.
-
-    python -m benchmarks.bench_loader [--seq-len 4096] [--ring 2] [--ulysses 2] [--tokens 4000000] [--device cpu]
-        [--chat-rows 300] [--long-conversations 4] [--expanded-conversations 1] [--default-job-steps 12]
-
-One process plays one context-parallel rank (ring rank 0, Ulysses rank 0) of a ring x ulysses group reading the
-embedded default corpus (Python standard library, default tokenizer). Every rank of the group tokenizes and packs
-whole rows and keeps S/(R·U) tokens of each, so the loader's figure is per-rank *local* tokens/s. The baseline, in
-the same run: one step of the plain Hugging Face loop (``sides.py``: forward, backward, AdamW) of a tiny Llama
-(hidden 256, 4 layers, 4 heads) on S/(R·U) tokens, in a process of its own (no communication), i.e. the tokens one
-rank consumes per step; on the CPU by default, or on a GPU with ``--device cuda``.
-
-Conversations (the same place, rows as the chat recipes pack them; every figure global rows and tokens per second):
-short ones, the embedded chat corpus at 1024-token rows (what ``recipe=tiny_cpu_sft`` reads; its conversations are
-made from the library's files as they are read), and long ones, 200-turn conversations of ~126K tokens in a jsonl
-file at 131,072-token rows, each through the embedded tokenizer's template with ``{% generation %}`` marks
-(``return_assistant_tokens_mask``) and through the same template without them (prefixes and offsets, the path of
-Llama, Qwen and Mistral templates); and the same long conversations through that template with an EOS after the last
-message (as Phi-3.5's writes it), so each is rendered once per assistant turn (``data.divergent_turns=expand``: 100
-documents of up to ~126K tokens): rendered, tokenized and packed (``ChatEncoder`` and ``Packer``, one process), every
-conversation of the file through. Against them: what the default job (``recipe=tiny_cpu``: 4 processes, ring 2 x
-ulysses 2, 1024-token rows) consumes, measured here as the median step of ``--default-job-steps`` training steps of
-it (the first two warm up; the slowest rank's) on a spawned gloo group (``runs.run_steps``).
-"""
+text and for conversations. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -33,7 +10,6 @@ import os
 import platform
 import random
 import tempfile
-import time
 from itertools import islice
 from pathlib import Path
 
@@ -41,7 +17,7 @@ import torch
 
 from benchmarks.report import command, machine_line
 from benchmarks.runs import run_steps
-from benchmarks.timing import median
+from benchmarks.timing import clock, median
 from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, DocumentSource, PackedLoader, default_tokenizer_dir, load_tokenizer
 from lctrain.data.chat import parse_conversation
@@ -83,26 +59,23 @@ def loader_rates(config: DataConfig, place: SequencePlace, rows: int) -> tuple[f
     """Global rows/s and tokens/s of a loader over ``rows`` rows after the first (which opens the stream)."""
     batches = iter(PackedLoader(config, place=place))
     next(batches)
-    start = time.perf_counter()
-    for _ in islice(batches, rows):
-        pass
-    seconds = time.perf_counter() - start
-    return rows / seconds, rows * config.seq_len / seconds
+    with clock() as seconds:
+        for _ in islice(batches, rows):
+            pass
+    return rows / seconds["wall"], rows * config.seq_len / seconds["wall"]
 
 
 def expanded_rates(path: Path, template: str, tokenizer_dir: Path) -> tuple[float, float, int]:
     """Global rows/s and tokens/s of rendering (once per turn), tokenizing and packing every conversation of ``path``
     into ``LONG_SEQ_LEN`` rows, and the number of documents they became."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    start = time.perf_counter()
-    lines = path.read_text().splitlines()
-    encoded = ChatEncoder(tokenizer, template=template).encode(
-        [parse_conversation(line, f"{path}:{number}") for number, line in enumerate(lines, start=1)]
-    )
-    documents = [part for item in encoded for part in item if isinstance(part, Document)]
-    rows = sum(1 for _ in Packer(iter(documents), LONG_SEQ_LEN, pad_id=tokenizer.pad_token_id)) + 1  # + the last
-    seconds = time.perf_counter() - start
-    return rows / seconds, rows * LONG_SEQ_LEN / seconds, len(documents)
+    with clock() as seconds:
+        lines = path.read_text().splitlines()
+        conversations = [parse_conversation(line, f"{path}:{number}") for number, line in enumerate(lines, start=1)]
+        encoded = ChatEncoder(tokenizer, template=template).encode(conversations)
+        documents = [part for item in encoded for part in item if isinstance(part, Document)]
+        rows = sum(1 for _ in Packer(iter(documents), LONG_SEQ_LEN, pad_id=tokenizer.pad_token_id)) + 1  # + the last
+    return rows / seconds["wall"], rows * LONG_SEQ_LEN / seconds["wall"], len(documents)
 
 
 def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: Path) -> list[str]:
@@ -152,64 +125,38 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--ring", type=int, default=2)
     parser.add_argument("--ulysses", type=int, default=2)
-    parser.add_argument(
-        "--tokens", type=int, default=4_000_000, help="global tokens to time the loader on (spans many tokenizer calls)"
-    )
+    parser.add_argument("--tokens", type=int, default=4_000_000, help="global tokens the loader is timed on")
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the training step runs (the loader runs on CPU)")
     parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
     parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
-    parser.add_argument(
-        "--expanded-conversations", type=int, default=1, help="~126K-token conversations rendered once per turn"
-    )
+    parser.add_argument("--expanded-conversations", type=int, default=1, help="~126K-token ones rendered per turn")
     parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
-    start_line = machine_line()
-    cp = args.ring * args.ulysses
-    local = args.seq_len // cp
+    start_line, local = machine_line(), args.seq_len // (args.ring * args.ulysses)
 
-    start = time.perf_counter()
-    default_tokenizer_dir()  # trains it on first use
-    tokenizer_seconds = time.perf_counter() - start
-
-    start = time.perf_counter()
-    skipped = sum(1 for _ in DocumentSource().texts(0))  # what a resume at the end of an epoch re-reads
-    skip_seconds = time.perf_counter() - start
+    with clock() as tokenizer:
+        default_tokenizer_dir()  # trains it on first use
+    with clock() as skip:
+        skipped = sum(1 for _ in DocumentSource().texts(0))  # what a resume at the end of an epoch re-reads
 
     place = SequencePlace(ring_size=args.ring, ulysses_size=args.ulysses)
-    loader = PackedLoader(DataConfig(seq_len=args.seq_len), place=place)
-    batches = iter(loader)
-    next(batches)  # opens the stream
-    rows = -(-args.tokens // args.seq_len)
-    start = time.perf_counter()
-    for _ in islice(batches, rows):
-        pass
-    loader_seconds = (time.perf_counter() - start) / rows
-    device = torch.device(args.device)
+    loader_seconds = 1 / loader_rates(DataConfig(seq_len=args.seq_len), place, -(-args.tokens // args.seq_len))[0]
     step_seconds = train_step_seconds(local, args.train_steps, args.device)
-
     loader_rate, step_rate = local / loader_seconds, local / step_seconds
     print(f"command: {command()}")
-    print(
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
-        + (f", train step on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-    )
+    gpu = f", train step on {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
+    print(f"machine: {platform.platform()}, {start_line}, {torch.get_num_threads()} torch threads{gpu}")
     print(f"seq_len {args.seq_len}, ring {args.ring} x ulysses {args.ulysses}: {local} tokens per rank per row")
-    print(f"default tokenizer ready in {tokenizer_seconds:.2f} s (0 when cached)")
-    print()
+    print(f"default tokenizer ready in {tokenizer['wall']:.2f} s (0 when cached)\n")
     print(f"{'':44} {'s / row':>10} {'local tok/s':>12} {'global tok/s':>13}")
-    print(
-        f"{'loader (tokenize + pack + CP shard)':44} {loader_seconds:10.4f} {loader_rate:12,.0f} "
-        f"{args.seq_len / loader_seconds:13,.0f}"
-    )
+    loader = f"{loader_seconds:10.4f} {loader_rate:12,.0f} {args.seq_len / loader_seconds:13,.0f}"
+    print(f"{'loader (tokenize + pack + CP shard)':44} {loader}")
     print(f"{'tiny Llama fwd+bwd+AdamW on ' + str(local) + ' tokens':44} {step_seconds:10.4f} {step_rate:12,.0f}")
     print(f"ratio loader / train step: {loader_rate / step_rate:.1f}x (target >= 10x)")
-    print(f"resume skip: re-reading a whole epoch ({skipped} documents, no tokenization) takes {skip_seconds:.2f} s")
-    print()
-    print("\n".join(chat_section(args, place, default_tokenizer_dir())))
-    print()
-    print(f"machine: {start_line}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"resume skip: re-reading a whole epoch ({skipped} documents, no tokenization) takes {skip['wall']:.2f} s\n")
+    print("\n".join(chat_section(args, place, default_tokenizer_dir())) + "\n")
+    print(f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

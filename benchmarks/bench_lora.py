@@ -1,18 +1,6 @@
 """A LoRA step against a full fine-tuning step of the same model on the same mesh, on CPU ranks: per-rank peak memory
-and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule).
-
-    python -m benchmarks.bench_lora                     # 2 ranks (ring 2), width 512, 4 layers, S=2048 (~3 min)
-    python -m benchmarks.bench_lora --ranks 4 --seq 4096 --lora-rank 8 --trainable embed_tokens,norm
-
-Both jobs are ``jobs.bench_job("cpu")`` with the model of ``--hidden``, ``--intermediate`` and ``--layers`` on
-``--ranks`` ranks (``MESHES``), the same seed, rows and schedule; the LoRA job adds ``model.lora.rank`` (adapters on
-every projection, alpha = 2 × rank) and ``model.lora.trainable``. Time: both trainers in one gloo group, their steps
-in turn (``runs.run_steps``), each step's ``Trainer.forward_backward`` and ``Trainer.optimizer_step`` timed apart,
-medians over ``--steps`` of the slowest rank after ``--warmup``. Memory: each job in a group of its own
-(``memory.malloc_env``): each rank's peak resident set during a step less the one before its trainer was built, the
-largest over ranks. The bar: the LoRA forward + backward may exceed the full one by at most what the LoRA optimizer
-step saves against the full one.
-"""
+and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule). The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -48,22 +36,16 @@ def measure_time(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[
     with memory.malloc_env(for_memory=False):
         result = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
     times: dict[str, Any] = {"trained": {side: result[side]["ready"]["model"]["trained"] for side in SIDES}}
-    for side in SIDES:
-        for part in ("forward_backward_s", "optimizer_s"):
-            times[f"{side}_{part}"] = median(result[side]["steps"], part)
-    return times
+    parts = ("forward_backward_s", "optimizer_s")
+    return times | {f"{side}_{part}": median(result[side]["steps"], part) for side in SIDES for part in parts}
 
 
 def measure_memory(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[str, int]:
     """Each job in a group of its own: the largest peak over the ranks of a step after a warm-up one."""
-    peaks = {}
-    for side in SIDES:
-        with memory.malloc_env(for_memory=True):
-            result = run_steps(
-                {side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)], [(args.seq, 0)]
-            )
-        peaks[side] = result[side]["steps"][0]["peak"]
-    return peaks
+    with memory.malloc_env(for_memory=True):
+        steps = {side: run_steps({side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)],
+                                 [(args.seq, 0)])[side]["steps"] for side in SIDES}  # fmt: skip
+    return {side: steps[side][0]["peak"] for side in SIDES}
 
 
 def main() -> None:
@@ -83,34 +65,23 @@ def main() -> None:
     times = measure_time(args, specs)
     peaks = measure_memory(args, specs)
     ring, ulysses = MESHES[args.ranks]
-    print(
-        f"\n{args.ranks} rank(s) (ring {ring} × Ulysses {ulysses}), width {args.hidden}, MLP {args.intermediate}, "
-        f"{args.layers} layers, S={args.seq}, fp32; LoRA rank {args.lora_rank}"
-        + (f" + {args.trainable}" if args.trainable else "")
-        + f"; medians of {args.steps} steps\n"
-    )
+    trained = f" + {args.trainable}" if args.trainable else ""
+    print(f"\n{args.ranks} rank(s) (ring {ring} × Ulysses {ulysses}), width {args.hidden}, MLP {args.intermediate}, "
+          f"{args.layers} layers, S={args.seq}, fp32; LoRA rank {args.lora_rank}{trained}; medians of {args.steps} "
+          "steps\n")  # fmt: skip
     rows = []
     for side in SIDES:
         fwd_bwd, opt = times[f"{side}_forward_backward_s"], times[f"{side}_optimizer_s"]
-        rows.append(
-            [
-                "full fine-tuning" if side == "full" else "LoRA",
-                f"{times['trained'][side]:,}",
-                f"{peaks[side] / MIB:,.0f} MiB",
-                f"{fwd_bwd:.3f} s",
-                f"{opt * 1e3:.1f} ms",
-                f"{fwd_bwd + opt:.3f} s",
-            ]
-        )
+        cells = ["full fine-tuning" if side == "full" else "LoRA", f"{times['trained'][side]:,}"]
+        cells += [f"{peaks[side] / MIB:,.0f} MiB", f"{fwd_bwd:.3f} s", f"{opt * 1e3:.1f} ms", f"{fwd_bwd + opt:.3f} s"]
+        rows.append(cells)
     header = ["", "trained parameters", "peak memory per rank", "forward + backward", "optimizer step", "step"]
     print(table(header, rows))
     extra = times["lora_forward_backward_s"] - times["full_forward_backward_s"]
     saved = times["full_optimizer_s"] - times["lora_optimizer_s"]
     verdict = "within" if extra <= saved else "NOT within"
-    print(
-        f"\nthe adapters' forward + backward cost {extra * 1e3:+.1f} ms against full fine-tuning's; the optimizer "
-        f"step saves {saved * 1e3:.1f} ms: {verdict} the bar"
-    )
+    print(f"\nthe adapters' forward + backward cost {extra * 1e3:+.1f} ms against full fine-tuning's; the optimizer "
+          f"step saves {saved * 1e3:.1f} ms: {verdict} the bar")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,20 +1,5 @@
 """Benchmark the pipeline bubble: the measured step time of pp=2 against the ideal, per schedule and micro-batch count,
-beside the textbook bubble fraction.
-
-    python -m benchmarks.bench_pipeline            # 5 schedules × m ∈ {2, 4, 8} (about 10 minutes on 2 cores)
-    python -m benchmarks.bench_pipeline --quick    # GPipe and 1F1B, m ∈ {2, 4}
-    python -m benchmarks.bench_pipeline --schedules GPipe Interleaved1F1B --microbatches 4 16
-
-A step is ``Trainer.forward_backward`` over m rows (``--seq`` random tokens, one document each), the pipeline's m
-micro-batches: the schedule, its P2P sends and the FSDP gradient reduction, no optimizer step. Each configuration
-runs in a fresh gloo group of 2 processes, one thread each (``runs.run_steps``): ``--warmup`` untimed steps, then
-the medians of ``--steps``. ``measured``: the step's wall time, the slower rank's. ``busy``: each rank's CPU time in
-the step (a rank waiting for the other stage sleeps); ``bubble`` = 1 − (the busier rank's busy time) / measured: the
-fraction of the step the busier rank waited. ``textbook`` = (p − 1) / (v·m + p − 1), v stages per rank (GPipe and
-1F1B: 1; the others: 2). The split points balance the stages by parameter count, the LM head counting as
-(vocabulary × hidden) / (one layer's parameters) layers; they are printed. Caveats: 2 cores, gloo on loopback (a
-P2P send costs little next to a stage's compute here), fp32, timings that vary by about ±15 % between runs.
-"""
+beside the textbook bubble fraction. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -33,13 +18,8 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> list[str]:
-    shape = {
-        "hidden": args.hidden,
-        "intermediate": args.hidden * 8 // 3,
-        "layers": args.layers,
-        "heads": 8,
-        "kv_heads": 4,
-    }
+    shape = {"hidden": args.hidden, "intermediate": args.hidden * 8 // 3, "layers": args.layers, "heads": 8}
+    shape["kv_heads"] = 4
     rows = (f"data.seq_len={args.seq}", f"data.batch_size={microbatches}")
     return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *shape_overrides(shape), *rows, *pipeline)
 
@@ -86,40 +66,21 @@ def main() -> None:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp = 2
     head = head_layers(args)
-    print(f"`{command()}`")
-    print()
-    print(machine_line())
-    print()
-    print(
-        f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts "
-        f"as {head:.1f} layers for the split."
-    )
-    print()
+    print(f"`{command()}`\n\n{machine_line()}\n")
+    print(f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts as "
+          f"{head:.1f} layers for the split.\n")  # fmt: skip
     rows = []
     for schedule in args.schedules:
-        stages_per_rank = 1 if schedule in SINGLE_STAGE else 2
-        split = balanced_split(args.layers, head, pp * stages_per_rank)
-        pipeline = [
-            f"parallel.pp={pp}",
-            f"parallel.pp_schedule={schedule}",
-            f"parallel.pp_stages_per_rank={stages_per_rank}",
-            f"parallel.pp_split_points=[{','.join(split)}]",
-        ]
+        v = 1 if schedule in SINGLE_STAGE else 2
+        split = balanced_split(args.layers, head, pp * v)
+        pipeline = [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={v}"]
+        pipeline.append(f"parallel.pp_split_points=[{','.join(split)}]")
         for m in args.microbatches:
             measured, busy = time_steps(args, m, pipeline)
-            ideal = max(busy)
-            textbook = (pp - 1) / (stages_per_rank * m + pp - 1)
-            rows.append(
-                [
-                    schedule,
-                    " ".join(point.rsplit(".", 1)[1] for point in split),
-                    str(m),
-                    f"{measured * 1e3:.0f}",
-                    " / ".join(f"{cpu * 1e3:.0f}" for cpu in busy),
-                    f"{1 - ideal / measured:.2f}",
-                    f"{textbook:.2f}",
-                ]
-            )
+            textbook = (pp - 1) / (v * m + pp - 1)
+            cells = [schedule, " ".join(point.rsplit(".", 1)[1] for point in split), str(m), f"{measured * 1e3:.0f}"]
+            cells += [" / ".join(f"{cpu * 1e3:.0f}" for cpu in busy), f"{1 - max(busy) / measured:.2f}"]
+            rows.append([*cells, f"{textbook:.2f}"])
             print(f"{schedule} m={m}: {measured * 1e3:.0f} ms, busy {busy}", file=sys.stderr, flush=True)
     header = ["schedule", "split at layer", "m", "measured (ms)", "busy rank 0 / 1 (ms)", "bubble", "textbook"]
     print(table(header, rows))

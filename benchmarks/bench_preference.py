@@ -1,37 +1,6 @@
 """Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
-costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step.
-
-    python -m benchmarks.bench_preference                  # ratios 1, 4, 16, 64; completions of 32 tokens (~10 min)
-    python -m benchmarks.bench_preference --completion 256 --ratios 4 16 --steps 3
-    python -m benchmarks.bench_preference --longest 65536     # the longest pair, doubling the prompt from 4,096
-    python -m benchmarks.bench_preference --device cuda --json OUT.json   # 16:1, a 16,384-token prompt, one GPU
-
-Every job is ``jobs.bench_job(device)`` with ``objective.name=dpo``: on CPU the tiny recipe's model and tokenizer,
-fp32, on 4 spawned gloo ranks; on CUDA Llama-3.2-1B's sizes in bf16 in one fresh process, a group of one rank
-(NCCL takes one rank per GPU), shared against unshared only, by default at 16:1 with answers of 1,024 tokens.
-One row holds one pair: a prompt of ``ratio x completion`` tokens and two answers of ``completion`` tokens,
-packed by ``testbed/pairs.py`` shared (``[p[:-1]] [p[-1], c] [p[-1], r]``, the answers seeing the prompt as their
-shared prefix) or unshared (``[p, c] [p, r]``), each side's row as long as its pair needs (rounded up to 8).
-
-- Shared against unshared: both trainers are built in one gloo group and take their steps in turn (ABBA:
-  ``runs.run_steps``), so that drift in the machine's load hits both alike; each step is ``Trainer.forward_backward``
-  (the reference pass, the policy's forward and backward; the optimizer step is the same for both), timed on every
-  rank after one warm-up step, the median over ``--steps`` of the slowest rank; beside it the step's CPU time (the
-  process's, the median of the busiest rank's), which other jobs on a shared machine disturb less than the wall time.
-  Memory, the largest over ranks, measured with glibc returning freed buffers (``memory.malloc_env``): the activations
-  (the resident set when the row's forward and loss return, less the one before the step: what the forward keeps for
-  the backward), the step's peak growth (``lctrain.train.meter.StepMemory``: activations, the backward's working set
-  and the gradients, the same gradients on both sides) and its peak (on CPU the resident set less the one before the
-  trainers were built). On CUDA every figure is ``torch.cuda``'s allocated bytes, the peak its
-  ``max_memory_allocated`` (both trainers' weights and states are resident: growth is what the sides differ by).
-- Reference options at ``--reference-ratio`` (shared): full fine-tuning reference-free (``simpo``), with a frozen
-  copy of the initial weights, and with the copy's log-probs precomputed (``PreferenceLoss.precompute_reference``,
-  the copy then dropped); LoRA (``model.lora.rank=16``) reference-free and with its base (adapters disabled): step
-  time and memory as above.
-- ``--longest N`` (instead of the above): prompts doubling from 4,096 tokens up to N (shared, ``sigmoid``, frozen-copy
-  reference), each in a group of its own, until a step does not finish: the longest pair that trained, with its step
-  time and growth.
-"""
+costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step. The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -44,6 +13,7 @@ from benchmarks import memory
 from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
 from benchmarks.runs import run_steps
+from benchmarks.search import Probe, Search
 from benchmarks.timing import median
 
 MIB = 2**20
@@ -60,6 +30,12 @@ def pair_length(prompt: int, completion: int, shared: bool) -> int:
 
 def job(device: str, seq: int, *changes: str) -> list[str]:
     return bench_job(device, *MESH[device], f"data.seq_len={seq}", "objective.name=dpo", *changes)
+
+
+def pair_spec(args: argparse.Namespace, prompt: int, shared: bool, *changes: str) -> dict[str, Any]:
+    """A side of ``run``: one pair a row, of ``prompt`` and ``--completion`` tokens."""
+    seq = pair_length(prompt, args.completion, shared)
+    return {"job": job(args.device, seq, *changes), "prompt": prompt, "completion": args.completion, "shared": shared}
 
 
 def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -> dict[str, dict[str, float]]:
@@ -89,15 +65,7 @@ def sharing(args: argparse.Namespace) -> None:
     rows, cases = [], []
     for ratio in args.ratios:
         prompt = ratio * args.completion
-        specs = {
-            side: {
-                "job": job(args.device, pair_length(prompt, args.completion, side == "shared")),
-                "prompt": prompt,
-                "completion": args.completion,
-                "shared": side == "shared",
-            }
-            for side in ("shared", "unshared")
-        }
+        specs = {side: pair_spec(args, prompt, side == "shared") for side in ("shared", "unshared")}
         result = run(specs, args.warmup, args.steps, RANKS[args.device])
         shared, unshared = result["shared"], result["unshared"]
         cells = [f"{ratio}:1", f"{prompt:,} + 2 x {args.completion}"]
@@ -112,47 +80,39 @@ def sharing(args: argparse.Namespace) -> None:
         if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
             Path(args.json).write_text(json.dumps({"command": command(), "cases": cases}, indent=1))
     header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step CPU", "ratio"]
-    header += ["activations", "ratio"]
-    header += ["step peak growth", "ratio", "step peak", "ratio"]
+    header += ["activations", "ratio", "step peak growth", "ratio", "step peak", "ratio"]
     print("\n" + table(header, rows))
 
 
 def references(args: argparse.Namespace) -> None:
-    prompt = args.reference_ratio * args.completion
-    seq = pair_length(prompt, args.completion, True)
-    base = {"prompt": prompt, "completion": args.completion, "shared": True}
-    lora = ("model.lora.rank=16", "model.lora.alpha=32")
-    specs = {
-        "full: none (simpo)": {**base, "job": job(args.device, seq, "objective.loss_type=[simpo]")},
-        "full: frozen copy": {**base, "job": job(args.device, seq)},
-        "full: precomputed": {**base, "job": job(args.device, seq), "precompute": True},
-        "LoRA: none (simpo)": {**base, "job": job(args.device, seq, *lora, "objective.loss_type=[simpo]")},
-        "LoRA: base, adapters off": {**base, "job": job(args.device, seq, *lora)},
-    }
+    prompt, simpo = args.reference_ratio * args.completion, "objective.loss_type=[simpo]"
+    lora = ["model.lora.rank=16", "model.lora.alpha=32"]
+    options = {"full: none (simpo)": [simpo], "full: frozen copy": [], "full: precomputed": []}
+    options |= {"LoRA: none (simpo)": [*lora, simpo], "LoRA: base, adapters off": lora}
+    specs = {name: pair_spec(args, prompt, True, *changes) for name, changes in options.items()}
+    specs["full: precomputed"]["precompute"] = True
     result = run(specs, args.warmup, args.steps, RANKS[args.device])
-    rows = [
-        [name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
-        for name, r in result.items()
-    ]
+    rows = [[name, f"{r['time']:.3f} s", f"{r['kept'] / MIB:,.1f} MiB", f"{r['growth'] / MIB:,.0f} MiB"]
+            for name, r in result.items()]  # fmt: skip
     print(f"\nreference options, prompt {prompt:,} + 2 x {args.completion} (shared; sigmoid unless said)\n")
     print(table(["reference", "step", "activations", "step peak growth"], rows))
 
 
 def longest(args: argparse.Namespace) -> None:
-    prompt, found = 4096, None
-    while prompt <= args.longest:
-        seq = pair_length(prompt, args.completion, True)
-        spec = {"job": job(args.device, seq), "prompt": prompt, "completion": args.completion, "shared": True}
+    """Prompts doubling from 4,096 tokens (``search.Search``) until a step does not finish."""
+
+    def probe(prompt: int) -> Probe:
         try:
-            result = run({"shared": spec}, 0, 1, RANKS[args.device])["shared"]
+            result = run({"shared": pair_spec(args, prompt, True)}, 0, 1, RANKS[args.device])["shared"]
         except Exception as error:  # a rank ran out of memory or time: the previous length is the longest
             print(f"  prompt {prompt:,}: did not train ({type(error).__name__})", flush=True)
-            break
-        found = (prompt, result)
+            return Probe(prompt, False, {"error": type(error).__name__})
         print(f"  prompt {prompt:,}: {result['time']:.1f} s, growth {result['growth'] / MIB:,.0f} MiB", flush=True)
-        prompt *= 2
-    if found:
-        prompt, result = found
+        return Probe(prompt, True, result)
+
+    search = Search(probe, 4096, args.longest)
+    if (prompt := search.run(4096, bisect=0)) is not None:
+        result = search.probes[prompt].result
         print(
             f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
             f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "

@@ -1,21 +1,5 @@
-"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput.
-
-    python -m benchmarks.bench_ring_compute                    # CUDA if present, else CPU (smaller sizes)
-    python -m benchmarks.bench_ring_compute --seq 131072 --ring 8
-    python -m benchmarks.bench_ring_compute --seq 16384 --ring 1 --head-dim 128 --heads 16 --kv-heads 16 \
-        --kernels auto,cudnn,torch_cuda_flash,flash_attn,flash_attn3   # the kernel table of docs/benchmarks.md
-
-For each sequence length it times, forward+backward, causal:
-- ``sdpa``: PyTorch's fused SDPA on the whole sequence (the single-device baseline);
-- ``kernel``: lctrain's resolved blockwise kernel on the whole sequence (one block), for each ``--kernels`` choice
-  (``parallel.attention_kernel``; one that cannot run here is skipped with the reason);
-- ``rank r``: what ring rank r of a zigzag ring of size R computes, forward and backward: the ring's own passes
-  (``lctrain.attention.ring``), its transfers replaced by ``LocalPeers``, which copies the other ranks' K/V rows
-  from the full tensors instead of receiving them.
-It prints TFLOP/s (causal attention counted as half the dense FLOPs) and the compute efficiency
-T(kernel) / (R × max_r T(rank r)): the parallel efficiency the ring would reach if communication were fully
-hidden, with the same kernel on both sides (the kernel row shows T(sdpa) / T(kernel) instead).
-"""
+"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput. The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -26,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.rings import random_inputs
 from benchmarks.timing import median_seconds
 from lctrain.attention import shard_sequence
 from lctrain.attention.kernels import AttentionKernel, default_scale, resolve_kernel
@@ -81,7 +66,7 @@ def rank_work(
     peers = LocalPeers(rank, plan, [(piece[1], piece[2]) for piece in pieces])
 
     def run() -> None:
-        out, lse, kept = _ring_forward(q_own, k_own, v_own, peers, plan, scale=scale, kernel=kernel)
+        out, lse, kept = _ring_forward(q_own, k_own, v_own, peers, plan, scale=scale, kernel=kernel, sink=None)
         _ring_backward(q_own, k_own, v_own, (dout_own, out, lse), kept, peers, plan, scale=scale, kernel=kernel)
 
     return run
@@ -105,14 +90,10 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"device: {name}  torch {torch.__version__}  dtype {args.dtype}  heads {args.heads}/{args.kv_heads}  "
-        f"head_dim {args.head_dim}"
+        f"head_dim {args.head_dim}\n| S | what | fwd+bwd ms | TFLOP/s | compute efficiency |\n|---|---|---|---|---|"
     )
-    print("| S | what | fwd+bwd ms | TFLOP/s | compute efficiency |")
-    print("|---|---|---|---|---|")
     for seq in args.seq:
-        gen = torch.Generator(device=device).manual_seed(0)
-        shapes = [(1, seq, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
-        q, k, v, dout = (torch.randn(s, generator=gen, device=device).to(dtype) for s in shapes)
+        q, k, v, dout = (t.to(device) for t in random_inputs(seq, args.heads, args.kv_heads, args.head_dim, dtype))
         # causal fwd+bwd: 4·S²·H·D multiply-adds forward (QK, PV) ×2 FLOPs, backward 2.5× forward, halved by the mask
         flops = 2 * 2 * seq * seq * args.heads * args.head_dim * 3.5 / 2
 
@@ -132,9 +113,8 @@ def main() -> None:
                 f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |"
             )
         for ring in [r for r in args.ring if r > 1 and t_first is not None]:
-            per_rank = [
-                median_seconds(rank_work(q, k, v, dout, r, ring, choices[0]), args.iters, device) for r in range(ring)
-            ]
+            work = [rank_work(q, k, v, dout, r, ring, choices[0]) for r in range(ring)]
+            per_rank = [median_seconds(run, args.iters, device) for run in work]
             slowest = max(per_rank)
             print(
                 f"| {seq} | zigzag ring R={ring}: slowest rank (min {min(per_rank) * 1e3:.1f}) | "

@@ -1,45 +1,5 @@
-"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts.
-
-Run from the repository root (as root for the hosts and their limits)::
-
-    python -m benchmarks.bench_ring_overlap                  # P = 2 and 4, MHA and GQA, 300mbit and 100mbit
-    python -m benchmarks.bench_ring_overlap --ranks 2 --shapes mha --rates 300mbit --tokens 2048,4096,8192
-
-Every rank runs on a network "host" of its own (``hosts.py``: network namespaces, two joined by a veth pair, more
-by a bridge), one rank per host, one thread per rank, gloo over those links; each host limits what it sends with
-``tc``'s ``tbf`` (``--rates``). Without root the benchmark says so and runs its ranks on loopback, without a limit.
-
-Per point (P ranks, head shape, link rate, T tokens per rank, S = P·T; zigzag, causal, bf16, forward + backward):
-
-- *compute only*: lctrain's ring on the links without a limit;
-- *comm only*: the same ring with a kernel that computes nothing (``NO_COMPUTE``): every transfer it makes, as it
-  makes them, with nothing to hide behind, on the limited link;
-- *ring*: lctrain's ring on the limited link; *exposed* = (ring − compute only) / comm only: 0 when every transfer
-  hides, 1 when none does; and ring / max(compute only, comm only);
-- *waited / comm*: the same exposure from the timeline (below): the seconds the ring waited for its transfers on
-  the limited link, less those it waited on the link without a limit (ranks out of step), over comm only; the
-  machine's other load blurs it less than the difference of two wall times;
-- *waits*: where it waits, from the ring's timeline (``lctrain.attention.timeline``) of one more run on the
-  limited link: seconds spent waiting for the forward's K/V, the backward's K/V and the dK/dV returns (busiest
-  rank), and in brackets all it waited in one more run on the link without a limit; *blocks limited / no limit*:
-  the seconds the blocks took to compute in those two runs (above 1: the transfers' own CPU work, gloo's threads
-  and the network stack behind the shaped link, slows the blocks down on a machine with few cores);
-- *PyTorch's ring* (``rings.torch_ring``, in its own dtype, as it runs by default) on the same links.
-
-Per link rate and shape, the planner's prediction: ``lctrain.planner.probe.measure`` runs in the same ranks on the
-limited link, its hardware file is read back with ``load_hardware`` (what ``python -m lctrain plan --hardware FILE``
-does), and ``ring_step`` gives ``threshold_tokens``. The measured knee is the T at which one ring step's transfer
-equals the compute it hides behind, per pass: the step's compute = compute only / P, fitted as a·T²; its
-transfer = comm only times the share of the pass's bytes the busiest step sends (from the ring plan), fitted as
-b·T; a transfer hides behind one step, or on a ring of two, whose one transfer per pass travels in pieces
-(``transport.PIECES``) while both steps compute, behind 2 − 1/PIECES; the knee is b / (that · a), and the larger of the
-two passes' knees is the ring's. The waits show where the ring itself stops waiting.
-
-Times are the slowest rank's, median of ``--iters`` rounds after ``--warmup``; in each round every side of a
-point runs once, in turn (the limit set for each), so that a change in the machine's load hits them alike. The
-report is markdown; ``--png`` draws the exposed seconds against T (waited, and ring − compute only), a panel per P
-and shape, the predicted threshold of each rate as a dashed line.
-"""
+"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts. The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -57,18 +17,13 @@ from unittest import mock
 
 from benchmarks import rings
 from benchmarks.report import command, machine_line, table
-from benchmarks.timing import gathered_slowest, median, rounds
+from benchmarks.timing import clock, gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"mha": (2, 2), "gqa": (4, 1)}  # (query heads, key/value heads), head_dim 64
 HEAD_DIM = 64
 LINK = "LCTRAIN_BENCH_LINK"  # the worker's own link, which it limits (namespace hosts only)
 WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (ring_waits)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The ranks
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
@@ -87,30 +42,25 @@ def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
     return AttentionKernel("no_compute", forward, backward)
 
 
-class NoCompute:
-    """lctrain's ring ``passes`` with ``no_compute_kernel``: only its transfers, as it makes them."""
+def no_compute(passes: rings.Passes) -> rings.Passes:
+    """lctrain's ring ``passes`` with ``no_compute_kernel`` (chosen in the forward): only its transfers."""
 
-    def __init__(self, passes: Any) -> None:
-        self.passes = passes
-
-    def forward(self) -> Any:
+    def forward() -> Any:
         with mock.patch("lctrain.attention.ring.resolve_kernel", no_compute_kernel):
-            return self.passes.forward()
+            return passes.forward()
 
-    def backward(self) -> Any:
-        return self.passes.backward()  # the kernel chosen in the forward
+    return rings.Passes(forward, passes.backward)
 
 
 def timed_pass(rate: str | None, passes: Any, _round: int = 0) -> dict[str, float]:
     """With the link limited to ``rate``, one forward + backward, every rank starting together: its forward,
     backward and total seconds."""
     set_limit(rate)
-    start = time.perf_counter()
-    passes.forward()
-    middle = time.perf_counter()
-    passes.backward()
-    end = time.perf_counter()
-    return {"forward": middle - start, "backward": end - middle, "total": end - start}
+    with clock() as forward:
+        passes.forward()
+    with clock() as backward:
+        passes.backward()
+    return {"forward": forward["wall"], "backward": backward["wall"], "total": forward["wall"] + backward["wall"]}
 
 
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
@@ -119,15 +69,12 @@ def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int
     rank's ``timed_pass``."""
     steps = {name: functools.partial(timed_pass, *side) for name, side in sides.items()}
     measured = gathered_slowest(rounds(steps, warmup, iters, alternate=False, timed=False))
-    return {
-        side: {n: median(records, n) for n in ("forward", "backward", "total")} for side, records in measured.items()
-    }
+    return {side: {n: median(r, n) for n in ("forward", "backward", "total")} for side, r in measured.items()}
 
 
 def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
     """One forward + backward with the ring's timeline on: the seconds waited for each kind of transfer, per pass
     (the busiest rank's), and the pass's compute seconds."""
-    import torch
     import torch.distributed as dist
 
     from lctrain.attention import timeline
@@ -137,11 +84,9 @@ def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
         passes.forward()
         passes.backward()
     forward, backward = (timeline.exposed(r) for r in timeline.read_timelines(directory, dist.get_rank())[-2:])
-    values = [forward["kv"], backward["kv"], backward["dkv"], forward["compute"], backward["compute"]]
-    slowest = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    names = ("forward_kv", "backward_kv", "backward_dkv", "forward_compute", "backward_compute")
-    return dict(zip(names, slowest.tolist()))
+    waits = {"forward_kv": forward["kv"], "backward_kv": backward["kv"], "backward_dkv": backward["dkv"]}
+    waits |= {"forward_compute": forward["compute"], "backward_compute": backward["compute"]}
+    return gathered_slowest({"waits": [waits]})["waits"][0]
 
 
 def set_limit(rate: str | None) -> None:
@@ -181,7 +126,7 @@ def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 write_hardware(record, hardware)
             for tokens, tensors in inputs.items():
                 ours, theirs = rings.lctrain_ring(*tensors, group), rings.torch_ring(*tensors, group)
-                sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, NoCompute(ours))}
+                sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, no_compute(ours))}
                 sides |= {"ring": (rate, ours), "torch": (rate, theirs)}
                 point = {"shape": shape, "rate": rate, "tokens": tokens, "hardware": str(hardware)}
                 point |= time_sides(sides, warmup, iters)
@@ -207,11 +152,6 @@ def worker(spec_path: str) -> None:
         (Path(spec["out"]) / "results.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The parent: hosts, launch, report
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool, timeout_s: float) -> list[dict]:
@@ -266,7 +206,7 @@ def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, i
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
     """Per pass, the T at which a step's transfer (b·T) equals the compute it hides behind (``overlap`` steps of
     a·T²): b / (overlap · a) (module doc)."""
-    from lctrain.attention.transport import PIECES
+    from lctrain.attention.ring_transfers import PIECES
 
     overlap = 2 - 1 / PIECES if ranks == 2 else 1  # a ring of two: its one transfer per pass travels in pieces
     result = {}
@@ -295,8 +235,7 @@ def predicted_threshold(hardware: str, ranks: int, heads: int, kv_heads: int, to
 
 
 def waited(point: dict) -> float:
-    """Seconds the ring waited for its transfers on the limited link beyond what it waited on the link without a
-    limit (ranks out of step: on 2 cores 4 ranks and the machine's other work take turns)."""
+    """Seconds the ring waited for its transfers on the limited link beyond those on the link without a limit."""
     return max(0.0, sum(point["waits"][k] for k in WAITS) - sum(point["waits_free"][k] for k in WAITS))
 
 
@@ -410,16 +349,11 @@ def main() -> None:
     reason = unavailable()
     namespaces = reason is None
     rates = args.rates.split(",") if namespaces else [None]
-    print("# Ring overlap benchmark\n")
-    print(f"- command: `{command()}`")
-    print(f"- machine: {machine_line()}")
+    print(f"# Ring overlap benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
     if not namespaces:
         print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
-    print(
-        f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
-        f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank"
-    )
-    sys.stdout.flush()
+    print(f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
+          f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank", flush=True)  # fmt: skip
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_ring_overlap_") as scratch:
         for ranks in (int(p) for p in args.ranks.split(",")):

@@ -1,52 +1,26 @@
 """The cost of the ruler suite: scoring an example against a validation forward of the same tokens, and the in-training
-suite against the run it is part of.
-
-    python -m benchmarks.bench_ruler                        # 16K and 64K on 1 and 4 CPU ranks, then the training run
-    python -m benchmarks.bench_ruler --lengths 4096 --steps 20 --every 10   # a short run
-    python -m benchmarks.bench_ruler --parts training                        # the training run only
-
-1. Scoring (targets: ≤ 1.2 x): the tiny recipe's model (random init, fp32) on one process and on 4 ranks (ring 2 x
-   Ulysses 2), for each ``--lengths``: one ``niah_single`` example scored by ``lctrain.train.ruler_score.
-   score_examples`` (one forward; logits at the answer positions), and the same tokens as one validation row scored
-   by ``lctrain.train.validate.score_rows`` (one forward; the loss of every token), taken in turn (A, B, B, A, ...),
-   ``--repeats`` times each after one warm-up of each; the medians of the slowest rank's wall and CPU time, and
-   scoring / validation.
-2. In training (target: ≤ 5 %): the tiny recipe (4 ranks, 1024 tokens a row) for ``--steps`` steps with
-   ``ruler.every=--every`` and the default suite: the suite's time over the rest of the run's (the run's wall time
-   less the suite's), i.e. what the suite adds to the run.
-"""
+suite against the run it is part of. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.jobs import bench_job
 from benchmarks.report import command, commit, machine_line, table
+from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.testing import run_distributed
 
 MESHES = {1: ["parallel.ring=1", "parallel.ulysses=1"], 4: ["parallel.ring=2", "parallel.ulysses=2"]}
 
 
-def _timed(fn: Any) -> tuple[float, float]:
-    """(wall, CPU) seconds of ``fn()``, the slowest rank's."""
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    times = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times[0].item(), times[1].item()
-
-
 def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int) -> dict[int, dict[str, list]]:
-    """On the spawned group: per length, the (wall, CPU) times of scoring one example and of validating its tokens."""
+    """On the spawned group: per length, the rounds (``timing.rounds``, the slowest rank's) of scoring one example
+    and of validating its tokens."""
     from lctrain.build import build_job
     from lctrain.config import load_config
     from lctrain.models.hidden_states import FinalHiddenStates
@@ -71,19 +45,15 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
         jobs = {
             "score": functools.partial(
                 score_examples, [example], lambda _: forward, pack_tokens=length, rows_per_run=1, place=place,
-                dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer,
+                dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer
             ),
             "validate": functools.partial(
                 score_rows, hidden_states, [row], dp_rank=0, dp=1, group=group, device=device,
-                chunk_tokens=cfg.train.loss_chunk_tokens,
-            ),
+                chunk_tokens=cfg.train.loss_chunk_tokens
+            )
         }  # fmt: skip
-        jobs["score"](), jobs["validate"]()  # warm-up
-        times: dict[str, list] = {"score": [], "validate": []}
-        for turn in range(repeats):
-            for name in ("score", "validate") if turn % 2 == 0 else ("validate", "score"):
-                times[name].append(_timed(jobs[name]))
-        results[length] = times
+        sides = {name: lambda _, job=job: job() for name, job in jobs.items()}
+        results[length] = gathered_slowest(rounds(sides, 1, repeats, barrier=True))
     return results
 
 
@@ -131,8 +101,7 @@ def scoring(args: argparse.Namespace) -> None:
         overrides = bench_job("cpu", *mesh, "parallel.activation_checkpointing=none")
         found = run_distributed(scoring_vs_validation, world, overrides, args.lengths, args.repeats)[0]
         for length, times in found.items():
-            wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
-            cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
+            wall, cpu = ({k: median(v, key) for k, v in times.items()} for key in ("wall", "cpu"))
             ranks = f"{world}" + (" (ring 2 × Ulysses 2)" if world > 1 else "")
             ratio, cpu_ratio = wall["score"] / wall["validate"], cpu["score"] / cpu["validate"]
             rows.append([ranks, f"{length:,}", f"{wall['score']:.2f} s", f"{wall['validate']:.2f} s", f"{ratio:.2f}",

@@ -1,38 +1,13 @@
 """lctrain's training step against the plain Hugging Face loop (``sides.py``), on CPU or one GPU, in one run: step
 time, tokens/s, MFU, memory and their ratio; FSDP2's cost at world size 1; on CUDA the fragmentation that lctrain's
-allocator default saves; each side's top kernels on request.
-
-    python -m benchmarks.bench_trainer                  # CPU: the tiny recipe at S=4096 (about 2 minutes on 2 cores)
-    python -m benchmarks.bench_trainer --device cuda    # one GPU: Llama-3.2-1B's sizes, S=16384, AC none and full
-    python -m benchmarks.bench_trainer --device cuda --seq 16384 32768 --rows packed --doc-len 2048 --profile
-    python -m benchmarks.bench_trainer --device cuda --sides lctrain --seq 65536 --checkpointing full \\
-        --cpu-offload --activation-offload --no-allocator-compare
-
-The job (``jobs.bench_job``) at world size 1: on CPU the tiny recipe in fp32, on CUDA Llama-3.2-1B's sizes with an
-untied head in bf16; the shape flags and ``--override`` change it on both sides. For each ``--seq`` and
-``--checkpointing`` mode, each side is a run (``runs.Run``, a fresh process): ``--warmup`` steps, then ``--steps``
-measured ones, step i on the same random rows on both sides (the first losses and gradient norms agree up to
-rounding). On CPU a point's runs take their steps in turn (``timing.rounds``) with ``--threads`` threads each; on
-CUDA they run one after the other. Reported per run: the median step and CPU time, tokens/s, MFU (``lctrain.flops``:
-the GPU's dense bf16 peak, ``--peak-tflops`` otherwise, none on CPU; for packed rows also on the attention the rows
-really have), the peak memory and step peak (``runs.py``), on CUDA the reserved memory beyond the allocated; the
-lctrain / HF ratios. On CPU the memory figures come from a second set of runs with ``MALLOC_MMAP_THRESHOLD_``
-(``memory.py``; one warm-up step, then the peak of two); the timed runs keep glibc's default.
-
-Also: FSDP2 at world size 1 (one profiled step of each plain lctrain run: the kernel time launched inside FSDP2's
-``FSDP::*`` ranges over the step's, on CUDA, and their host time over the step's wall time; target ≤ 3 %); on CUDA
-lctrain once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (``--no-allocator-compare`` skips it).
-On request: ``--cpu-offload`` and ``--activation-offload`` (with ``--checkpointing full``) add an lctrain run with
-that setting at each point; ``--profile`` prints each run's ``--top`` kernels (operators on CPU); ``--json PATH``
-writes every result. On CPU the tiny model's LM head is most of its matmul work: the loss weighs more in the ratio
-than on a real model.
-"""
+allocator default saves; each side's top kernels on request. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import sys
@@ -55,21 +30,15 @@ LABELS = {"lctrain": "lctrain", "hf": "HF loop"}
 ALLOCATOR_OFF = "expandable_segments:False"
 MEMORY_STEPS = 2  # CPU: measured steps of each memory run, after one warm-up step
 # the flags' defaults by device: (CPU, CUDA)
-DEFAULTS = {
-    "seq": ([4096], [16384]),
-    "checkpointing": (["none"], list(CHECKPOINTING)),
-    "warmup": (2, 2),
-    "steps": (10, 5),
-}
+DEFAULTS = {"seq": ([4096], [16384]), "checkpointing": (["none"], list(CHECKPOINTING)), "warmup": (2, 2)}
+DEFAULTS["steps"] = (10, 5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(parser)
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: 4096 on CPU, 16384 on CUDA)")
-    parser.add_argument(
-        "--checkpointing", nargs="+", choices=CHECKPOINTING, help="activation checkpointing (default: CPU none; both)"
-    )
+    parser.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, help="default: CPU none; CUDA both")
     parser.add_argument("--rows", choices=ROWS, default="one-document", help="one document per row, or packed")
     parser.add_argument("--doc-len", type=int, default=2048, help="packed rows: tokens per document")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
@@ -77,12 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="measured steps per run (default: 10 on CPU, 5 on CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads of each run")
     parser.add_argument("--cpu-offload", action="store_true", help="also lctrain with parallel.cpu_offload")
-    parser.add_argument(
-        "--activation-offload", action="store_true", help="also lctrain with parallel.activation_offload (AC full)"
-    )
-    parser.add_argument(
-        "--no-allocator-compare", dest="allocator_compare", action="store_false", help=f"CUDA: skip {ALLOCATOR_OFF}"
-    )
+    parser.add_argument("--activation-offload", action="store_true", help="also parallel.activation_offload (AC full)")
+    parser.add_argument("--no-allocator-compare", dest="allocator_compare", action="store_false", help=ALLOCATOR_OFF)
     parser.add_argument("--profile", action="store_true", help="print each run's top kernels")
     parser.add_argument("--top", type=int, default=12, help="kernels per run with --profile")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds a run may take to start or to step")
@@ -96,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @dataclass
 class Case:
-    """One run of the benchmark and, once it ran, its results: ``ready`` (``Run.ready``), ``first`` (its first
-    step), ``steps`` (the measured ones), ``memory`` (the steps its memory figures come from), ``profile``."""
+    """One run and, once it ran, its ``result``: ``ready``, ``first`` (its first step), ``steps`` (the measured
+    ones), ``memory`` (the steps its memory figures come from), ``profile``."""
 
     label: str
     side: str
@@ -109,13 +74,10 @@ class Case:
     result: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def ok(self) -> bool:
-        return all(r["ok"] for r in [self.result["ready"], *self.result["steps"], *self.result["memory"]])
-
-    @property
-    def error(self) -> str:
-        failed = [r for r in [self.result["ready"], *self.result["steps"], *self.result["memory"]] if not r["ok"]]
-        return failed[0]["error"] if failed else ""
+    def error(self) -> str | None:
+        """The first failure's error; None when every step finished."""
+        every = [self.result["ready"], *self.result["steps"], *self.result["memory"]]
+        return next((r["error"] for r in every if not r["ok"]), None)
 
 
 def plan(args: argparse.Namespace) -> list[list[Case]]:
@@ -125,16 +87,13 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
         for checkpointing in args.checkpointing:
             world1 = ("parallel.ring=1", "parallel.ulysses=1", "parallel.dp=1", f"data.seq_len={seq}")
             job = job_from_args(args, *world1, f"parallel.activation_checkpointing={checkpointing}")
-            cases = [
-                Case(LABELS[side], side, seq, checkpointing, job, fsdp_share=side == "lctrain") for side in args.sides
-            ]
-            if "lctrain" in args.sides and args.cpu_offload:
-                cases.append(
-                    Case("lctrain, cpu_offload", "lctrain", seq, checkpointing, [*job, "parallel.cpu_offload=true"])
-                )
-            if "lctrain" in args.sides and args.activation_offload and checkpointing == "full":
-                offload = [*job, "parallel.activation_offload=true"]
-                cases.append(Case("lctrain, activation_offload", "lctrain", seq, checkpointing, offload))
+            cases = [Case(LABELS[s], s, seq, checkpointing, job, fsdp_share=s == "lctrain") for s in args.sides]
+            offloads = {
+                "cpu_offload": args.cpu_offload,
+                "activation_offload": args.activation_offload and checkpointing == "full",
+            }
+            for name in (name for name, on in offloads.items() if on and "lctrain" in args.sides):
+                cases.append(Case(f"lctrain, {name}", "lctrain", seq, checkpointing, [*job, f"parallel.{name}=true"]))
             points.append(cases)
     if args.allocator_compare and args.device == "cuda" and "lctrain" in args.sides:
         last = next(c for c in points[-1] if c.label == "lctrain")
@@ -158,17 +117,15 @@ def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: in
             )
             outcomes.append({"ready": runs[-1].describe(case.side)})
 
-        def stepper(index: int) -> Any:
-            def step(seed: int) -> dict[str, Any]:
-                result = runs[index].step(cases[index].side, cases[index].seq, seed)
-                outcomes[index].setdefault("first", result)
-                shown = f"{result['step_s']:.2f} s" if result["ok"] else result["error"]
-                print(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}", file=sys.stderr, flush=True)
-                return result
+        def step(index: int, seed: int) -> dict[str, Any]:
+            result = runs[index].step(cases[index].side, cases[index].seq, seed)
+            outcomes[index].setdefault("first", result)
+            shown = f"{result['step_s']:.2f} s" if result["ok"] else result["error"]
+            print(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}", file=sys.stderr, flush=True)
+            return result
 
-            return step
-
-        measured = rounds({str(i): stepper(i) for i in range(len(cases))}, warmup, steps, timed=False)
+        sides = {str(i): functools.partial(step, i) for i in range(len(cases))}
+        measured = rounds(sides, warmup, steps, timed=False)
         for index, (case, run, outcome) in enumerate(zip(cases, runs, outcomes)):
             outcome["steps"] = measured[str(index)]
             if profiles and (args.profile or case.fsdp_share) and run.failure is None:
@@ -199,11 +156,6 @@ def measure(points: list[list[Case]], args: argparse.Namespace) -> None:
             Path(args.json).write_text(json.dumps({"command": command(), "cases": done}, indent=1))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Step and CPU time, tokens/s, MFU (and the document MFU for packed rows), memory of one finished case."""
     ready, steps, memory = case.result["ready"], case.result["steps"], case.result["memory"]
@@ -214,21 +166,16 @@ def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     sizes = (model["params"], model["layers"], model["hidden"])
     document = document_flops_per_token(*sizes, document_lengths(case.seq, args.doc_len))
     reserved = [r["reserved"] for r in memory if r["reserved"] is not None]
-    return {
-        "step": step,
-        "cpu": median(steps, "cpu_s"),
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(tokens_per_s, flops_per_token(*sizes, case.seq), peak),
-        "document_mfu": mfu(tokens_per_s, document, peak) if args.rows == "packed" else None,
-        "peak": max(r["peak"] for r in memory),
-        "step_peak": max(r["step_peak"] for r in memory),
-        "reserved": max(reserved) if reserved else None,
-    }
+    return {"step": step, "cpu": median(steps, "cpu_s"), "tokens_per_s": tokens_per_s,
+            "mfu": mfu(tokens_per_s, flops_per_token(*sizes, case.seq), peak),
+            "document_mfu": mfu(tokens_per_s, document, peak) if args.rows == "packed" else None,
+            "peak": max(r["peak"] for r in memory), "step_peak": max(r["step_peak"] for r in memory),
+            "reserved": max(reserved) if reserved else None}  # fmt: skip
 
 
 def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -> str:
     cases = [case for cases in points for case in cases]
-    done = [c for c in cases if c.ok]
+    done = [c for c in cases if c.error is None]
     figs = {id(c): figures(c, args) for c in done}
     unit, unit_name = (GIB, "GiB") if args.device == "cuda" else (MIB, "MiB")
 
@@ -249,23 +196,19 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     ]
     lines[-1] += f"; {model['params']:,} parameters" if model else ""
     lines += [rows, f"- total wall time {seconds:.0f} s", ""]
-    if args.device == "cuda":
-        memory_note = (
-            "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the memory "
-            "allocated when the step started"
-        )
-    else:
+    memory_note = "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the allocated"
+    if args.device == "cpu":
         memory_note = (
             f"from a second run of each, 1 warm-up + {MEMORY_STEPS} measured steps with MALLOC_MMAP_THRESHOLD_ set; "
-            "peak memory = the resident-set peak less the resident set before the side was built (parameters, "
-            "AdamW states, activations, buffers), step peak = VmHWM − VmRSS before the step"
+            "peak memory = the resident-set peak less the resident set before the side was built, step peak = "
+            "VmHWM − VmRSS before the step"
         )
     header = ["run", "S", "AC", "step (s)", "CPU time (s)", "tokens/s", "MFU", "MFU (document)"]
     header += [f"peak memory ({unit_name})", f"step peak ({unit_name})", f"reserved − allocated ({unit_name})"]
     rows = []
     for c in cases:
         where = [c.label, f"{c.seq:,}", c.checkpointing]
-        if not c.ok:
+        if c.error is not None:
             rows.append([*where, f"**{c.error[:100]}**", *[""] * (len(header) - 3)])
             continue
         f = figs[id(c)]
@@ -276,9 +219,8 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
         rows.append([*where, *cells, mem(fragmentation), losses])
     lines += [table([*header, "loss first → last"], rows), "", f"Memory: {memory_note} (`benchmarks/runs.py`).", ""]
     lines += ratio_section(cases, figs) + fsdp_section(cases) + allocator_section(cases, mem, unit_name)
-    lines += offload_section(cases, figs, mem, unit_name) + (
-        profile_section(cases, args.device == "cuda") if args.profile else []
-    )
+    lines += offload_section(cases, figs, mem, unit_name)
+    lines += profile_section(cases, args.device == "cuda") if args.profile else []
     return "\n".join(lines)
 
 
@@ -293,8 +235,8 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
         if not (ours and theirs):
             continue
         cells = [f"{seq:,}", checkpointing]
-        if not (ours.ok and theirs.ok):
-            rows.append([*cells, "—" if not ours.ok else "", "—" if not theirs.ok else "", "—", "—", "—", "—", "—"])
+        if ours.error or theirs.error:
+            rows.append([*cells, "—" if ours.error else "", "—" if theirs.error else "", *["—"] * 5])
             continue
         a, b = figs[id(ours)], figs[id(theirs)]
         cells += [
@@ -330,13 +272,8 @@ def fsdp_section(cases: list[Case]) -> list[str]:
         ]
         rows.append([*where, *cells, percent(profile["fsdp_host_share"])])
     header = ["S", "AC", "step kernel time (ms)", "in FSDP2's ranges (ms)", "kernel share", "FSDP2 host time (ms)"]
-    note = (
-        "FSDP2 at world size 1, one profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges "
-        "(all-gather, reduce-scatter, their copies and casts) over all kernels of the step; target ≤ 3 %."
-    )
-    return (
-        ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] if rows else []
-    )
+    note = "One profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges; target ≤ 3 %."
+    return ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] * bool(rows)
 
 
 def allocator_section(cases: list[Case], mem: Any, unit_name: str) -> list[str]:
@@ -348,13 +285,15 @@ def allocator_section(cases: list[Case], mem: Any, unit_name: str) -> list[str]:
         if c is None:
             continue
         setting = c.allocator or c.result["ready"].get("allocator") or "(unset)"
-        if not c.ok:
+        if c.error is not None:
             rows.append([setting, f"**{c.error[:100]}**", "", ""])
             continue
         allocated, reserved = (max(r[key] for r in c.result["memory"]) for key in ("peak", "reserved"))
         rows.append([setting, mem(allocated), mem(reserved), mem(reserved - allocated)])
-    header = ["PYTORCH_CUDA_ALLOC_CONF", f"peak allocated ({unit_name})", f"peak reserved ({unit_name})"]
-    header.append(f"fragmentation ({unit_name})")
+    header = [
+        "PYTORCH_CUDA_ALLOC_CONF",
+        *(f"{n} ({unit_name})" for n in ("peak allocated", "peak reserved", "fragmentation")),
+    ]
     where = f"lctrain at S={off.seq:,}, checkpointing {off.checkpointing}"
     return ["## The allocator setting", "", where, "", table(header, rows), ""]
 
@@ -366,7 +305,7 @@ def offload_section(cases: list[Case], figs: dict[int, dict], mem: Any, unit_nam
             continue
         base = _find(cases, "lctrain", c.seq, c.checkpointing)
         cells = [c.label, f"{c.seq:,}", c.checkpointing]
-        if not (base and base.ok and c.ok):
+        if not (base and base.error is None and c.error is None):
             rows.append([*cells, "—", "—", "—", "—"])
             continue
         (step, peak), (base_step, base_peak) = ((figs[id(x)]["step"], figs[id(x)]["peak"]) for x in (c, base))
@@ -378,10 +317,8 @@ def offload_section(cases: list[Case], figs: dict[int, dict], mem: Any, unit_nam
 def profile_section(cases: list[Case], cuda: bool) -> list[str]:
     lines = ["## Top kernels" if cuda else "## Top operators (self CPU time)", ""]
     for c in (c for c in cases if "top" in (c.result.get("profile") or {})):
-        rows = [
-            [name[:100], f"{ms:.2f}", str(n), f"{100 * share:.1f}%"]
-            for name, ms, n, share in c.result["profile"]["top"]
-        ]
+        top = c.result["profile"]["top"]
+        rows = [[name[:100], f"{ms:.2f}", str(n), f"{100 * share:.1f}%"] for name, ms, n, share in top]
         lines += [f"{c.label}, S={c.seq:,}, checkpointing {c.checkpointing}:", ""]
         lines += [table(["kernel" if cuda else "operator", "ms", "calls", "share"], rows), ""]
     return lines

@@ -1,15 +1,5 @@
-"""A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way).
-
-    python -m benchmarks.bench_window_kernel [--rows 4096] [--windows 512 2048] [--tiles 64 128 256 512 1024]
-
-The block is a diagonal (causal) block of ``--rows`` queries cut by a window of W keys, as the ring plan gives a
-rank's chunk when W is smaller than the chunk. Forward+backward, fp32, median of ``--iters`` runs after a warm-up:
-
-- ``one masked call``: the op once over the whole block with an additive mask of the band (``rows²`` pairs);
-- ``row tiles of T``: ``TORCH_CPU_FLASH`` with ``bands.BAND_TILE_ROWS = T``: each T queries against only the keys they
-  see, masked (``rows × (T + W)`` pairs);
-- ``plain causal block``: the same block without a window, for scale.
-"""
+"""A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way). The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

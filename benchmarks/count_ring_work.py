@@ -1,24 +1,12 @@
 """What ring attention computes and sends for packed documents and for sliding windows, counted from the ring plan
-(no timing).
-
-    python -m benchmarks.count_ring_work [--seq 1048576] [--ring 8] [--documents 2048 16384] [--cuts 200]
-        [--windows 4096 32768 131072] [--kv-dim 1024]
-
-For a causal row on a ring of R ranks, zigzag and contiguous, each row kind: one document; documents of each length
-of ``--documents``; ``--cuts`` random cuts; one document with each window W of ``--windows``. It prints per rank
-(min … max over ranks, forward pass): the query×key pairs computed (``visible_pairs`` of every block: what a kernel
-that skips masked tiles computes), the busiest rank's share of the one-document work, kernel calls, the ring steps
-run (steps that no rank needs are dropped, with their K/V transfers), the steps at which the rank sends K/V, and the
-K/V elements it sends (rows × 2 × ``--kv-dim``, K and V, ``rings.ring_traffic``; the default 1024 = 8 KV heads ×
-128, Llama-3-8B). The backward runs the same blocks, fetches the same rows again and returns as many dK/dV elements
-(fp32) to their owners. The plan is what ``ring_attention`` executes.
-"""
+(no timing). The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import argparse
 import random
 
+from benchmarks.report import table
 from benchmarks.rings import ring_traffic
 from lctrain.attention.ring_blocks import plan_ring, visible_pairs
 
@@ -63,28 +51,28 @@ def main() -> None:
         f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
         f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}"
     )
-    print(
-        "| layout | row | query×key pairs | busiest / one document | kernel calls | ring steps run | "
-        "steps sending K/V | K/V elements sent |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    table_rows = []
     for layout in ("zigzag", "contiguous"):
         dense = None
         for name, (bounds, window) in rows(args.seq, args.documents, args.cuts, args.windows).items():
             row = {"cu_seqlens": None if bounds is None else tuple(bounds), "window": window}
-            plans = [
-                plan_ring(rank, args.ring, piece_len, causal=True, layout=layout, **row) for rank in range(args.ring)
-            ]
+            plans = [plan_ring(r, args.ring, piece_len, causal=True, layout=layout, **row) for r in range(args.ring)]
             work = [sum(visible_pairs(b) for step in plan for b in step.blocks) for plan in plans]
             dense = dense or max(work)  # the first row is one document
             calls = [sum(len(step.blocks) for step in plan) for plan in plans]
             traffic = ring_traffic(args.ring, piece_len, layout=layout, **row)
-            sending = [sum(rows > 0 for rows in t.kv) for t in traffic]
-            rows_sent = [sum(t.kv) for t in traffic]
-            print(
-                f"| {layout} | {name} | {span_e(work)} | {max(work) / dense:.4f} | {span(calls)} | "
-                f"{len(plans[0])}/{args.ring} | {span(sending)} | {span([2 * r * args.kv_dim for r in rows_sent])} |"
-            )
+            sending, sent = [sum(n > 0 for n in t.kv) for t in traffic], [2 * sum(t.kv) * args.kv_dim for t in traffic]
+            cells = [
+                layout,
+                name,
+                span_e(work),
+                f"{max(work) / dense:.4f}",
+                span(calls),
+                f"{len(plans[0])}/{args.ring}",
+            ]
+            table_rows.append([*cells, span(sending), span(sent)])
+    header = ["layout", "row", "query×key pairs", "busiest / one document", "kernel calls", "ring steps run"]
+    print(table([*header, "steps sending K/V", "K/V elements sent"], table_rows))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@ win."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from lctrain.cli import set_allocator_defaults
@@ -61,20 +60,6 @@ def job_from_args(args: argparse.Namespace, *changes: str) -> list[str]:
     """The job of ``args`` (device, shape flags, ``--override``), then ``changes``."""
     shape = {key: getattr(args, key) for key in SHAPE_SETTINGS}
     return bench_job(args.device, *shape_overrides(shape), *args.override, *changes)
-
-
-@contextlib.contextmanager
-def child_environment(allocator: str | None = None) -> Iterator[None]:
-    """This process's environment is ``process_env(allocator)`` inside: what a process started there inherits."""
-    saved = dict(os.environ)
-    os.environ.update(process_env(allocator))
-    if allocator is not None:
-        os.environ.pop("PYTORCH_ALLOC_CONF", None)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def process_env(allocator: str | None = None) -> dict[str, str]:

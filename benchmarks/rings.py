@@ -1,8 +1,6 @@
-"""What the attention benchmarks share: their random inputs and each rank's shards of them; the two rings they time,
-pass by pass, on the same zigzag shards ``[B, S/P, H, D]`` of a process group: lctrain's ``ring_attention`` and
-PyTorch's context-parallel ring (``_templated_ring_attention`` and ``_templated_ring_attention_backward``, with its
-module defaults: head-tail load balancing, which our zigzag shards are, and its K/V rotation), whose CPU flash ops
-can be given a cast (``bench_attention``) or run as they are; and the ring's traffic, read from its plan."""
+"""What the attention benchmarks share: random inputs and each rank's shards of them; lctrain's ring and PyTorch's
+context-parallel ring (its module defaults), pass by pass, on the same zigzag shards ``[B, S/P, H, D]``; the ring's
+traffic, read from its plan."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""The two sides the comparison benchmarks run, built from one ``JobConfig`` in the process that trains (a fresh
-process or a rank of a spawned group: ``runs.py``): the same model, initial weights (lctrain's seeded init),
-optimizer, schedule, clipping and rows on both.
-
-- ``lctrain``: ``Trainer(build_training_job(cfg))`` on the default process group: USP attention, FSDP2 (also at
-  world size 1), the chunked loss, ``parallel.*`` as configured (bf16 on CUDA, fp32 on CPU by default); each rank
-  feeds its shard of the rows. A step (``part``) is ``train_step`` (the default), ``forward_backward`` alone (the
-  gradients then dropped), or ``parts``: ``forward_backward`` then ``optimizer_step``, the second timed apart.
-- ``hf``: the plain Hugging Face + PyTorch loop in one process: ``LlamaForCausalLM`` (sdpa attention, fp32 weights,
-  under ``torch.autocast(bfloat16)`` on CUDA), ``loss = model(input_ids=x, labels=x).loss`` (full logits, Hugging
-  Face's loss), ``backward``, ``clip_grad_norm_`` to ``optim.max_grad_norm``, lctrain's AdamW (fused, the same
-  parameter groups) and schedule; Hugging Face's gradient checkpointing (non-reentrant) when
-  ``parallel.activation_checkpointing`` is ``full``.
-
-Rows (``rows``): ``random`` tokens ``[batch, S]``, one document per row, or packed with documents of ``doc_len``
-tokens (lctrain skips attention across documents; the plain loop is given the restarting ``position_ids``, from
-which transformers builds the document mask for sdpa); ``pairs``: one preference pair a row (``pair``: prompt and
-answer lengths, the prompt ``shared`` or repeated; ``testbed/pairs.py``), lctrain only; ``loader``: the job's own
-loader, lctrain only.
-"""
+"""The two sides the comparison benchmarks run, built from one ``JobConfig`` in the process that trains: the same
+model, initial weights, optimizer, schedule, clipping and rows on both (``docs/benchmarks.md``)."""
 
 from __future__ import annotations
 
@@ -34,6 +16,7 @@ from lctrain.config import JobConfig
 from lctrain.data import IGNORE_INDEX, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
 from lctrain.runtime import resolve_device
+from lctrain.train.meter import proc_bytes
 from lctrain.train.optim import build_optimizer, build_scheduler
 
 SIDES = ("lctrain", "hf")
@@ -91,26 +74,20 @@ class LctrainSide:
         self.spec, self.in_use = spec, None
         if spec.get("rows") == "loader":
             self.batches = iter(self.trainer.loader)
-        self.trainer.forward_loss = self._noting_memory(self.trainer.forward_loss)
+        forward_loss, device = self.trainer.forward_loss, self.trainer.device
+
+        def noted(*args: Any) -> Tensor:
+            """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated; CPU: resident)."""
+            result = forward_loss(*args)
+            self.in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else proc_bytes("VmRSS")
+            return result
+
+        self.trainer.forward_loss = noted
         if spec.get("precompute"):
             from lctrain.train.reference import ReferenceCache
 
             cache = ReferenceCache(Path(cfg.train.run_dir) / "reference.pt", "precomputed")
             self.trainer.objective.precompute_reference([[self.batch(*step)] for step in spec["precompute"]], cache)
-
-    def _noting_memory(self, forward_loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated bytes; CPU: the resident
-        set): with what was in use before the step, what the forward keeps for the backward."""
-        from lctrain.train.meter import proc_bytes
-
-        device = self.trainer.device
-
-        def noted(*args: Any) -> Tensor:
-            result = forward_loss(*args)
-            self.in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else proc_bytes("VmRSS")
-            return result
-
-        return noted
 
     def batch(self, seq: int, seed: int) -> dict:
         """The micro-batch of step ``seed``, this rank's part of its rows of ``seq`` tokens (a pair's row: the job's
@@ -151,9 +128,7 @@ class HFSide:
     def __init__(self, cfg: JobConfig, spec: dict[str, Any]):
         self.device = resolve_device(cfg.train.device)
         self.hf_config = model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer)))
-        self.model = build_empty_model(
-            self.hf_config
-        )  # AutoModelForCausalLM.from_config(..., attn_implementation="sdpa")
+        self.model = build_empty_model(self.hf_config)  # AutoModelForCausalLM.from_config(..., sdpa)
         materialize(self.model, random_init_source(self.hf_config, cfg.train.seed), self.device)
         self.model.train()
         if self.model.config._attn_implementation != "sdpa":

@@ -43,7 +43,7 @@ def rounds(
 ) -> dict[str, list[Record]]:
     """``warmup`` untimed rounds, then ``iters`` measured ones; per side, each measured round's record: its
     ``clock`` seconds (on ``device``), with ``memory`` the step's ``growth``, ``peak`` and ``before`` bytes
-    (``lctrain.train.meter.StepMemory``), and what the side returned. ``alternate``: A B B A (else A B A B);
+    (``lctrain.train.meter.StepMemory``), and what the side returned (a mapping). ``alternate``: A B B A (else A B A B);
     ``barrier``: the ranks of the default process group start each side's round together (inside the memory
     measurement, outside the clock); ``timed`` false: no clock (sides that time themselves)."""
     import torch
@@ -62,7 +62,7 @@ def rounds(
                 with clock(device) if timed else contextlib.nullcontext({}) as seconds:
                     returned = sides[name](index)
             if index >= warmup:
-                record = {**seconds, **(returned or {})}
+                record = {**seconds, **(returned if isinstance(returned, Mapping) else {})}
                 if used is not None:
                     record |= {"growth": used.growth, "peak": used.peak, "before": used.before}
                 records[name].append(record)

@@ -1,23 +1,5 @@
-"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16).
-
-    python -m benchmarks.validate_planner            # every case below, 3-8 minutes on 2 shared cores
-    python -m benchmarks.validate_planner --quick    # the one-process cases only, about 2 minutes
-    python -m benchmarks.validate_planner --save m.json; python -m benchmarks.validate_planner --load m.json  # re-score
-    python -m benchmarks.validate_planner --device cuda   # three shapes on one GPU (bf16, NCCL group of one)
-
-For each world size one ``torchrun --standalone --nproc-per-node P`` job runs this module as the worker
-(``OMP_NUM_THREADS=1``; on CPU ``MALLOC_MMAP_THRESHOLD_=65536``: the resident set then follows the live tensors, as
-``torch.cuda.max_memory_allocated`` does on a GPU). It trains ``recipes/tiny_cpu.yaml``'s model on a small generated
-corpus (``testbed/corpus.py``), case after case, each a fresh ``Trainer`` on the same process group
-(``runs.Measured``): the memory in use before it is built (the baseline: imports, the process group, earlier cases'
-leftovers, which the planner does not model), one step, then a second whose peak is measured; measured = that peak
-− the baseline (on CPU the resident set, on CUDA the allocated bytes; the caching allocator's reserve beyond them is
-what the planner's ``--headroom`` covers), the largest over ranks, against ``lctrain.planner.estimate_memory`` (the
-largest over pipeline stages). ``CUDA_CASES``: Llama-3.2-1B's sizes (untied) in bf16, peaks in different phases.
-A warm-up case runs first in every job (what loads lazily would otherwise count in the first case). The table gives
-the estimate term by term, the measurement and the relative error, and the same on the whole resident set
-(baseline + peak), what ``peak_mem_gib`` in ``metrics.jsonl`` reports on CPU.
-"""
+"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16). The
+method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -28,11 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import command, machine_line
+from benchmarks.report import command, machine_line, table
 from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
@@ -103,17 +86,14 @@ def worker(cases: list[list], corpus: str, out: str, scratch: str, device_type: 
 
 
 def estimate(case: list, device: str = "cpu") -> dict:
-    from lctrain.planner import GIB, NAMED_MODELS, Layout, ModelSpec, Workload, estimate_memory
+    from lctrain.planner import GIB, NAMED_MODELS, Layout, Workload, estimate_memory
 
     world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
     layout = Layout(pp, dp, ring, ulysses, ac)
     e = 4 if device == "cpu" else 2
     work = Workload(seq_len, gpus_per_node=world, batch=rows, dtype_bytes=e, loss_chunk_tokens=chunk, device=device)
-    m = LLAMA_1B_UNTIED
-    gpu_model = ModelSpec(
-        "llama3.2-1b-untied", m["hidden"], m["intermediate"], m["layers"], m["heads"], m["kv_heads"], m["vocab"], 64
-    )
-    estimated = estimate_memory(NAMED_MODELS["tiny"] if device == "cpu" else gpu_model, layout, work)
+    model = NAMED_MODELS["tiny"] if device == "cpu" else replace(NAMED_MODELS["llama3.2-1b"], tied=False)  # jobs.py's
+    estimated = estimate_memory(model, layout, work)
     return {k: v * GIB / MIB for k, v in estimated.gib().items() if isinstance(v, float)} | {"phase": estimated.phase}
 
 
@@ -146,19 +126,13 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
             f"heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
             "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)"
         )
-    lines = [
-        f"command: {command_line}",
-        machine or f"machine: {machine_line()}",
-        model,
-        "",
-        "| P | pp | dp | ring | uly | AC | seq_len | rows | loss chunk | estimate: states + gathered + activations + "
-        "recompute + backward + loss (phase) | estimate | measured | error | baseline | total error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    errors, total_errors = [], []
+    lines = [f"command: {command_line}", machine or f"machine: {machine_line()}", model, ""]
+    header = ["P", "pp", "dp", "ring", "uly", "AC", "seq_len", "rows", "loss chunk"]
+    header += ["estimate: states + gathered + activations + recompute + backward + loss (phase)", "estimate"]
+    header += ["measured", "error", "baseline", "total error"]
+    rows, errors, total_errors = [], [], []
     for result in results:
         case = result["case"]
-        world, pp, dp, ring, ulysses, ac, seq_len, rows, chunk = case
         est = estimate(case, device)
         worst = max(result["ranks"], key=lambda r: r["peak"] - r["baseline"])
         measured = (worst["peak"] - worst["baseline"]) / MIB
@@ -168,12 +142,10 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
         errors.append(abs(error))
         total_errors.append(abs(total_error))
         terms = " + ".join(f"{est[k]:.1f}" for k in ("states", "gathered", "activations", "recompute", "backward"))
-        lines.append(
-            f"| {world} | {pp} | {dp} | {ring} | {ulysses} | {ac} | {seq_len} | {rows} | {chunk} | {terms} + "
-            f"{est['loss']:.1f} ({est['phase']}) | {est['total']:.1f} | {measured:.1f} | {error:+.1%} | "
-            f"{baseline:.0f} | {total_error:+.1%} |"
-        )
+        cells = [*map(str, case), f"{terms} + {est['loss']:.1f} ({est['phase']})", f"{est['total']:.1f}"]
+        rows.append([*cells, f"{measured:.1f}", f"{error:+.1%}", f"{baseline:.0f}", f"{total_error:+.1%}"])
     lines += [
+        table(header, rows),
         "",
         f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} (of the measured step peak); with "
         f"the baseline mean {sum(total_errors) / len(total_errors):.1%}, max {max(total_errors):.1%}",

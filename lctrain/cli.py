@@ -1,6 +1,7 @@
 """``python -m lctrain <command> [arguments]``; commands: ``train`` and ``eval`` (Hydra overrides, under torchrun
-for several ranks), ``plan`` (a layout planner; ``--help`` lists its options), ``probe`` (measures the cluster's
-links and attention kernel for the planner, under torchrun)."""
+for several ranks), ``prepare`` (the training data tokenized once; the same overrides), ``plan`` (a layout planner;
+``--help`` lists its options), ``probe`` (measures the cluster's links and attention kernel for the planner, under
+torchrun)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from collections.abc import MutableMapping
 # command -> the module whose main(argv) runs it (imported only when used: torch and transformers load slowly)
 COMMANDS = {
     "train": "lctrain.train.trainer",
+    "prepare": "lctrain.train.prepare",
     "eval": "lctrain.eval.run",
     "plan": "lctrain.planner.cli",
     "probe": "lctrain.planner.probe",
 }
 USAGE = (
     "usage: python -m lctrain train|eval [recipe=NAME] [section.field=value ...]   (under torchrun for several ranks)\n"
+    "       python -m lctrain prepare [recipe=NAME] [section.field=value ...] data.prepared=DIR\n"
     "       python -m lctrain plan --help\n"
     "       python -m lctrain probe --help   (under torchrun, like train)"
 )

@@ -40,6 +40,9 @@ from typing import Any
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections, in every family
 PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")  # with a dense MLP's
+# the projections of the gated delta (linear-attention) layers: Qwen3-Next's fused ones, Qwen3.5's
+QWEN3_NEXT_LINEAR = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+QWEN3_5_LINEAR = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class Family:
     lora_targets: tuple[str, ...] = PROJECTIONS
     # the attention transformers builds the plain model with (before lctrain selects its own): gpt-oss has no sdpa
     built_attention: str = "sdpa"
+    # the decoder layers' attribute holding a gated delta (linear-attention) mixer, on the layers whose
+    # config.layer_types[i] is linear_attention: run over the context-parallel ranks by lctrain.linear_attention
+    linear_mixer: str | None = None
     # RoPE per layer type (config.rope_parameters keyed by layer_types' kinds, rotary_emb(x, positions, layer_type)):
     # Gemma 3's local layers have their own base, its global layers theirs with the scaling
     rope_per_layer_type: bool = False
@@ -129,6 +135,33 @@ FAMILIES = {
             rope_per_layer_type=True,
             layer_norms=4,
         ),
+        # the hybrids: three gated delta layers before each gated full-attention layer (partial rotary, q/k norms)
+        Family(
+            "qwen3_next",
+            "Qwen3-Next-80B-A3B",
+            qk_norm=True,
+            head_dim_from_width=True,
+            experts=Experts("num_experts", "moe_intermediate_size", sparse_layers=True),
+            lora_targets=(*ATTENTION, *QWEN3_NEXT_LINEAR),
+            linear_mixer="linear_attn",
+        ),
+        Family(
+            "qwen3_5_text",
+            "Qwen3.5 dense (the language model)",
+            qk_norm=True,
+            head_dim_from_width=True,
+            lora_targets=(*PROJECTIONS, *QWEN3_5_LINEAR),
+            linear_mixer="linear_attn",
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "Qwen3.5 MoE (the language model)",
+            qk_norm=True,
+            head_dim_from_width=True,
+            experts=Experts("num_experts", "moe_intermediate_size"),
+            lora_targets=(*ATTENTION, *QWEN3_5_LINEAR),
+            linear_mixer="linear_attn",
+        ),
     )
 }
 # RoPE types whose positions lctrain checks against transformers (tests/distributed/test_export.py): a checkpoint's
@@ -137,17 +170,34 @@ FAMILIES = {
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 ROPE_SCALING_TYPES = ROPE_TYPES[1:]
 LAYER_TYPES = ("full_attention", "sliding_attention")
+HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")  # a family with a linear_mixer
 
-# image-text model types whose language model lctrain trains alone: (the config attribute holding the language
-# model's config, the renames of the checkpoint's language-model tensors to the text model's names). The vision tower
-# and projector are left out: neither read, trained nor exported (the export is the text model's checkpoint).
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """The language model of an image-text model type, which lctrain trains alone: its config is the checkpoint
+    config's ``config`` attribute; what it leaves out is neither read, trained nor exported (the export is the text
+    model's checkpoint)."""
+
+    left_out: str
+    # renames of the checkpoint's language-model tensors to the text model's names (from_pretrained's key_mapping),
+    # where transformers' own conversion mapping for the text model does not make them
+    renames: dict[str, str] | None = None
+    config: str = "text_config"
+
+
 LANGUAGE_MODELS = {
-    "gemma3": ("text_config", {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head."}),
+    "gemma3": LanguageModel(
+        "its vision tower and projector",
+        {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head."},
+    ),
+    "qwen3_5": LanguageModel("its vision tower"),
+    "qwen3_5_moe": LanguageModel("its vision tower"),
 }
 
 _MOE = (
     "it is a mixture-of-experts model whose router or shared experts lctrain has not been made and checked to run "
-    "exactly (the mixtures it runs: qwen3_moe, mixtral)"
+    "exactly (the mixtures it runs: qwen3_moe, mixtral, qwen3_next, qwen3_5_moe_text)"
 )
 _ALIBI = "its attention adds ALiBi position biases to the scores, which USP attention does not compute"
 # why some model types people ask for are refused (any other type: not one of FAMILIES)
@@ -297,10 +347,11 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
             f"differently on each rank; set router_jitter_noise to 0 in its config.json"
         )
-    if rule in ("layers", "pattern"):
-        unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if rule in ("layers", "pattern") or FAMILIES[model_type].linear_mixer:
+        known = HYBRID_LAYER_TYPES if FAMILIES[model_type].linear_mixer else LAYER_TYPES
+        unknown = sorted(set(config.layer_types) - set(known))
         if unknown:
-            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {LAYER_TYPES} layers exactly")
+            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {known} layers exactly")
     if window_setting and not any(layer_windows(config)):
         if rule == "none":
             reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
@@ -340,6 +391,13 @@ def check_experts(config: Any, source: str, coef_setting: float | None, scope: s
             f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
             f"model.experts_per_token between 1 and model.num_experts"
         )
+
+
+def linear_layers(config: Any) -> list[int]:
+    """The decoder layers whose sequence mixer is a gated delta (linear-attention) layer; [] for a family without."""
+    if FAMILIES[config.model_type].linear_mixer is None:
+        return []
+    return [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
 
 
 def num_experts(config: Any) -> int:

@@ -71,6 +71,16 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses: int, *, sett
         )
 
 
+def check_linear_heads(key_heads: int, value_heads: int, ulysses: int, *, setting: str = "parallel.ulysses") -> None:
+    """Ulysses gives each rank ``1/ulysses`` of the linear layers' key heads and of their value heads."""
+    if key_heads % ulysses or value_heads % ulysses:
+        raise ValueError(
+            f"{setting}={ulysses} does not divide the linear-attention layers' {key_heads} key heads and "
+            f"{value_heads} value heads (linear_num_key_heads, linear_num_value_heads): choose a ulysses degree that "
+            f"divides both and move the rest to the ring"
+        )
+
+
 def groups_inside_nodes(group_size: int, ranks_per_node: int) -> bool:
     """Whether every group of ``group_size`` consecutive ranks (a Ulysses group, the context-parallel ranks, the FSDP
     ranks: the mesh's inner axes) lies inside one node of ``ranks_per_node`` consecutive ranks (launchers number a

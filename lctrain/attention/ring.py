@@ -47,17 +47,8 @@ from torch import Tensor
 from lctrain.attention.kernels import AttentionKernel, accumulation_dtype, default_scale, resolve_kernel
 from lctrain.attention.merge import fold_sink, merge_block, sink_grad
 from lctrain.attention.ring_blocks import Block, Step, group_documents, plain, plan_ring
-from lctrain.attention.transport import (
-    PIECES,
-    Arriving,
-    Peers,
-    Returning,
-    fetch,
-    group_coordinates,
-    pass_peers,
-    row_count,
-    row_cuts,
-)
+from lctrain.attention.ring_transfers import PIECES, Returning, fetch
+from lctrain.attention.transport import Arriving, Peers, group_coordinates, pass_peers, row_count, row_cuts
 
 
 def _by_piece(blocks: tuple[Block, ...], cuts: list[slice]) -> list[tuple[int, Block]]:
@@ -248,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
             q, k, v = (t.to(kernel.backward_dtype(input_dtype)) for t in (q, k, v))
         else:  # K/V rows are sent at every step: contiguous here once, row slices need no copy at batch 1
             k, v = k.contiguous(), v.contiguous()
-        peers = pass_peers(group, "forward", plan)
+        peers = pass_peers(group, "forward", len(plan))
         out, lse, kept = _ring_forward(q, k, v, peers, plan, scale=scale, kernel=kernel, sink=sink)
         ctx.save_for_backward(q, k, v, out, lse, sink, *(kept or (None, None)))
         ctx.options = dict(group=group, plan=plan, scale=scale, kernel=kernel, input_dtype=input_dtype)
@@ -264,7 +255,7 @@ class _RingAttention(torch.autograd.Function):
             v,
             (dout.contiguous(), out, lse),
             None if k_kept is None else (k_kept, v_kept),
-            pass_peers(options["group"], "backward", options["plan"]),
+            pass_peers(options["group"], "backward", len(options["plan"])),
             options["plan"],
             scale=options["scale"],
             kernel=options["kernel"],

@@ -1,9 +1,9 @@
-"""The ring's transport: point-to-point transfers between ring ranks, in pieces of rows, recorded in the timeline.
+"""Point-to-point transfers between the ranks of a context-parallel group, in pieces of rows, recorded in a timeline.
 
-A step's K/V rows travel straight from their owner to the rank that computes with them (``fetch``), and the dK/dV
-of fetched rows straight back (``Returning``), each with ``batch_isend_irecv``; what arrives is received into
-rows-first buffers, so a run of rows is contiguous. Nothing here computes attention: ``ring.py`` decides what
-travels when.
+``Peers`` sends to and receives from the ranks at given offsets in the group with ``batch_isend_irecv``; what arrives
+is received into rows-first buffers (``rows_first``), so a run of rows is contiguous. Nothing here knows what it
+carries: the ring's K/V and dK/dV transfers are built on it in ``ring_transfers.py``, and any other mixer whose
+pieces pass between ranks can use the same peers.
 """
 
 from __future__ import annotations
@@ -14,13 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.ring_blocks import Step
 from lctrain.attention.timeline import NoTimeline, PassTimeline, pass_timeline
-
-# The forward's last K/V fetch and every dK/dV return travel in this many pieces of rows, each its own exchange:
-# the blocks of the rows that have arrived compute while the rest travels, and a return starts as soon as its
-# rows' gradients are complete (docs/parallelism.md, "What travels"). lctrain.planner.timing.RING_PIECES says the same.
-PIECES = 4
 
 
 def group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -43,7 +37,7 @@ def row_cuts(count: int, pieces: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _rows_first(like: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rows_first(like: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """An empty buffer of ``count`` rows stored rows first, ``[rows, B, ...]`` (a run of rows is contiguous: it can
     be received into), and its ``[B, rows, ...]`` view, which the blocks index."""
     store = torch.empty((count, like.shape[0], *like.shape[2:]), dtype=dtype, device=like.device)
@@ -82,7 +76,8 @@ class Arriving:
 
 
 class Peers:
-    """Point-to-point transfers with the ring ranks at a given offset from this one, recorded in ``timeline``."""
+    """Point-to-point transfers with the ranks of ``group`` at a given offset from this one, recorded in
+    ``timeline``."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeline: PassTimeline | NoTimeline) -> None:
         self.group = group
@@ -92,7 +87,7 @@ class Peers:
     def start(
         self, what: str, source: int, send: list[Tensor], send_offset: int, receive: list[Tensor], receive_offset: int
     ) -> Transfer:
-        """Send ``send`` to ring rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``
+        """Send ``send`` to rank ``rank + send_offset`` and receive ``receive`` from ``rank + receive_offset``
         (``what`` of step ``source``, for the timeline).
 
         Every rank calls this at every step other than step 0, with tensors of zero rows when it has nothing to
@@ -134,47 +129,9 @@ class Peers:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
 
 
-def pass_peers(group: dist.ProcessGroup | None, pass_name: str, plan: tuple[Step, ...]) -> Peers:
-    """The pass's transfers, recorded in its timeline when the ring has more than one step (``timeline.py``)."""
-    if len(plan) == 1:
+def pass_peers(group: dist.ProcessGroup | None, pass_name: str, steps: int) -> Peers:
+    """A pass's transfers, recorded in its timeline when it has more than one step (``timeline.py``)."""
+    if steps == 1:
         return Peers(group, NoTimeline())
     ring_rank, ring_size = group_coordinates(group)
     return Peers(group, pass_timeline(pass_name, dist.get_rank(), ring_rank, ring_size))
-
-
-def fetch(peers: Peers, step: Step, k: Tensor, v: Tensor, pieces: int = 1) -> tuple[Arriving, Tensor, Tensor]:
-    """Post a step's K/V transfers, in ``pieces`` pieces of rows: rows ``step.send`` of ``k``, ``v`` out, rows
-    ``step.keys`` of the source's in; returns them and the K/V the step's blocks index (local views at step 0)."""
-    if step.source == 0:
-        return Arriving([]), k[:, step.keys], v[:, step.keys]
-    (k_store, k_in), (v_store, v_in) = (_rows_first(k, row_count(step.keys), k.dtype) for _ in range(2))
-    pairs = list(zip(row_cuts(row_count(step.send), pieces), row_cuts(row_count(step.keys), pieces)))
-    send = [k[:, step.send], v[:, step.send]]
-    transfers = peers.exchange("kv", step.source, send, step.source, [k_store, v_store], -step.source, pairs)
-    return Arriving(transfers), k_in, v_in
-
-
-class Returning:
-    """The dK/dV this rank computed at ``step`` (``dk``, ``dv``: fp32, the rows it fetched), on their way back to
-    the keys' owner piece by piece, and what comes back in exchange: the gradients of rows ``step.send`` of this
-    rank's piece, from the rank that fetched them."""
-
-    def __init__(self, peers: Peers, step: Step, dk: Tensor, dv: Tensor) -> None:
-        self.peers, self.step, self.dk, self.dv = peers, step, dk, dv
-        (self.dk_store, self.dk_in), (self.dv_store, self.dv_in) = (
-            _rows_first(dk, row_count(step.send), dk.dtype) for _ in range(2)
-        )
-        self.cuts = list(zip(row_cuts(row_count(step.keys), PIECES), row_cuts(row_count(step.send), PIECES)))
-        self.posted = 0
-        self.transfers: list[Transfer] = []
-
-    def post(self, pieces: int) -> None:
-        """Send the pieces before ``pieces`` not sent yet: their rows' gradients are complete."""
-        sending, self.posted = self.cuts[self.posted : pieces], max(self.posted, pieces)
-        stores, source = [self.dk_store, self.dv_store], self.step.source
-        self.transfers += self.peers.exchange("dkv", source, [self.dk, self.dv], -source, stores, source, sending)
-
-    def received(self) -> tuple[slice, Tensor, Tensor]:
-        """Wait for every piece; the rows of this rank's piece that came back and their dK, dV (fp32)."""
-        Arriving(self.transfers).wait()
-        return self.step.send, self.dk_in, self.dv_in

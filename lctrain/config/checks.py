@@ -22,7 +22,7 @@ from lctrain.families import (
     num_experts,
     rope_parameters,
 )
-from lctrain.rules import check_expert_parallel, check_pipeline, check_ulysses_heads
+from lctrain.rules import check_expert_parallel, check_linear_heads, check_pipeline, check_ulysses_heads
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -122,7 +122,28 @@ def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, v
         rope_type="dynamic" if any(r.get("rope_type") == "dynamic" for r in rope_parameters(config).values()) else None,
         num_experts=num_experts(config),
     )
+    if family.linear_mixer is not None:
+        check_linear_layers(cfg, config, source)
     check_lora(cfg.model.lora, config, cfg.parallel, source)
+
+
+def check_linear_layers(cfg: JobConfig, config: PretrainedConfig, source: str) -> None:
+    """A hybrid model's gated delta layers: their heads split over the Ulysses ranks, each ring rank's chunks at
+    least the convolution's halo, and no rows whose documents share a prefix (the preference objective's)."""
+    dims = cfg.parallel.dims()
+    check_linear_heads(config.linear_num_key_heads, config.linear_num_value_heads, dims.ulysses)
+    chunks = 2 * dims.ring if cfg.parallel.layout == "zigzag" else dims.ring
+    halo = config.linear_conv_kernel_dim - 1
+    if cfg.data.seq_len // chunks < halo:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} cut into {chunks} ring pieces leaves fewer tokens than the linear "
+            f"layers' convolution halo ({halo}) of {source}: use a longer data.seq_len or a smaller parallel.ring"
+        )
+    if cfg.objective.name == "dpo":
+        raise ValueError(
+            f"objective.name=dpo with {source}: its linear-attention layers do not run the preference pairs' shared "
+            f"prompt; train it with objective.name=lm"
+        )
 
 
 def check_rope(cfg: JobConfig, cp: int, max_position_embeddings: int | None, rope_type: str | None = None) -> None:

@@ -113,12 +113,19 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Rank 0 prints one metrics line per `every` steps and writes every step to <run_dir>/metrics.jsonl."""
+    """Rank 0 prints one metrics line per `every` steps and writes every step to <run_dir>/metrics.jsonl and to the
+    trackers enabled (W&B, TensorBoard, MLflow; several at once: ``lctrain.train.trackers``)."""
 
     every: int = 1  # print the metrics line every this many steps
     progress_bar: bool = True  # a tqdm bar on rank 0
     wandb: str = "disabled"  # disabled, offline (local files) or online
     wandb_project: str = "lctrain"  # the W&B project name
+    tensorboard: bool = False  # TensorBoard event files in <run_dir>/tensorboard (pip install 'lctrain[tensorboard]')
+    mlflow: bool = False  # an MLflow run of every step, the config and the plots (pip install 'lctrain[mlflow]')
+    # MLflow's tracking URI: a server (http://host:5000) or a store (sqlite:///path.db); None = a SQLite store with the
+    # artifacts in <run_dir>/mlflow
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "lctrain"  # the MLflow experiment the run belongs to (created when missing)
     plot: bool = True  # write <run_dir>/loss.png at the end
 
     def __post_init__(self) -> None:

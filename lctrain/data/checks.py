@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.config import DataConfig, SourceConfig, data_sources, filled_source
-from lctrain.data.kinds import open_source, read_chat_template
+from lctrain.data.kinds import read_chat_template
+from lctrain.data.prepared import open_data_source
 from lctrain.data.sources import embedded_files, resolve_paths
 
 
@@ -30,8 +32,11 @@ def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[s
     train = data_sources(config)
     val = [filled_source(source, config) for source in config.val_sources]
     formats = []
+    unprepared = replace(config, prepared=None)  # validation reads its files
     for index, source in enumerate(train + val):
-        opened = open_source(source, config, tokenizer, index=index, template=template)
+        opened = open_data_source(
+            source, config if index < len(train) else unprepared, tokenizer, index=index, template=template
+        )
         opened.check()
         formats.append(opened.documents.format)
     for source in val:

@@ -62,6 +62,10 @@ class DataConfig:
     unreachable_turns: str = "error"  # a turn no generation prompt leads to (reasoning templates): error or skip
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture, drawn by weight; [] = paths/dataset
     val_sources: list[SourceConfig] = field(default_factory=list)  # held-out data scored every train.val_every steps
+    # a directory written by `lctrain prepare`: the training sources it holds (by name) are read from it, tokenized
+    # already; the others (and data.val_sources) from their files. prepare writes it
+    prepared: str | None = None
+    prepare_workers: int = 0  # `lctrain prepare`'s worker processes; 0 = one per core
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -73,6 +77,8 @@ class DataConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        if self.prepare_workers < 0:
+            raise ValueError(f"data.prepare_workers={self.prepare_workers} must be >= 0 (0 = one per core)")
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size={self.batch_size} must be >= 1")
         if self.sources and (self.paths or self.dataset):

@@ -22,10 +22,12 @@ import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from lctrain.data.chat import ChatEncoder, Conversation, parse_conversation
+from lctrain.data.chat import ChatEncoder, parse_conversation
 from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.config import DataConfig, SourceConfig
 from lctrain.data.mixture import Encoded
@@ -58,7 +60,15 @@ class TextSource:
         return self.documents.texts(epoch)
 
     def encode(self, texts: list[str]) -> list[Encoded]:
-        return [Document(tokens, source=self.index) for tokens in tokenize_documents(self.tokenizer, texts)]
+        return self.fit(self.tokenize(texts), texts)
+
+    def tokenize(self, texts: list[str]) -> list[Tensor]:
+        """Each text's tokens ``[BOS, *tokens, EOS]``: what ``lctrain prepare`` stores."""
+        return tokenize_documents(self.tokenizer, texts)
+
+    def fit(self, tokenized: list[Tensor], items: list) -> list[Encoded]:
+        """The documents of ``tokenize``'s tensors (whatever the row length)."""
+        return [Document(tokens, source=self.index) for tokens in tokenized]
 
     def check(self) -> None:
         """Nothing beyond opening: the source checked its text field when it was opened."""
@@ -111,22 +121,30 @@ class ChatSource(RecordSource):
     (logged once, counted), ``truncate`` or ``error``."""
 
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
-        conversations = [parse_conversation(record, where) for record, where in records]
+        return self.fit(self.tokenize(records), records)
+
+    def tokenize(self, records: list[tuple[str, str]]) -> list[Document | list[Document | str]]:
+        """Each record's conversation rendered and tokenized (``ChatEncoder.encode``), whatever the row length:
+        what ``lctrain prepare`` stores."""
+        return self.encoder.encode([parse_conversation(record, where) for record, where in records])
+
+    def fit(self, tokenized: list[Document | list[Document | str]], records: list[tuple[Any, str]]) -> list[Encoded]:
+        """``tokenize``'s conversations fitted to a row (``data.overlong``); ``records`` name them (``where``)."""
         encoded: list[Encoded] = []
-        for conversation, parts in zip(conversations, self.encoder.encode(conversations)):
+        for (_, where), parts in zip(records, tokenized):
             if isinstance(parts, list):
-                encoded.append([self._fitted(conversation, p) if isinstance(p, Document) else p for p in parts])
+                encoded.append([self._fitted(where, p) if isinstance(p, Document) else p for p in parts])
             else:
-                encoded.append(self._fitted(conversation, parts))
+                encoded.append(self._fitted(where, parts))
         return encoded
 
-    def _fitted(self, conversation: Conversation, document: Document) -> Encoded:
+    def _fitted(self, where: str, document: Document) -> Encoded:
         """A conversation's document, or why it gives none."""
         if len(document) > self.seq_len:
             item = f"a conversation of {len(document)} tokens"
-            self._refuse_overlong(conversation.where, item)
+            self._refuse_overlong(where, item)
             if self.overlong == "drop":
-                return self._dropped(conversation.where, item)
+                return self._dropped(where, item)
             document = replace(
                 document, tokens=document.tokens[: self.seq_len], trained=document.trained[: self.seq_len]
             )
@@ -156,8 +174,16 @@ class PairSource(RecordSource):
     its start, keeping at least its last token; a pair whose answers alone do not fit is dropped) or ``error``."""
 
     def encode(self, records: list[tuple[str, str]]) -> list[Encoded]:
-        parsed = [parse_pair(record, where) for record, where in records]
-        return [self._fitted(record.where, pair) for record, pair in zip(parsed, self.encoder.encode(parsed))]
+        return self.fit(self.tokenize(records), records)
+
+    def tokenize(self, records: list[tuple[str, str]]) -> list[Pair]:
+        """Each record's pair encoded (``PairEncoder.encode``), whatever the row length: what ``lctrain prepare``
+        stores."""
+        return self.encoder.encode([parse_pair(record, where) for record, where in records])
+
+    def fit(self, tokenized: list[Pair], records: list[tuple[Any, str]]) -> list[Encoded]:
+        """``tokenize``'s pairs fitted to a row (``data.overlong``); ``records`` name them (``where``)."""
+        return [self._fitted(where, pair) for (_, where), pair in zip(records, tokenized)]
 
     def _fitted(self, where: str, pair: Pair) -> Encoded:
         if len(pair) <= self.seq_len:
@@ -223,11 +249,24 @@ def open_source(
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
-    if documents.format == "chat":
+    return source_of_kind(documents, config, tokenizer, index=index, template=template)
+
+
+def source_of_kind(
+    documents: Any, config: DataConfig, tokenizer: PreTrainedTokenizerBase | None, *, index: int, template: str | None
+) -> TextSource | ChatSource | PairSource:
+    """The class of ``documents.format``'s kind over ``documents`` (a ``DocumentSource``, or anything with its
+    ``description``, ``format`` and items: ``lctrain.data.prepared``); ``tokenizer`` None: one that only fits
+    documents already tokenized (``fit``)."""
+    if tokenizer is None:
+        encoder = None
+    elif documents.format == "chat":
         turns = TurnSettings(config.divergent_turns, config.unreachable_turns)
         encoder = ChatEncoder(tokenizer, template=template, train_on=config.train_on, turns=turns, source=index)
+    elif documents.format == "preference":
+        encoder = PairEncoder(tokenizer, template=template, shared=config.share_prompt, source=index)
+    if documents.format == "chat":
         return ChatSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
     if documents.format == "preference":
-        encoder = PairEncoder(tokenizer, template=template, shared=config.share_prompt, source=index)
         return PairSource(documents, encoder, seq_len=config.seq_len, overlong=config.overlong)
     return TextSource(documents, tokenizer, index)

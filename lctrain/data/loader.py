@@ -24,9 +24,10 @@ from torch import Tensor
 
 from lctrain.attention import SequencePlace
 from lctrain.data.config import DataConfig, data_sources
-from lctrain.data.kinds import PairSource, open_source, read_chat_template
+from lctrain.data.kinds import read_chat_template
 from lctrain.data.mixture import COUNTS, Mixture, SourceStream
 from lctrain.data.packing import PackedRow, Packer
+from lctrain.data.prepared import open_data_source
 from lctrain.data.tokenizer import load_tokenizer
 from lctrain.rules import check_sequence_length
 
@@ -41,7 +42,7 @@ class PackedLoader:
     - ``sources``: ``[B, S / (R·U)]`` int16, the source index of each token (``names`` names them), sharded alike.
     - ``cu_seqlens``: a list of B int32 tensors ``[k_b + 1]``, the document boundaries of each *global* row.
 
-    When a source holds preference pairs (``lctrain.data.kinds.PairSource``), also:
+    When a source holds preference pairs (``lctrain.data.kinds.PairSource``, or prepared ones), also:
 
     - ``completions``: ``[B, S / (R·U)]`` int64, sharded alike: the completion of each trained token of a pair
       (``2k`` pair k's chosen, ``2k + 1`` its rejected, numbered within the row), -1 elsewhere.
@@ -76,12 +77,12 @@ class PackedLoader:
         self.names = [source.name for source in self._configs]
         template = read_chat_template(config)
         self._sources = [
-            open_source(
+            open_data_source(
                 source, config, self.tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size
             )
             for index, source in enumerate(self._configs)
         ]
-        self.pairs = any(isinstance(source, PairSource) for source in self._sources)
+        self.pairs = any(source.documents.format == "preference" for source in self._sources)
         self._state: dict[str, Any] = {
             "dp_rank": dp_rank,
             "dp_size": dp_size,

@@ -44,22 +44,29 @@ def uniform(seed: int, dp_rank: int, draw: int) -> float:
     return (_splitmix64(_splitmix64(_splitmix64(seed) ^ dp_rank) ^ draw) >> 11) / (1 << 53)
 
 
-Item = Any  # a text (str), or a chat or preference record and where it is: (JSON text, "file:line")
+# a text (str), or a chat or preference record and where it is: (JSON text, "file:line"); a prepared item: (its index
+# in the prepared set, where it is)
+Item = Any
 # a document (a pair: one unit of documents), the reason (SKIP_REASONS) the item gives none, or its parts:
 # documents and counts (COUNTS)
 Encoded = Document | Pair | str | list[Document | str]
 
 
 def _size(item: Item) -> int:
-    return len(item if isinstance(item, str) else item[0])
+    """An item's characters (a prepared item's: 0)."""
+    text = item if isinstance(item, str) else item[0]
+    return len(text) if isinstance(text, str) else 0
 
 
-def _batches(items: Iterator[Item]) -> Iterator[list[Item]]:
+def batches(
+    items: Iterator[Item], most_items: int = ENCODE_ITEMS, most_characters: int = ENCODE_CHARACTERS
+) -> Iterator[list[Item]]:
+    """``items`` in lists of up to ``most_items`` items or ``most_characters`` characters (whichever comes first)."""
     batch, characters = [], 0
     for item in items:
         batch.append(item)
         characters += _size(item)
-        if len(batch) == ENCODE_ITEMS or characters >= ENCODE_CHARACTERS:
+        if len(batch) == most_items or characters >= most_characters:
             yield batch
             batch, characters = [], 0
     if batch:
@@ -109,7 +116,7 @@ class SourceStream:
                 f"{self.dp_rank} has only {skipped} documents of {self.description} there: the data changed since "
                 f"it was saved"
             )
-        return _batches(items)
+        return batches(items)
 
     def __next__(self) -> Document:
         while True:

@@ -180,6 +180,21 @@ def _open_records(
     return _from_files(read_records, resolve_paths(paths), _RECORD_FEATURES)
 
 
+def ordered(
+    ds: datasets.IterableDataset, shuffle_buffer: int, seed: int, dp_rank: int, dp_size: int, epoch: int
+) -> datasets.IterableDataset:
+    """``ds``'s examples of dp rank ``dp_rank`` of ``dp_size`` for ``epoch``: shuffled (a buffer of
+    ``shuffle_buffer`` examples and the shards' order, seeded by ``seed`` and the epoch; 0 = in order), then split
+    by shard when the ranks divide the shards, else by example. Which example goes where depends on the number of
+    shards and of examples in each, never on what they hold."""
+    if shuffle_buffer:
+        ds = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
+    ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
+    if shuffle_buffer:
+        ds.set_epoch(epoch)
+    return ds
+
+
 class DocumentSource:
     """The documents of one data-parallel rank: text documents (``texts``) or chat or preference records
     (``records``).
@@ -253,13 +268,22 @@ class DocumentSource:
         self._dataset = ds.select_columns([text_field])
 
     def _stream(self, epoch: int) -> datasets.IterableDataset:
-        ds = self._dataset
-        if self.shuffle_buffer:
-            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
-        ds = split_dataset_by_node(ds, rank=self.dp_rank, world_size=self.dp_size)
-        if self.shuffle_buffer:
-            ds.set_epoch(epoch)
-        return ds
+        return ordered(self._dataset, self.shuffle_buffer, self.seed, self.dp_rank, self.dp_size, epoch)
+
+    @property
+    def num_shards(self) -> int:
+        """The shards the dataset streams from (a file each, or a parquet file's row groups): the units dp ranks
+        split, and shuffling reorders, whole when they can."""
+        return self._dataset.num_shards
+
+    def shard_items(self, shard: int) -> Iterator[str | tuple[str, str]]:
+        """Every item of shard ``shard`` in order, unshuffled and for all ranks: texts (an empty one as "", so that
+        each item keeps its place) or (record, where)."""
+        for example in split_dataset_by_node(self._dataset, rank=shard, world_size=self.num_shards):
+            if self.format == "text":
+                yield example[self.text_field] or ""
+            else:
+                yield example["record"], example["where"]
 
     def texts(self, epoch: int) -> Iterator[str]:
         """This rank's text documents for ``epoch``, in order."""

@@ -77,6 +77,8 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     Random init builds ``cfg.family`` (one of ``FAMILIES``), with ``head_dim = hidden_size / num_heads`` where its
     record says (``Family.head_dim_from_width``: Qwen3's config class would default to 128), a mixture of experts
     with ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per token,
+    a hybrid's gated delta layers with ``model.num_kv_heads`` key heads and ``model.num_heads`` value heads of
+    ``hidden_size / num_heads`` (and a shared expert of width ``model.intermediate_size``),
     and no sliding window unless ``model.sliding_window`` > 0, then on every layer (transformers' class defaults,
     Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is
     applied (``set_router_aux_loss``)."""
@@ -86,7 +88,7 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
             raise FileNotFoundError(
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
-        config = _language_model(AutoConfig.from_pretrained(path))
+        config = _language_model(AutoConfig.from_pretrained(path), model_source(cfg.path, cfg.family))
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
         if checkpoint_reading(path).quantizer is not None:  # read dequantized: trained and exported unquantized
@@ -111,6 +113,12 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
         if family.experts is not None:  # model.num_experts of width model.intermediate_size
             fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
             fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+        if family.linear_mixer is not None:  # the gated delta layers sized as the attention, a shared expert as one
+            head_dim = cfg.hidden_size // cfg.num_heads
+            fields |= {"linear_num_key_heads": cfg.num_kv_heads, "linear_num_value_heads": cfg.num_heads}
+            fields |= {"linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim}
+            if family.experts is not None:
+                fields["shared_expert_intermediate_size"] = cfg.intermediate_size
         config = _random_init_config(
             cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window, cfg.num_layers)
         )
@@ -129,17 +137,19 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     return config
 
 
-def _language_model(config: PretrainedConfig) -> PretrainedConfig:
+def _language_model(config: PretrainedConfig, source: str) -> PretrainedConfig:
     """The config of the model lctrain trains from a checkpoint's: an image-text model's language model
-    (``families.LANGUAGE_MODELS``: its vision tower and projector left out), else ``config`` itself."""
+    (``families.LANGUAGE_MODELS``, said in one line with what is left out), else ``config`` itself."""
     if config.model_type not in LANGUAGE_MODELS:
         return config
-    language_model = getattr(config, LANGUAGE_MODELS[config.model_type][0])
+    record = LANGUAGE_MODELS[config.model_type]
+    language_model = getattr(config, record.config)
     logger.info(
-        "a %s checkpoint: its %s language model is trained alone (the vision tower and projector are not read, "
-        "trained or exported)",
+        "%s: a %s checkpoint: training its language model (%s); left out: %s",
+        source,
         config.model_type,
         language_model.model_type,
+        record.left_out,
     )
     return language_model
 
@@ -252,14 +262,15 @@ def checkpoint_reading(path: str | Path) -> Reading:
     model's (``families.LANGUAGE_MODELS``)."""
     fields = json.loads((Path(path) / "config.json").read_text())
     language_model = LANGUAGE_MODELS.get(fields.get("model_type"))
-    return Reading(dequantizer(fields.get("quantization_config")), language_model and language_model[1])
+    return Reading(dequantizer(fields.get("quantization_config")), language_model and language_model.renames)
 
 
 def checkpoint_layout(path: str | Path) -> str:
     """The layout of the Hugging Face checkpoint in ``path``, in words (``LAYOUT_WORDS``), planned as
     ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
-    config = _language_model(AutoConfig.from_pretrained(path))
-    source = model_source(str(path), config.model_type)
+    checkpoint_config = AutoConfig.from_pretrained(path)
+    source = model_source(str(path), checkpoint_config.model_type)
+    config = _language_model(checkpoint_config, source)
     _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source, checkpoint_reading(path))
     return LAYOUT_WORDS[plan.layout]
 

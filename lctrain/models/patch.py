@@ -6,6 +6,10 @@ are not touched. Per-batch metadata travels through the call: the model is calle
 ``input_ids`` and ``position_ids`` (global positions, so RoPE is right on every shard) and, for packed rows,
 ``cu_seq_lens_q`` (the global document boundaries) and, for rows whose documents share a prefix (preference
 pairs), ``doc_prefix`` (``usp_attention``'s), which transformers forwards to the attention function.
+
+A family whose record names a linear-attention mixer (``Family.linear_mixer``: Qwen3-Next's and Qwen3.5's gated
+delta layers) has those modules run over the same groups and layout by ``lctrain.linear_attention``, which receives
+the same call.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from lctrain.attention import usp_attention
 from lctrain.attention.kernels import KernelCase, resolve
+from lctrain.families import FAMILIES
+from lctrain.linear_attention.gated_deltanet import patch_linear_attention
 
 logger = logging.getLogger("lctrain")
 
@@ -92,7 +98,8 @@ def patch_attention(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> str:
-    """Select USP attention over these groups on ``model`` (in place); returns the registered implementation name.
+    """Select USP attention over these groups on ``model`` (in place), and the family's linear-attention mixers (see
+    the module docstring); returns the registered implementation name.
 
     ``kernel``: ``parallel.attention_kernel`` (``auto`` or a kernel name). Given the ``device`` and the ``dtype``
     attention will run in, the kernel choice is resolved now, logged ("attention kernel: ..."), and a kernel
@@ -110,4 +117,9 @@ def patch_attention(
         ),
     )
     model.set_attn_implementation(name)
+    family = FAMILIES.get(model.config.model_type)
+    if family is not None and family.linear_mixer is not None:
+        mixers = [getattr(m, family.linear_mixer) for m in model.modules() if hasattr(m, family.linear_mixer)]
+        patch_linear_attention(mixers, ring_group=ring_group, ulysses_group=ulysses_group, layout=layout)
+        logger.info("linear-attention layers: %d gated delta layers, transformers' torch chunked kernel", len(mixers))
     return name

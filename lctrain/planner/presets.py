@@ -129,6 +129,11 @@ class ModelSpec:
 
         record = family_of(config.get("model_type", "llama"), f"--model {name}")
         family = record.model_type
+        if record.linear_mixer is not None:
+            raise ValueError(
+                f"{name}: a {family} model, whose gated delta (linear-attention) layers the planner does not count "
+                f"(their weights, state and summary exchange): size its jobs with a short measured run instead"
+            )
         hf = AutoConfig.for_model(**{**config, "model_type": family})
         attention_bias = bool(getattr(hf, "attention_bias", False))
         windows = tuple(layer_windows(hf))

@@ -12,8 +12,8 @@ from lctrain.rules import groups_inside_nodes, stage_layers
 BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
 
 
-# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.transport.PIECES; a test
-# keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
+# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.ring_transfers.PIECES;
+# a test keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
 RING_PIECES = 4
 
 

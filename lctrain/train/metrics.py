@@ -1,4 +1,5 @@
-"""Metrics: one line per step on rank 0, every step to ``metrics.jsonl``, Weights & Biases when enabled, and a loss
+"""Metrics: one line per step on rank 0, every step to ``metrics.jsonl`` and the trackers enabled (W&B, TensorBoard,
+MLflow: ``lctrain.train.trackers``), and a loss
 plot at the end (and, when the run validates, a validation plot: ``val_loss.png``; for preference pairs, the reward
 margin and accuracy: ``rewards.png``). The step's tokens/s, MFU and peak memory the line reports come from
 ``meter.py``."""
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lctrain.config.schema import LoggingConfig
+from lctrain.train.trackers import Guarded, open_trackers
 
 logger = logging.getLogger("lctrain")
 
@@ -23,32 +25,29 @@ class MetricsLogger:
         self.enabled = rank == 0
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
-        self.wandb_run = None
+        self.trackers: list[Guarded] = []
         if not self.enabled:
             return
         # a resumed run repeats the steps after its checkpoint: drop their old records
         kept = [line for line in _read_jsonl(self.path) if line["step"] <= resume_step]
         self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
-        if cfg.wandb != "disabled":
-            import wandb
-
-            self.wandb_run = wandb.init(
-                project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb, config=job_config, resume="allow"
-            )
+        self.trackers = open_trackers(cfg, run_dir, job_config, resume_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> str | None:
         """Record one step; returns the formatted line when this step is printed (every ``logging.every`` steps, and
-        at each validation). A dict value (``val_loss_by_position``) goes to W&B as ``key/sub`` values."""
+        at each validation). A dict value (``val_loss_by_position``) goes to the trackers as ``key/sub`` values."""
         if not self.enabled:
             return None
         record = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.wandb_run is not None:
+        if self.trackers:
             flat = {}
             for key, value in metrics.items():
                 flat.update({f"{key}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
-            self.wandb_run.log({k: v for k, v in flat.items() if v is not None}, step=step)
+            numbers = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for tracker in self.trackers:
+                tracker.log(step, numbers)
         validated = metrics.get("val_loss") is not None
         if step % self.cfg.every and not validated:
             return None
@@ -61,18 +60,23 @@ class MetricsLogger:
             line += f" | margin {metrics['rewards/margins']:.4f} | acc {metrics['rewards/accuracies']:.3f}"
         return line + (f" | val_loss {metrics['val_loss']:.4f}" if validated else "")
 
-    def close(self) -> None:
+    def close(self, exported: Path | None = None) -> None:
+        """The plots, then each tracker's end (the plots and ``exported``, the exported model's directory)."""
         if not self.enabled:
             return
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        plots = []
         if self.cfg.plot:
-            plot_loss(self.path, self.run_dir / "loss.png")
+            plots.append(self.run_dir / "loss.png")
+            plot_loss(self.path, plots[-1])
             records = _read_jsonl(self.path)
             if any(record.get("val_loss") is not None for record in records):
-                plot_validation(self.path, self.run_dir / "val_loss.png")
+                plots.append(self.run_dir / "val_loss.png")
+                plot_validation(self.path, plots[-1])
             if any(record.get("rewards/margins") is not None for record in records):
-                plot_rewards(self.path, self.run_dir / "rewards.png")
+                plots.append(self.run_dir / "rewards.png")
+                plot_rewards(self.path, plots[-1])
+        for tracker in self.trackers:
+            tracker.finish(plots, exported)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -248,7 +248,8 @@ class Trainer:
         self._log_skipped()
         if cfg.checkpoint.export_hf:
             self.export()
-        self.metrics.close()
+        adapter_only = cfg.model.lora.rank and not cfg.checkpoint.export_merged
+        self.metrics.close(self.run_dir / ("adapter" if adapter_only else "hf") if cfg.checkpoint.export_hf else None)
         return losses
 
     def export(self) -> None:

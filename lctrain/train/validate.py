@@ -43,9 +43,17 @@ def position_buckets(seq_len: int) -> list[int]:
 
 
 def validation_data(data: DataConfig) -> DataConfig:
-    """The data section of the validation rows: ``data.val_sources`` only, packed with ``truncate``."""
+    """The data section of the validation rows: ``data.val_sources`` only (read from their files), packed with
+    ``truncate``."""
     return dataclasses.replace(
-        data, paths=[], dataset=None, sources=data.val_sources, val_sources=[], batch_size=1, truncate=True
+        data,
+        paths=[],
+        dataset=None,
+        sources=data.val_sources,
+        val_sources=[],
+        batch_size=1,
+        truncate=True,
+        prepared=None,
     )
 
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lctrain.attention import shard_sequence, timeline, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
 from lctrain.attention.ring_blocks import Block, Step, group_documents, piece_chunks, plan_ring, visible_pairs
-from lctrain.attention.transport import PIECES
+from lctrain.attention.ring_transfers import PIECES
 from lctrain.testing import run_distributed
 from tests.helpers import fake_attention_ops
 from tests.helpers.reference import (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -94,10 +95,13 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def sharded_step(ring: int, ulysses: int, family: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and context-parallel-summed gradients of one forward+backward on this rank's shard."""
+def sharded_step(
+    ring: int, ulysses: int, family: str, build: Callable[[str], torch.nn.Module] | None = None
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and context-parallel-summed gradients of one forward+backward on this rank's shard of the model
+    ``build`` (default ``build_model``) makes of ``family``."""
     mesh = JobMesh.build(ParallelDims(ring=ring, ulysses=ulysses), "cpu")
-    model = build_model(family)
+    model = (build or build_model)(family)
     patch_attention(model, ulysses_group=mesh.group("ulysses"), ring_group=mesh.group("ring"))
     input_ids, position_ids, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
     shard = functools.partial(mesh.place.shard, dim=1)
@@ -135,9 +139,16 @@ def results_for(world: int) -> dict:
 @pytest.mark.parametrize("world,ring,ulysses,family", CASES, ids=lambda x: str(x))
 def test_sharded_model_matches_single_process_model(world: int, ring: int, ulysses: int, family: str) -> None:
     loss, grads = results_for(world)[(ring, ulysses, family)]
-    model = build_model(family)
-    input_ids, _, labels, bounds = packed_row(seq_len=16 * ring * ulysses)
+    _, _, _, bounds = packed_row(seq_len=16 * ring * ulysses)
     assert len(bounds) > 3 and max(b - a for a, b in zip(bounds, bounds[1:])) > WINDOW  # the window matters
+    assert_documents_alone_match(build_model(family), 16 * ring * ulysses, loss, grads)
+
+
+def assert_documents_alone_match(
+    model: torch.nn.Module, seq_len: int, loss: float, grads: dict[str, torch.Tensor]
+) -> None:
+    """``loss`` and ``grads`` (a sharded step's) equal ``model``'s on each document of the packed row run alone."""
+    input_ids, _, labels, bounds = packed_row(seq_len=seq_len)
     total = sum(loss_sum(model(input_ids=input_ids[:, a:b]).logits, labels[:, a:b]) for a, b in zip(bounds, bounds[1:]))
     expected = total / (labels != -100).sum()
     expected.backward()

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lctrain"
 LAYERS = [
     {"rules", "families", "flops", "checkpoint", "testing", "lazy"},  # torch-free rules and family records, FLOPs, ...
     {"attention"},
+    {"linear_attention"},  # mixers whose state passes between context-parallel ranks; Ulysses from attention
     {"parallel", "models", "data"},
     {"config"},
     {"runtime"},

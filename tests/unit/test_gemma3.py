@@ -64,7 +64,10 @@ def test_the_language_model_of_an_image_text_checkpoint_trains_alone(tmp_path: P
     cfg = load_config([f"model.path={tmp_path}"])
     with caplog.at_level(logging.INFO, logger="lctrain"):
         text = model_config(cfg.model, 0)
-    assert text.model_type == "gemma3_text" and "language model is trained alone" in caplog.text
+    assert (
+        text.model_type == "gemma3_text"
+        and "training its language model (gemma3_text); left out: its vision tower and projector" in caplog.text
+    )
     check_model_job(cfg, 1, text, text.vocab_size)
     model = build_empty_model(text)
     read = safetensors_source(tmp_path, text)

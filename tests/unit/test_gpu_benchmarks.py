@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_context import fits
+from benchmarks.bench_context import fits, line
 from benchmarks.report import fit_line
 from benchmarks.search import Probe, Search
 
@@ -146,6 +146,17 @@ def test_a_probe_fits_when_it_finished_within_the_memory_budget() -> None:
     assert fits({"ok": True, "step_peak": 3 * gib}, 3 * gib)
     assert not fits({"ok": True, "step_peak": 3 * gib + 1}, 3 * gib)
     assert not fits({"ok": False, "error": "out of memory"}, None)  # a CUDA out-of-memory: a clean "does not fit"
+
+
+def test_scaling_line_fits_the_step_peak_per_rank_against_tokens_per_rank() -> None:
+    """``bench_context --sections scaling``: a + b·(S/P) through the largest rank's step peak of each point, with the
+    largest residual; no line through a single S/P."""
+    points = [{"seq": 2 * n, "ranks": 2, "peaks": [10 + 3 * n, 9 + 3 * n + (n == 2048)]} for n in (1024, 2048, 4096)]
+    a, b, residual = line(points)
+    assert b == pytest.approx(3.0) and a == pytest.approx(10.0) and residual == pytest.approx(0.0, abs=1e-6)
+    points[1]["peaks"][0] += 7  # one point 7 above the line: residuals -3, 4.5, -1.5 of the new fit
+    assert line(points)[2] == pytest.approx(4.5)
+    assert line(points[:1]) is None
 
 
 def test_fit_line_through_depths() -> None:

@@ -43,9 +43,9 @@ def test_measured_figures_replace_the_preset_and_missing_ones_come_from_it(tmp_p
 
 
 def test_ring_pieces_are_the_rings() -> None:
-    from lctrain.attention import transport
+    from lctrain.attention import ring_transfers
 
-    assert RING_PIECES == transport.PIECES
+    assert RING_PIECES == ring_transfers.PIECES
 
 
 def test_ring_step_uses_measured_rates_as_achieved(tmp_path: Path) -> None:

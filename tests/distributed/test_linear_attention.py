@@ -1,0 +1,142 @@
+"""transformers' gated delta layers (Qwen3-Next's and Qwen3.5's) run by ``gated_deltanet_forward`` on spawned gloo
+groups (ring 2, Ulysses 2, ring 2 x Ulysses 2, ring 4; zigzag and contiguous; packed documents crossing pieces,
+starting exactly at a piece's first token, one token long) against the same module run by transformers on each
+document alone in one process.
+
+One process group per world size runs every case. Tolerances (fp32): outputs within 2e-5 absolute + 1e-4 relative,
+gradients (of the input and of every parameter, summed over the ranks) within 5e-5 absolute + 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from lctrain.attention import SequencePlace, unshard_sequence
+from lctrain.linear_attention.gated_deltanet import patch_linear_attention
+from lctrain.rules import check_linear_heads
+from lctrain.testing import run_distributed
+
+LENGTH = 48
+DOCUMENTS = [0, 5, 12, 13, 30, 47, LENGTH]  # a start at ring 2 zigzag's second chunk; one-token documents
+MODULES = {"qwen3_next": Qwen3NextGatedDeltaNet, "qwen3_5_text": Qwen3_5GatedDeltaNet}
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    ring: int
+    ulysses: int
+    layout: str
+    packed: bool
+
+
+CASES = {
+    2: [
+        Case("qwen3_5_text", 2, 1, "zigzag", False),
+        Case("qwen3_5_text", 2, 1, "zigzag", True),
+        Case("qwen3_next", 2, 1, "contiguous", True),
+        Case("qwen3_next", 1, 2, "zigzag", True),
+    ],
+    4: [
+        Case("qwen3_5_text", 2, 2, "zigzag", True),
+        Case("qwen3_next", 2, 2, "zigzag", True),
+        Case("qwen3_5_text", 4, 1, "zigzag", True),
+    ],
+}
+
+
+def _module(family: str) -> torch.nn.Module:
+    """A tiny gated delta layer with every parameter random (seeded: the same on every rank)."""
+    config = AutoConfig.for_model(
+        family,
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    module = MODULES[family](config, 0)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    return module
+
+
+def _data(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(2, LENGTH, 32, generator=gen), torch.randn(2, LENGTH, 32, generator=gen)
+
+
+def reference(case: Case) -> list[torch.Tensor]:
+    """transformers' module on each document alone: output, input gradient, parameter gradients."""
+    module = _module(case.family)
+    hidden, cotangent = _data(case)
+    hidden.requires_grad_()
+    bounds = DOCUMENTS if case.packed else [0, LENGTH]
+    out = torch.cat([module(hidden[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    (out * cotangent).sum().backward()
+    return [out.detach(), hidden.grad, *(p.grad for p in module.parameters())]
+
+
+def run_case(case: Case) -> list[torch.Tensor]:
+    mesh = init_device_mesh("cpu", (case.ring, case.ulysses), mesh_dim_names=("ring", "ulysses"))
+    place = SequencePlace.from_mesh(mesh, case.layout)
+    module = copy.deepcopy(_module(case.family))
+    patch_linear_attention(
+        [module], ring_group=mesh.get_group("ring"), ulysses_group=mesh.get_group("ulysses"), layout=case.layout
+    )
+    hidden, cotangent = _data(case)
+    hidden = place.shard(hidden, dim=1).clone().requires_grad_()
+    bounds = torch.tensor(DOCUMENTS) if case.packed else None
+    out = module(hidden, cu_seq_lens_q=bounds)
+    (out * place.shard(cotangent, dim=1)).sum().backward()
+    world = dist.get_world_size()
+    gathered = []
+    for local in (out.detach(), hidden.grad):
+        shards = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(shards, local.contiguous())
+        order = unshard_sequence(shards, dim=1, ring_size=case.ring, ulysses_size=case.ulysses, layout=case.layout)
+        gathered.append(order)
+    grads = [p.grad.clone() for p in module.parameters()]
+    for grad in grads:
+        dist.all_reduce(grad)
+    return gathered + grads
+
+
+def world_job(world: int) -> list[list[torch.Tensor]]:
+    return [run_case(case) for case in CASES[world]]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[list[torch.Tensor]]]:
+    return {world: run_distributed(world_job, world, world)[0] for world in CASES}
+
+
+@pytest.mark.parametrize(
+    "world,index", [(w, i) for w, cases in CASES.items() for i in range(len(cases))], ids=lambda x: str(x)
+)
+def test_sharded_layer_equals_documents_run_alone(results, world: int, index: int) -> None:  # noqa: ANN001
+    case = CASES[world][index]
+    got, expected = results[world][index], reference(case)
+    names = ["output", "input grad", *(f"grad {n}" for n, _ in _module(case.family).named_parameters())]
+    torch.testing.assert_close(got[0], expected[0], atol=2e-5, rtol=1e-4, msg=lambda m: f"{case} output: {m}")
+    for name, value, want in zip(names[1:], got[1:], expected[1:]):
+        torch.testing.assert_close(value, want, atol=5e-5, rtol=1e-4, msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+def test_ulysses_must_divide_the_linear_heads() -> None:
+    with pytest.raises(ValueError, match=r"parallel.ulysses=4 does not divide the linear-attention layers' 2 key"):
+        check_linear_heads(2, 4, 4)
