@@ -81,14 +81,14 @@ class ModelConfig:
     """A Llama-style model: a local Hugging Face checkpoint directory, or a fresh one built from these sizes."""
 
     path: str | None = None  # a local HF model directory (config.json + *.safetensors); None = random init
-    # for random init: llama, mistral, qwen2, qwen3, or the mixtures of experts qwen3_moe, mixtral (the transformers
-    # model type)
+    # for random init: llama, mistral, qwen2, qwen3, gemma3_text, or the mixtures of experts qwen3_moe, mixtral,
+    # gpt_oss (the transformers model type; the hybrids: docs/configuration.md)
     family: str = "llama"
     hidden_size: int = 256  # model width (random init)
     intermediate_size: int = 688  # MLP width (random init; a mixture of experts: each expert's)
-    num_experts: int = 8  # experts per decoder layer (random init of qwen3_moe, mixtral)
-    experts_per_token: int = 2  # experts each token is routed to, top-k (random init of qwen3_moe, mixtral)
-    # the weight of the router's load-balancing loss in the step's loss (qwen3_moe, mixtral): null = the checkpoint's
+    num_experts: int = 8  # experts per decoder layer (random init of a mixture of experts)
+    experts_per_token: int = 2  # experts each token is routed to, top-k (random init of a mixture of experts)
+    # the weight of the router's load-balancing loss in the step's loss (a mixture of experts): null = the checkpoint's
     # (its router_aux_loss_coef when its output_router_logits is set, as transformers trains it, else 0; random
     # init: 0); written into the exported config.json
     router_aux_loss_coef: float | None = None

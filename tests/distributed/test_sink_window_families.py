@@ -9,7 +9,10 @@ does not cover. One spawned gloo group of 4 ranks runs every case (``STEPS`` ste
   rotary embeddings and gives each layer its own;
 - ``gpt_oss`` on dp 2 × ring 2 with accumulation 2 and 2 rows a micro-batch, windows of 8 on every other layer,
   the router's load-balancing loss (coefficient 0.1): the sinks' gradient summed over the ring and dp ranks;
-- ``gpt_oss`` on ring 4 with accumulation 2 (its documents crossing the pieces).
+- ``gpt_oss`` on ring 4 with accumulation 2 (its documents crossing the pieces);
+- ``gpt_oss`` with LoRA adapters (rank 4) on its attention projections and on its experts (peft's
+  ``target_parameters``: ``experts.gate_up_proj``, ``experts.down_proj``, stored ``[E, in, out]``) on ring 2 ×
+  Ulysses 2.
 
 Tolerances as ``test_trainer_parity.py``: first step's loss within 1e-5 relative and every gradient (the sinks'
 included) within 1e-5 absolute + 1e-4 relative; every step's loss within 1e-5 relative and pre-clipping gradient
@@ -51,6 +54,14 @@ CASES = {
     "gemma3_text-pp2-ring2": (GEMMA3, ("parallel.pp=2", "parallel.ring=2"), 6, 1, 2, 1),
     "gpt_oss-dp2-ring2-accum": (GPT_OSS, ("parallel.dp=2", "parallel.ring=2"), 2, 2, 2, 2),
     "gpt_oss-ring4": (GPT_OSS, ("parallel.ring=4",), 2, 1, 2, 1),
+    "gpt_oss-lora-ring2-ulysses2": (
+        (*GPT_OSS, "model.lora.rank=4", "model.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]"),
+        ("parallel.ring=2", "parallel.ulysses=2"),
+        2,
+        1,
+        1,  # the adapters' gradient norm, averaged over fewer tokens, is large enough for clipping to act
+        1,
+    ),
 }
 
 

@@ -19,11 +19,11 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from lctrain.attention import shard_sequence, unshard_sequence, usp_attention
 from lctrain.attention.kernels import AttentionKernel, resolve_kernel
 from lctrain.testing import run_distributed
+from tests.distributed.test_attention import _groups
 from tests.helpers.reference import random_pairs, sink_reference_grads, visible_mask
 
 TOKENS_PER_RANK = 8
@@ -88,16 +88,6 @@ def make_inputs(case: Case) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     tensors = [torch.randn(2, case.seq_len, h, 80, generator=gen) for h in (8, 2, 2, 8)]
     return [*tensors, 2 * torch.randn(8, generator=gen)]
-
-
-def _groups(ring: int, ulysses: int):  # noqa: ANN202
-    mesh = init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
-    return (
-        mesh.get_group("ring"),
-        mesh.get_group("ulysses"),
-        mesh.get_local_rank("ring"),
-        mesh.get_local_rank("ulysses"),
-    )
 
 
 def run_case(case: Case, sinks_on: bool = True) -> list[torch.Tensor]:
