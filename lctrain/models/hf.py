@@ -282,10 +282,14 @@ def materialize(
     """Allocate the (sharded) parameters on ``device`` and fill them from ``source``, one full tensor at a time.
 
     Buffers keep the values they were built with, on ``device``. ``params_device``: where the parameters live when
-    not on ``device`` (host memory, for FSDP2's CPU offload). Works on FSDP-sharded (DTensor) and plain parameters.
+    not on ``device`` (host memory, for FSDP2's CPU offload). Works on FSDP-sharded (DTensor) and plain parameters;
+    plain parameters shared by several modules (tied embeddings) stay shared, filled once under their first name.
     """
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    shared = _shared_parameters(model)
     model.to_empty(device=params_device or device)
+    for module, key, owner, owner_key in shared:  # to_empty gives each module a parameter of its own
+        module._parameters[key] = owner._parameters[owner_key]
     for module_name, module in model.named_modules():
         for key in dict(module.named_buffers(recurse=False)):
             module._buffers[key] = buffers[f"{module_name}.{key}" if module_name else key].to(device)
@@ -297,6 +301,22 @@ def materialize(
             param.to_local().copy_(shard.to_local())  # to the parameter's own memory, on the host or the device
         else:
             param.copy_(source(hf_name(name), param.shape))
+
+
+def _shared_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, key, owner, owner's key) for each plain parameter slot holding a parameter that an earlier slot (its
+    owner) holds too."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    shared = []
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) in first:
+                shared.append((module, key, *first[id(param)]))
+            else:
+                first[id(param)] = (module, key)
+    return shared
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
