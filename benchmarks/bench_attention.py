@@ -21,7 +21,7 @@ from torch import Tensor
 
 from benchmarks import rings
 from benchmarks.memory import MALLOC_MMAP_THRESHOLD
-from benchmarks.report import arguments, command, listed, machine_line, table
+from benchmarks.report import MIB, arguments, command, listed, machine_line, table
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import accumulation_dtype
@@ -30,7 +30,6 @@ from lctrain.train.meter import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory", "kernel")
-MIB = 2**20
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -218,21 +217,17 @@ def kernel_pass_times(cfg: argparse.Namespace, reps: int) -> list[list[str]]:
     diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), for each compute dtype and input layout: what
     ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from."""
     piece, rows, generator = cfg.seq // 2, [], torch.Generator().manual_seed(0)
+    ways = [(d, layout) for d in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")]
     for q_len, k_len, causal in ((piece, piece, True), (piece, piece // 2, False)):
         shapes = [(q_len, cfg.heads), (k_len, cfg.kv_heads), (k_len, cfg.kv_heads), (q_len, cfg.heads)]
         inputs = [torch.randn(1, n, h, cfg.head_dim, generator=generator).bfloat16() for n, h in shapes]
-        ways = [
-            (dtype, layout) for dtype in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")
-        ]
         sides = {way: functools.partial(block_passes, inputs, *way, causal) for way in ways}
         timed = rounds(sides, 0, reps, alternate=False, timed=False)
         fastest = {way: [min(r[key] for r in timed[way]) for key in ("forward", "backward")] for way in ways}
-        base = fastest[(torch.float32, "contiguous")]
+        base, block = fastest[(torch.float32, "contiguous")], f"{q_len}×{k_len}{' causal' if causal else ''}"
         for (dtype, layout), seconds in fastest.items():
             times = [f"{t * 1e3:.0f} ({t / b:.2f}×)" for t, b in zip(seconds, base)]
-            rows.append(
-                [f"{q_len}×{k_len}{' causal' if causal else ''}", str(dtype).removeprefix("torch."), layout, *times]
-            )
+            rows.append([block, str(dtype).removeprefix("torch."), layout, *times])
     return rows
 
 
@@ -312,9 +307,8 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
 
 def parse_args() -> argparse.Namespace:
     parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3)
-    sections = listed(str, SECTIONS)
     parser.add_argument(
-        "--only", type=sections, default=list(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}"
+        "--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}"
     )
     parser.add_argument("--seq", type=int, default=16384, help="global sequence length for sections 1 and 2")
     parser.add_argument("--ranks", type=int, default=2, help="P for sections 1 and 2")

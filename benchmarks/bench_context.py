@@ -16,12 +16,11 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import arguments, command, defaults_by_device, fit_line, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, command, defaults_by_device, fit_line, machine_line, percent, table
 from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
 
-MIB, GIB = 2**20, 2**30
 SECTIONS = ("search", "layers", "offload", "scaling")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # scaling: ranks -> (ring, ulysses)
 # the integer flags whose defaults depend on the device: (CPU, CUDA, help)
@@ -50,9 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
     for name, (cpu, cuda, text) in DEFAULTS.items():
         many = "+" if isinstance(cpu, list) else None
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, nargs=many, help=f"{text} (CPU {cpu}, CUDA {cuda})"
-        )
+        flag, text = f"--{name.replace('_', '-')}", f"{text} (CPU {cpu}, CUDA {cuda})"
+        parser.add_argument(flag, type=int, nargs=many, help=text)
     parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")

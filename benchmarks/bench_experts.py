@@ -13,12 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.report import arguments, command, commit, defaults_by_device, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.testing import run_distributed
 
-MIB = 2**20
 VOCAB = 1024
 EP_DEGREES = (1, 2, 4)
 # the single part's model on each device (flags left unset take these)
@@ -105,9 +104,8 @@ def main() -> None:
     p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None)
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
     for key in SHAPES["cpu"]:
-        p.add_argument(
-            f"--{key.replace('_', '-')}", type=int, help=f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}"
-        )
+        flag, text = f"--{key.replace('_', '-')}", f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}"
+        p.add_argument(flag, type=int, help=text)
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     if args.device == "cuda" and args.part != "single":

@@ -9,11 +9,10 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job, shape_overrides
-from benchmarks.report import arguments, command, commit, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
 
-MIB = 2**20
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2)}  # ranks -> (ring, ulysses)
 SIDES = ("full", "lora")
 

@@ -11,12 +11,11 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job
-from benchmarks.report import arguments, command, commit, defaults_by_device, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
 from benchmarks.timing import median
 
-MIB = 2**20
 RANKS = {"cpu": 4, "cuda": 1}
 MESH = {"cpu": ("parallel.ring=2", "parallel.ulysses=2"), "cuda": ()}
 DEFAULTS = {"ratios": ([1, 4, 16, 64], [16]), "completion": (32, 1024)}  # (CPU, CUDA)

@@ -271,9 +271,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
             point = next(p for p in points if (p["shape"], p["tokens"]) == (shape, tokens))
             ours, theirs = point["compute"], point["torch_free"]
             passes = [" / ".join(f"{side[n]:.3f}" for n in ("forward", "backward", "total")) for side in (ours, theirs)]
-            baseline.append(
-                [str(ranks), shape, f"{tokens * ranks:,}", *passes, f"**{ours['total'] / theirs['total']:.2f}**"]
-            )
+            ratio = f"**{ours['total'] / theirs['total']:.2f}**"
+            baseline.append([str(ranks), shape, f"{tokens * ranks:,}", *passes, ratio])
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
     header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
     header += ["blocks limited / no limit", "planner S/R min", "PyTorch s"]

@@ -18,13 +18,12 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import arguments, command, commit, defaults_by_device, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, command, commit, defaults_by_device, machine_line, percent, table
 from benchmarks.runs import Run
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
 from lctrain.flops import document_flops_per_token, flops_per_token, mfu
 
-MIB, GIB = 2**20, 2**30
 CHECKPOINTING = ("none", "full")
 LABELS = {"lctrain": "lctrain", "hf": "HF loop"}
 ALLOCATOR_OFF = "expandable_segments:False"
@@ -104,9 +103,8 @@ def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: in
         for case in cases:
             spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None}
             spec["doc_len"] = args.doc_len if args.rows == "packed" else None
-            runs.append(
-                stack.enter_context(Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator))
-            )
+            run = Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator)
+            runs.append(stack.enter_context(run))
             outcomes.append({"ready": runs[-1].describe(case.side)})
 
         def step(index: int, seed: int) -> dict[str, Any]:
@@ -182,10 +180,8 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     rows += f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
     rows += f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""
     lines = ["# Trainer benchmark: lctrain vs a plain Hugging Face loop", "", f"- command: `{command()}`"]
-    lines += [
-        f"- {where}; lctrain at {commit()}",
-        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`",
-    ]
+    lines.append(f"- {where}; lctrain at {commit()}")
+    lines.append(f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`")
     lines[-1] += f"; {model['params']:,} parameters" if model else ""
     lines += [rows, f"- total wall time {seconds:.0f} s", ""]
     memory_note = "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the allocated"
@@ -255,10 +251,8 @@ def fsdp_section(cases: list[Case]) -> list[str]:
             continue
         kernel = profile.get("kernel_ms")
         cells = ["—", "—"] if kernel is None else [f"{kernel:.1f}", f"{profile['fsdp_kernel_ms']:.1f}"]
-        host = f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}"
-        rows.append(
-            [*where, *cells, percent(profile.get("fsdp_kernel_share")), host, percent(profile["fsdp_host_share"])]
-        )
+        host = [f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}", percent(profile["fsdp_host_share"])]
+        rows.append([*where, *cells, percent(profile.get("fsdp_kernel_share")), *host])
     header = ["S", "AC", "step kernel time (ms)", "in FSDP2's ranges (ms)", "kernel share", "FSDP2 host time (ms)"]
     note = "One profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges; target ≤ 3 %."
     return ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] * bool(rows)

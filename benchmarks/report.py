@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+MIB, GIB = 2**20, 2**30
 # the flags several benchmarks share: their settings but the default
 FLAGS = {
     "device": {"choices": ("cpu", "cuda"), "help": "where it runs"},
