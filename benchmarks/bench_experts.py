@@ -20,11 +20,9 @@ from lctrain.testing import run_distributed
 
 VOCAB = 1024
 EP_DEGREES = (1, 2, 4)
-# the single part's model on each device (flags left unset take these)
-SHAPES = {
-    "cpu": {"seq": 2048, "hidden": 256, "experts": 16, "expert_width": 256, "top_k": 4},
-    "cuda": {"seq": 16384, "hidden": 2048, "experts": 128, "expert_width": 768, "top_k": 8},
-}
+# the single part's model, (CPU, CUDA): flags left unset take these
+SHAPES = {"seq": (2048, 16384), "hidden": (256, 2048), "experts": (16, 128), "expert_width": (256, 768)}
+SHAPES["top_k"] = (4, 8)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -103,14 +101,13 @@ def expert_parallel(args: argparse.Namespace) -> str:
 def main() -> None:
     p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None)
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
-    for key in SHAPES["cpu"]:
-        flag, text = f"--{key.replace('_', '-')}", f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}"
-        p.add_argument(flag, type=int, help=text)
+    for key, (cpu, cuda) in SHAPES.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"CPU {cpu}, CUDA {cuda}")
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     if args.device == "cuda" and args.part != "single":
         p.error("--device cuda runs --part single only: add --part single")
-    defaults_by_device(args, {key: (SHAPES["cpu"][key], SHAPES["cuda"][key]) for key in SHAPES["cpu"]})
+    defaults_by_device(args, SHAPES)
     torch.set_num_threads(1)
     dtype = "bf16 on one GPU" if args.device == "cuda" else "fp32, one thread per process"
     print(f"{command()}\ncommit {commit()}, {date.today()}, {machine_line()}")

@@ -44,8 +44,7 @@ def main() -> None:
         f"CPU, {args.threads} thread(s), torch {torch.__version__}, fp32, {args.heads} heads x {args.head_dim}, "
         f"diagonal block of {args.rows} queries, forward+backward, median of {args.iters}"
     )
-    print("| window | way | ms | pairs computed / pairs seen |")
-    print("|---|---|---|---|")
+    print("| window | way | ms | pairs computed / pairs seen |\n|---|---|---|---|")
     plain = median_seconds(functools.partial(kernel_pass, tensors, scale, None), args.iters)
     for window in args.windows:
         seen = sum(min(window, row + 1) for row in range(args.rows))
