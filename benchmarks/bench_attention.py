@@ -21,7 +21,7 @@ from torch import Tensor
 
 from benchmarks import rings
 from benchmarks.memory import MALLOC_MMAP_THRESHOLD
-from benchmarks.report import command, machine_line, table
+from benchmarks.report import MIB, arguments, command, listed, machine_line, table
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import accumulation_dtype
@@ -30,7 +30,6 @@ from lctrain.train.meter import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SECTIONS = ("efficiency", "baselines", "memory", "kernel")
-MIB = 2**20
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -63,20 +62,14 @@ def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, f
     return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
 
 
-def cpu_compute(t: Tensor, pass_name: str = "forward") -> Tensor:
-    """``t`` in the dtype lctrain's CPU kernel computes a pass's blocks in (``kernels.cpu_compute_dtype``)."""
-    return t.to(kernels.cpu_compute_dtype(t.dtype, pass_name))
-
-
 def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
-    """``op`` with its tensor arguments cast like lctrain's CPU kernel casts a pass's blocks (``cpu_compute``)."""
+    """``op`` with its tensor arguments cast to the dtype lctrain's CPU kernel computes a pass's blocks in
+    (``kernels.cpu_compute_dtype``)."""
 
-    def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
-        args = tuple(cpu_compute(a, pass_name) if isinstance(a, Tensor) else a for a in args)
-        kwargs = {name: cpu_compute(a, pass_name) if isinstance(a, Tensor) else a for name, a in kwargs.items()}
-        return op(*args, **kwargs)
+    def cast(a: Any) -> Any:
+        return a.to(kernels.cpu_compute_dtype(a.dtype, pass_name)) if isinstance(a, Tensor) else a
 
-    return run
+    return lambda *args, **kwargs: op(*map(cast, args), **{name: cast(a) for name, a in kwargs.items()})
 
 
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
@@ -224,21 +217,17 @@ def kernel_pass_times(cfg: argparse.Namespace, reps: int) -> list[list[str]]:
     diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), for each compute dtype and input layout: what
     ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from."""
     piece, rows, generator = cfg.seq // 2, [], torch.Generator().manual_seed(0)
+    ways = [(d, layout) for d in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")]
     for q_len, k_len, causal in ((piece, piece, True), (piece, piece // 2, False)):
         shapes = [(q_len, cfg.heads), (k_len, cfg.kv_heads), (k_len, cfg.kv_heads), (q_len, cfg.heads)]
         inputs = [torch.randn(1, n, h, cfg.head_dim, generator=generator).bfloat16() for n, h in shapes]
-        ways = [
-            (dtype, layout) for dtype in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")
-        ]
         sides = {way: functools.partial(block_passes, inputs, *way, causal) for way in ways}
         timed = rounds(sides, 0, reps, alternate=False, timed=False)
         fastest = {way: [min(r[key] for r in timed[way]) for key in ("forward", "backward")] for way in ways}
-        base = fastest[(torch.float32, "contiguous")]
+        base, block = fastest[(torch.float32, "contiguous")], f"{q_len}×{k_len}{' causal' if causal else ''}"
         for (dtype, layout), seconds in fastest.items():
             times = [f"{t * 1e3:.0f} ({t / b:.2f}×)" for t, b in zip(seconds, base)]
-            rows.append(
-                [f"{q_len}×{k_len}{' causal' if causal else ''}", str(dtype).removeprefix("torch."), layout, *times]
-            )
+            rows.append([block, str(dtype).removeprefix("torch."), layout, *times])
     return rows
 
 
@@ -259,10 +248,9 @@ def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]
     base = time_ms(t1)
     rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
     for name, label in (("ring_zigzag", "zigzag (TP)"), ("ring_contiguous", "contiguous")):
-        tp = time_ms(results[name])
-        efficiency = f"{base / (ranks * tp):.3f}"
+        tp, peak = time_ms(results[name]), peak_mib(results[name])
         rows.append(
-            [f"ours: ring_attention, {label}", str(ranks), f"{tp:.1f}", f"{peak_mib(results[name]):.1f}", efficiency]
+            [f"ours: ring_attention, {label}", str(ranks), f"{tp:.1f}", f"{peak:.1f}", f"{base / (ranks * tp):.3f}"]
         )
     print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
     print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
@@ -318,25 +306,17 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}")
+    parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3)
+    parser.add_argument(
+        "--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}"
+    )
     parser.add_argument("--seq", type=int, default=16384, help="global sequence length for sections 1 and 2")
     parser.add_argument("--ranks", type=int, default=2, help="P for sections 1 and 2")
     parser.add_argument("--seq-per-rank", type=int, default=4096, help="S/P for section 3")
-    parser.add_argument("--memory-ranks", default="1,2,4,8", help="values of P for section 3")
+    parser.add_argument("--memory-ranks", type=listed(int), default=[1, 2, 4, 8], help="values of P for section 3")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA when fewer than --heads)")
-    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
-    args = parser.parse_args()
-    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(args.only) - set(SECTIONS)
-    if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    return args
+    return parser.parse_args()
 
 
 def main() -> None:
@@ -364,10 +344,8 @@ def main() -> None:
     if "kernel" in args.only:
         report_kernel(args, max(args.iters, 3))
     if "memory" in args.only:
-        ranks = [int(p) for p in args.memory_ranks.split(",")]
-        report_memory(
-            args, args.seq_per_rank, {p: run_distributed(memory_and_traffic, p, args, args.seq_per_rank) for p in ranks}
-        )
+        measured = {p: run_distributed(memory_and_traffic, p, args, args.seq_per_rank) for p in args.memory_ranks}
+        report_memory(args, args.seq_per_rank, measured)
     forward, backward = (kernels.cpu_compute_dtype(DTYPES[args.dtype], name) for name in ("forward", "backward"))
     if (forward, backward) != (DTYPES[args.dtype],) * 2:
         reason = kernels.cpu_bf16_dtypes().reason

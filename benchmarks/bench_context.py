@@ -16,12 +16,11 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import command, fit_line, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, command, defaults_by_device, fit_line, machine_line, percent, table
 from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
 
-MIB, GIB = 2**20, 2**30
 SECTIONS = ("search", "layers", "offload", "scaling")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # scaling: ranks -> (ring, ulysses)
 # the integer flags whose defaults depend on the device: (CPU, CUDA, help)
@@ -45,14 +44,13 @@ def fits(result: dict[str, Any], budget: int | None) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, json=None)
     add_job_args(parser)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
     for name, (cpu, cuda, text) in DEFAULTS.items():
         many = "+" if isinstance(cpu, list) else None
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, nargs=many, help=f"{text} (CPU {cpu}, CUDA {cuda})"
-        )
+        flag, text = f"--{name.replace('_', '-')}", f"{text} (CPU {cpu}, CUDA {cuda})"
+        parser.add_argument(flag, type=int, nargs=many, help=text)
     parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
@@ -69,20 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scaling.add_argument("--safe-gib", type=float, default=16.0, help="stop a run whose ranks pass this together")
     scaling.add_argument("--plot", default="docs/memory_per_rank.png", help="the PNG of step peak per rank vs S/P")
     parser.add_argument("--probe-timeout", type=float, default=240, help="seconds a probe may take to start or step")
-    parser.add_argument("--json", metavar="PATH", help="also write every probe as JSON")
     args = parser.parse_args(argv)
     if args.device == "cuda" and "scaling" in (args.sections or []):
         parser.error("--sections scaling runs CPU process groups: --device cpu")
     if args.device == "cuda" and args.budget_mib is not None:
         parser.error("--budget-mib limits a CPU run's memory; on CUDA the GPU's memory is the limit")
-    cuda = args.device == "cuda"
-    defaults = {name: values[cuda] for name, values in DEFAULTS.items()} | {
-        "hf_checkpointing": "full" if cuda else "none"
-    }
-    defaults |= {"sections": list(SECTIONS[:3]) if cuda else ["search"], "budget_mib": None if cuda else 1024}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    defaults = {"hf_checkpointing": ("none", "full"), "sections": (["search"], list(SECTIONS[:3]))}
+    defaults_by_device(args, DEFAULTS | defaults | {"budget_mib": (1024, None)})
     divisor = 2 * args.ring * args.ulysses  # zigzag sharding
     for name in ("seq_unit", "warmup_seq", "start_seq", "max_seq"):
         if getattr(args, name) % divisor:
@@ -122,9 +113,8 @@ class Bench:
         changes.append(f"parallel.activation_checkpointing={'full' if lctrain else args.hf_checkpointing}")
         chunk = args.loss_chunk_tokens
         changes += [f"train.loss_chunk_tokens={chunk}"] * (lctrain and chunk is not None)
-        changes += [f"model.num_layers={layers}"] * (layers is not None) + [
-            "parallel.activation_offload=true"
-        ] * offload
+        changes += [f"model.num_layers={layers}"] * (layers is not None)
+        changes += ["parallel.activation_offload=true"] * offload
         changes += [f"parallel.mlp_chunk_tokens={args.mlp_chunk_tokens}"] * (lctrain and mesh is not None)  # scaling
         return job_from_args(args, *changes)
 

@@ -13,30 +13,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.testing import run_distributed
 
-MIB = 2**20
 VOCAB = 1024
 EP_DEGREES = (1, 2, 4)
-# the single part's model on each device (flags left unset take these)
-SHAPES = {
-    "cpu": {"seq": 2048, "hidden": 256, "experts": 16, "expert_width": 256, "top_k": 4},
-    "cuda": {"seq": 16384, "hidden": 2048, "experts": 128, "expert_width": 768, "top_k": 8},
-}
+# the single part's model, (CPU, CUDA): flags left unset take these
+SHAPES = {"seq": (2048, 16384), "hidden": (256, 2048), "experts": (16, 128), "expert_width": (256, 768)}
+SHAPES["top_k"] = (4, 8)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sizes = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "head_dim": args.hidden // 4}
-    sizes |= {
-        "num_experts": args.experts,
-        "num_experts_per_tok": args.top_k,
-        "moe_intermediate_size": args.expert_width,
-    }
+    sizes |= {"num_experts": args.experts, "num_experts_per_tok": args.top_k}
+    sizes["moe_intermediate_size"] = args.expert_width
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
     config = AutoConfig.for_model("qwen3_moe", **sizes, **heads, vocab_size=VOCAB, norm_topk_prob=True)
     torch.manual_seed(0)
@@ -105,23 +99,15 @@ def expert_parallel(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_experts", description=__doc__.split("\n\n")[0])
+    p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None)
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the single part only, in bf16")
-    for key in SHAPES["cpu"]:
-        p.add_argument(
-            f"--{key.replace('_', '-')}", type=int, help=f"CPU {SHAPES['cpu'][key]}, CUDA {SHAPES['cuda'][key]}"
-        )
+    for key, (cpu, cuda) in SHAPES.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"CPU {cpu}, CUDA {cuda}")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--json", metavar="PATH", help="also write the single part's step times as JSON")
     args = p.parse_args()
     if args.device == "cuda" and args.part != "single":
         p.error("--device cuda runs --part single only: add --part single")
-    for key, value in SHAPES[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    defaults_by_device(args, SHAPES)
     torch.set_num_threads(1)
     dtype = "bf16 on one GPU" if args.device == "cuda" else "fp32, one thread per process"
     print(f"{command()}\ncommit {commit()}, {date.today()}, {machine_line()}")

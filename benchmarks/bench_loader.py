@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import command, machine_line
+from benchmarks.report import arguments, command, machine_line
 from benchmarks.runs import run_steps
 from benchmarks.timing import clock, median
 from lctrain.attention import SequencePlace
@@ -121,7 +121,7 @@ def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--ring", type=int, default=2)
     parser.add_argument("--ulysses", type=int, default=2)

@@ -9,11 +9,10 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job, shape_overrides
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
 
-MIB = 2**20
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2)}  # ranks -> (ring, ulysses)
 SIDES = ("full", "lora")
 
@@ -49,7 +48,7 @@ def measure_memory(args: argparse.Namespace, specs: dict[str, list[str]]) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5)
     parser.add_argument("--ranks", type=int, choices=sorted(MESHES), default=2)
     parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
     parser.add_argument("--hidden", type=int, default=512)
@@ -57,8 +56,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--trainable", default="", help="model.lora.trainable, comma-separated (default: none)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps of each side")
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
     specs = jobs(args)

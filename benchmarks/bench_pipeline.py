@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from benchmarks.jobs import bench_job, shape_overrides
-from benchmarks.report import command, machine_line, table
+from benchmarks.report import arguments, command, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
 from lctrain.config import load_config
@@ -51,15 +51,13 @@ def head_layers(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__.split("\n")[0], warmup=2, steps=5)
     schedules = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
     parser.add_argument("--schedules", nargs="+", default=schedules)
     parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="GPipe and 1F1B at m = 2, 4; 3 timed steps")
     args = parser.parse_args()
     if args.quick:

@@ -11,15 +11,14 @@ from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
 from benchmarks.runs import run_steps
 from benchmarks.search import Probe, Search
 from benchmarks.timing import median
 
-MIB = 2**20
 RANKS = {"cpu": 4, "cuda": 1}
 MESH = {"cpu": ("parallel.ring=2", "parallel.ulysses=2"), "cuda": ()}
-DEFAULTS = {"cpu": {"ratios": [1, 4, 16, 64], "completion": 32}, "cuda": {"ratios": [16], "completion": 1024}}
+DEFAULTS = {"ratios": ([1, 4, 16, 64], [16]), "completion": (32, 1024)}  # (CPU, CUDA)
 
 
 def pair_length(prompt: int, completion: int, shared: bool) -> int:
@@ -121,19 +120,13 @@ def longest(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="4 CPU ranks or one GPU")
+    parser = arguments(__doc__.splitlines()[0], device="cpu", warmup=1, steps=4, json=None)
     parser.add_argument("--ratios", type=int, nargs="+", help="prompt:completion ratios (CPU: 1 4 16 64; CUDA: 16)")
     parser.add_argument("--completion", type=int, help="tokens of each answer (CPU: 32; CUDA: 1024)")
     parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
     parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each side")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps of each side")
-    parser.add_argument("--json", metavar="PATH", help="also write the shared and unshared figures as JSON")
     args = parser.parse_args()
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    defaults_by_device(args, DEFAULTS)
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
     if args.device == "cpu":
         print(f"\n4 ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")

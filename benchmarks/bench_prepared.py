@@ -1,18 +1,8 @@
-"""Prepared data against the files: ``lctrain prepare``'s throughput and its use of the cores, then, for text and for
-conversations, each read by 1 and by 4 processes (dp ranks), the loader's time to its first batch (what differs
-between the two before a training step: the model's part is the same) and its tokens per second.
-
-    python -m benchmarks.bench_prepared [--text-mb 100] [--chat-mb 10] [--seq-len 8192] [--seconds 20]
-
-The corpus is generated: text documents of 20K to 200K characters and conversations of 2 to 8 turns of 200 to
-1,500 characters, excerpts of the standard library's files, jsonl, read with the embedded tokenizer and its
-template. Targets: from the prepared set, the first batch in at most 0.2 x the time and at least 10 x the tokens
-per second.
-"""
+"""Prepared data against the files: ``lctrain prepare``'s throughput, then the loader's time to its first batch
+and its tokens per second from the prepared set and from the files. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import multiprocessing
@@ -24,7 +14,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from benchmarks.report import command, machine_line, table
+from benchmarks.report import arguments, command, machine_line, table
 from lctrain.data import DataConfig, PackedLoader, SourceConfig, default_tokenizer_dir
 from lctrain.data.prepare import prepare
 from lctrain.data.sources import read_text_files, stdlib_files
@@ -45,9 +35,8 @@ def write_corpus(root: Path, text_mb: float, chat_mb: float) -> None:
         while f.tell() < chat_mb * 1e6:
             turns = 2 * rng.randint(1, 4)
             roles = ["user", "assistant"] * turns
-            f.write(
-                json.dumps({"messages": [{"role": r, "content": excerpt(200, 1500)} for r in roles[:turns]]}) + "\n"
-            )
+            messages = [{"role": r, "content": excerpt(200, 1500)} for r in roles[:turns]]
+            f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def read(config: DataConfig, dp_rank: int, dp_size: int, seconds: float, barrier=None, out=None) -> tuple:  # noqa: ANN001
@@ -89,7 +78,7 @@ def measure(config: DataConfig, processes: int, seconds: float) -> tuple[float, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--text-mb", type=float, default=100.0)
     parser.add_argument("--chat-mb", type=float, default=10.0)
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -120,10 +109,8 @@ def main() -> None:
             for processes in (1, 4):
                 raw = measure(dataclasses.replace(one, prepared=None), processes, args.seconds)
                 fast = measure(one, processes, args.seconds)
-                rows.append(
-                    [name, str(processes), f"{raw[0]:.2f}", f"{fast[0]:.3f}", f"{fast[0] / raw[0]:.3f}"]
-                    + [f"{raw[1] / 1e6:.2f}", f"{fast[1] / 1e6:.2f}", f"{fast[1] / raw[1]:.0f}"]
-                )
+                cells = [name, str(processes), f"{raw[0]:.2f}", f"{fast[0]:.3f}", f"{fast[0] / raw[0]:.3f}"]
+                rows.append([*cells, f"{raw[1] / 1e6:.2f}", f"{fast[1] / 1e6:.2f}", f"{fast[1] / raw[1]:.0f}"])
         header = ["source", "processes", "first batch, files (s)", "prepared (s)", "ratio (target <= 0.2)"]
         header += ["loader M tokens/s, files", "prepared", "ratio (target >= 10)"]
         print(table(header, rows))

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.report import arguments, listed
 from benchmarks.rings import random_inputs
 from benchmarks.timing import median_seconds
 from lctrain.attention import shard_sequence
@@ -73,18 +73,13 @@ def rank_work(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
+    parser = arguments(__doc__, heads=32, kv_heads=8, head_dim=128 if cuda else 64, iters=5 if cuda else 1)
     parser.add_argument("--seq", type=int, nargs="+", default=[32768, 131072] if cuda else [8192])
     parser.add_argument("--ring", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128 if cuda else 64)
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    parser.add_argument("--iters", type=int, default=5 if cuda else 1)
-    parser.add_argument("--kernels", default="auto", help="comma-separated parallel.attention_kernel choices")
+    parser.add_argument("--kernels", type=listed(), default="auto", help="comma-separated parallel.attention_kernel")
     args = parser.parse_args()
-    choices = [c.strip() for c in args.kernels.split(",") if c.strip()]
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
@@ -100,7 +95,7 @@ def main() -> None:
         t_sdpa = median_seconds(functools.partial(sdpa_fwd_bwd, q, k, v, dout), args.iters, device)
         print(f"| {seq} | sdpa (one device) | {t_sdpa * 1e3:.1f} | {flops / t_sdpa / 1e12:.1f} | |")
         t_first = None
-        for choice in choices:
+        for choice in args.kernels:
             try:
                 name = resolved(q, k, choice).name
             except ValueError as error:
@@ -113,7 +108,7 @@ def main() -> None:
                 f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |"
             )
         for ring in [r for r in args.ring if r > 1 and t_first is not None]:
-            work = [rank_work(q, k, v, dout, r, ring, choices[0]) for r in range(ring)]
+            work = [rank_work(q, k, v, dout, r, ring, args.kernels[0]) for r in range(ring)]
             per_rank = [median_seconds(run, args.iters, device) for run in work]
             slowest = max(per_rank)
             print(

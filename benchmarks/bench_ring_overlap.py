@@ -16,7 +16,7 @@ from typing import Any
 from unittest import mock
 
 from benchmarks import rings
-from benchmarks.report import command, machine_line, table
+from benchmarks.report import arguments, command, listed, machine_line, table
 from benchmarks.timing import clock, gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,9 +271,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
             point = next(p for p in points if (p["shape"], p["tokens"]) == (shape, tokens))
             ours, theirs = point["compute"], point["torch_free"]
             passes = [" / ".join(f"{side[n]:.3f}" for n in ("forward", "backward", "total")) for side in (ours, theirs)]
-            baseline.append(
-                [str(ranks), shape, f"{tokens * ranks:,}", *passes, f"**{ours['total'] / theirs['total']:.2f}**"]
-            )
+            ratio = f"**{ours['total'] / theirs['total']:.2f}**"
+            baseline.append([str(ranks), shape, f"{tokens * ranks:,}", *passes, ratio])
     header = ["P", "shape", "link", "T = S/P", "compute only s", "comm only s", "compute / comm", "ring s"]
     header += ["exposed", "waited / comm", "ring / max", "waits fwd K/V / bwd K/V / bwd dK/dV ms (no limit: all)"]
     header += ["blocks limited / no limit", "planner S/R min", "PyTorch s"]
@@ -320,22 +319,17 @@ def draw(summaries: list[dict], path: Path) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, warmup=1, iters=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank: the spec file the parent wrote
-    parser.add_argument("--ranks", default="2,4", help="values of P, one rank per host (default 2,4)")
-    parser.add_argument("--shapes", default="mha,gqa", help=f"head shapes, of {', '.join(SHAPES)}")
-    parser.add_argument("--rates", default="300mbit,100mbit", help="link rates, tc's units (default 300mbit,100mbit)")
-    parser.add_argument("--tokens", default="512,1024,2048,4096,8192", help="tokens per rank (default 512 to 8192)")
+    ints = listed(int)
+    parser.add_argument("--ranks", type=ints, default=[2, 4], help="values of P, one rank per host (default 2,4)")
+    parser.add_argument("--shapes", type=listed(str, SHAPES), default=list(SHAPES), help="head shapes")
+    parser.add_argument("--rates", type=listed(), default="300mbit,100mbit", help="link rates, tc's units")
+    parser.add_argument("--tokens", type=ints, default=[512, 1024, 2048, 4096, 8192], help="tokens per rank")
     parser.add_argument("--max-tokens-p4", type=int, default=4096, help="largest tokens per rank at P >= 4")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=2, help="timed rounds per point (default 2)")
     parser.add_argument("--png", default="docs/ring_overlap.png", help="the figure (default docs/ring_overlap.png)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the ranks of one P")
-    args = parser.parse_args()
-    unknown = set(args.shapes.split(",")) - set(SHAPES)
-    if unknown:
-        parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
-    return args
+    return parser.parse_args()
 
 
 def main() -> None:
@@ -348,7 +342,7 @@ def main() -> None:
     started = time.perf_counter()
     reason = unavailable()
     namespaces = reason is None
-    rates = args.rates.split(",") if namespaces else [None]
+    rates = args.rates if namespaces else [None]
     print(f"# Ring overlap benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
     if not namespaces:
         print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
@@ -356,11 +350,11 @@ def main() -> None:
           f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank", flush=True)  # fmt: skip
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_ring_overlap_") as scratch:
-        for ranks in (int(p) for p in args.ranks.split(",")):
-            tokens = [int(t) for t in args.tokens.split(",") if ranks < 4 or int(t) <= args.max_tokens_p4]
+        for ranks in args.ranks:
+            tokens = [t for t in args.tokens if ranks < 4 or t <= args.max_tokens_p4]
             work = Path(scratch) / f"p{ranks}"
             work.mkdir()
-            spec = {"shapes": args.shapes.split(","), "rates": rates, "tokens": tokens, "out": str(work)}
+            spec = {"shapes": args.shapes, "rates": rates, "tokens": tokens, "out": str(work)}
             spec |= {"warmup": args.warmup, "iters": args.iters}
             results[ranks] = run_ranks(ranks, spec, work, namespaces=namespaces, timeout_s=args.timeout)
             print(f"- P={ranks}: {time.perf_counter() - started:.0f} s so far", flush=True)

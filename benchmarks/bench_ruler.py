@@ -11,7 +11,7 @@ import time
 import torch
 
 from benchmarks.jobs import bench_job
-from benchmarks.report import command, commit, machine_line, table
+from benchmarks.report import arguments, command, commit, machine_line, table
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.testing import run_distributed
 
@@ -81,7 +81,7 @@ def training_overhead(overrides: list[str]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100, help="the training run's steps")

@@ -1,22 +1,13 @@
 """The cost of gpt-oss's attention sinks in a ring step: attention forward+backward on one rank's piece with and
-without ``sinks``, the fold (``merge.fold_sink``) and the sinks' gradient (``merge.sink_grad``) being all that
-differs. The fold runs once per rank and layer, after the ring's last block, on the rank's own rows, so its share of
-a step only falls as the ring grows (each step adds blocks, the fold stays one pass): one rank's piece as a ring of
-one is its largest share.
-
-    python -m benchmarks.bench_sinks [--tokens 4096] [--heads 8] [--kv-heads 2] [--head-dim 64] [--iters 5]
-
-Median of ``--iters`` runs after a warm-up; CPU (its threads: ``--threads``) or ``--device cuda``. Target: the sinks
-cost at most 3 % of the step.
-"""
+without ``sinks``. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
 
+from benchmarks.report import arguments
 from benchmarks.timing import median_seconds
 from lctrain.attention import usp_attention
 
@@ -29,16 +20,12 @@ def attention_pass(tensors: list[torch.Tensor], sinks: torch.Tensor | None, wind
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, heads=8, kv_heads=2, head_dim=64, iters=5)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -18,32 +18,28 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.memory import malloc_env
-from benchmarks.report import command, commit, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, command, commit, defaults_by_device, machine_line, percent, table
 from benchmarks.runs import Run
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
 from lctrain.flops import document_flops_per_token, flops_per_token, mfu
 
-MIB, GIB = 2**20, 2**30
 CHECKPOINTING = ("none", "full")
 LABELS = {"lctrain": "lctrain", "hf": "HF loop"}
 ALLOCATOR_OFF = "expandable_segments:False"
 MEMORY_STEPS = 2  # CPU: measured steps of each memory run, after one warm-up step
 # the flags' defaults by device: (CPU, CUDA)
-DEFAULTS = {"seq": ([4096], [16384]), "checkpointing": (["none"], list(CHECKPOINTING)), "warmup": (2, 2)}
-DEFAULTS["steps"] = (10, 5)
+DEFAULTS = {"seq": ([4096], [16384]), "checkpointing": (["none"], list(CHECKPOINTING)), "steps": (10, 5)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, warmup=2, steps=None, json=None)
     add_job_args(parser)
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: 4096 on CPU, 16384 on CUDA)")
     parser.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, help="default: CPU none; CUDA both")
     parser.add_argument("--rows", choices=ROWS, default="one-document", help="one document per row, or packed")
     parser.add_argument("--doc-len", type=int, default=2048, help="packed rows: tokens per document")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--warmup", type=int, help="untimed steps per run (default 2)")
-    parser.add_argument("--steps", type=int, help="measured steps per run (default: 10 on CPU, 5 on CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads of each run")
     parser.add_argument("--cpu-offload", action="store_true", help="also lctrain with parallel.cpu_offload")
     parser.add_argument("--activation-offload", action="store_true", help="also parallel.activation_offload (AC full)")
@@ -51,11 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="print each run's top kernels")
     parser.add_argument("--top", type=int, default=12, help="kernels per run with --profile")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds a run may take to start or to step")
-    parser.add_argument("--json", metavar="PATH", help="also write every result as JSON")
     args = parser.parse_args(argv)
-    for key, values in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, values[args.device == "cuda"])
+    defaults_by_device(args, DEFAULTS)
     return args
 
 
@@ -88,10 +81,8 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
             world1 = ("parallel.ring=1", "parallel.ulysses=1", "parallel.dp=1", f"data.seq_len={seq}")
             job = job_from_args(args, *world1, f"parallel.activation_checkpointing={checkpointing}")
             cases = [Case(LABELS[s], s, seq, checkpointing, job, fsdp_share=s == "lctrain") for s in args.sides]
-            offloads = {
-                "cpu_offload": args.cpu_offload,
-                "activation_offload": args.activation_offload and checkpointing == "full",
-            }
+            offloads = {"cpu_offload": args.cpu_offload}
+            offloads["activation_offload"] = args.activation_offload and checkpointing == "full"
             for name in (name for name, on in offloads.items() if on and "lctrain" in args.sides):
                 cases.append(Case(f"lctrain, {name}", "lctrain", seq, checkpointing, [*job, f"parallel.{name}=true"]))
             points.append(cases)
@@ -112,9 +103,8 @@ def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: in
         for case in cases:
             spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None}
             spec["doc_len"] = args.doc_len if args.rows == "packed" else None
-            runs.append(
-                stack.enter_context(Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator))
-            )
+            run = Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator)
+            runs.append(stack.enter_context(run))
             outcomes.append({"ready": runs[-1].describe(case.side)})
 
         def step(index: int, seed: int) -> dict[str, Any]:
@@ -190,10 +180,8 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     rows += f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
     rows += f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""
     lines = ["# Trainer benchmark: lctrain vs a plain Hugging Face loop", "", f"- command: `{command()}`"]
-    lines += [
-        f"- {where}; lctrain at {commit()}",
-        f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`",
-    ]
+    lines.append(f"- {where}; lctrain at {commit()}")
+    lines.append(f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`")
     lines[-1] += f"; {model['params']:,} parameters" if model else ""
     lines += [rows, f"- total wall time {seconds:.0f} s", ""]
     memory_note = "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the allocated"
@@ -239,11 +227,8 @@ def ratio_section(cases: list[Case], figs: dict[int, dict]) -> list[str]:
             rows.append([*cells, "—" if ours.error else "", "—" if theirs.error else "", *["—"] * 5])
             continue
         a, b = figs[id(ours)], figs[id(theirs)]
-        cells += [
-            f"{a['tokens_per_s']:,.0f}",
-            f"{b['tokens_per_s']:,.0f}",
-            f"**{a['tokens_per_s'] / b['tokens_per_s']:.3f}**",
-        ]
+        speeds = (a["tokens_per_s"], b["tokens_per_s"])
+        cells += [f"{speeds[0]:,.0f}", f"{speeds[1]:,.0f}", f"**{speeds[0] / speeds[1]:.3f}**"]
         cells += [f"{a['peak'] / b['peak']:.2f}", f"{a['step_peak'] / b['step_peak']:.2f}"]
         for key in ("loss", "grad_norm"):
             first_a, first_b = ours.result["first"][key], theirs.result["first"][key]
@@ -266,11 +251,8 @@ def fsdp_section(cases: list[Case]) -> list[str]:
             continue
         kernel = profile.get("kernel_ms")
         cells = ["—", "—"] if kernel is None else [f"{kernel:.1f}", f"{profile['fsdp_kernel_ms']:.1f}"]
-        cells += [
-            percent(profile.get("fsdp_kernel_share")),
-            f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}",
-        ]
-        rows.append([*where, *cells, percent(profile["fsdp_host_share"])])
+        host = [f"{profile['fsdp_host_ms']:.1f} of {profile['wall_ms']:.1f}", percent(profile["fsdp_host_share"])]
+        rows.append([*where, *cells, percent(profile.get("fsdp_kernel_share")), *host])
     header = ["S", "AC", "step kernel time (ms)", "in FSDP2's ranges (ms)", "kernel share", "FSDP2 host time (ms)"]
     note = "One profiled lctrain step: kernels launched inside FSDP2's outermost `FSDP::*` ranges; target ≤ 3 %."
     return ["## FSDP2 at world size 1", "", note, "", table([*header, "host share of the step"], rows), ""] * bool(rows)
@@ -290,10 +272,8 @@ def allocator_section(cases: list[Case], mem: Any, unit_name: str) -> list[str]:
             continue
         allocated, reserved = (max(r[key] for r in c.result["memory"]) for key in ("peak", "reserved"))
         rows.append([setting, mem(allocated), mem(reserved), mem(reserved - allocated)])
-    header = [
-        "PYTORCH_CUDA_ALLOC_CONF",
-        *(f"{n} ({unit_name})" for n in ("peak allocated", "peak reserved", "fragmentation")),
-    ]
+    header = ["PYTORCH_CUDA_ALLOC_CONF", *(f"{n} ({unit_name})" for n in ("peak allocated", "peak reserved"))]
+    header.append(f"fragmentation ({unit_name})")
     where = f"lctrain at S={off.seq:,}, checkpointing {off.checkpointing}"
     return ["## The allocator setting", "", where, "", table(header, rows), ""]
 

@@ -3,11 +3,11 @@ method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
 
+from benchmarks.report import arguments
 from benchmarks.timing import median_seconds
 from lctrain.attention.kernels import bands
 from lctrain.attention.kernels.bands import band_tiles
@@ -30,14 +30,11 @@ def masked_pass(tensors: list[torch.Tensor], scale: float, visible: torch.Tensor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, heads=8, head_dim=64, iters=3)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--windows", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--tiles", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -47,8 +44,7 @@ def main() -> None:
         f"CPU, {args.threads} thread(s), torch {torch.__version__}, fp32, {args.heads} heads x {args.head_dim}, "
         f"diagonal block of {args.rows} queries, forward+backward, median of {args.iters}"
     )
-    print("| window | way | ms | pairs computed / pairs seen |")
-    print("|---|---|---|---|")
+    print("| window | way | ms | pairs computed / pairs seen |\n|---|---|---|---|")
     plain = median_seconds(functools.partial(kernel_pass, tensors, scale, None), args.iters)
     for window in args.windows:
         seen = sum(min(window, row + 1) for row in range(args.rows))

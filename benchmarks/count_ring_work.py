@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import argparse
 import random
 
-from benchmarks.report import table
+from benchmarks.report import arguments, table
 from benchmarks.rings import ring_traffic
 from lctrain.attention.ring_blocks import plan_ring, visible_pairs
 
 Row = tuple[list[int] | None, int | None]  # (document boundaries or None for one document, window or None)
 
 
-def span(values: list[int]) -> str:
+def span(values: list[float], form: str = ",") -> str:
     low, high = min(values), max(values)
-    return f"{low:,}" if low == high else f"{low:,} … {high:,}"
-
-
-def span_e(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.3e}" if low == high else f"{low:.3e} … {high:.3e}"
+    return f"{low:{form}}" if low == high else f"{low:{form}} … {high:{form}}"
 
 
 def rows(seq: int, documents: list[int], cuts: int, windows: list[int]) -> dict[str, Row]:
@@ -36,7 +30,7 @@ def rows(seq: int, documents: list[int], cuts: int, windows: list[int]) -> dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--seq", type=int, default=1048576)
     parser.add_argument("--ring", type=int, default=8)
     parser.add_argument("--documents", type=int, nargs="*", default=[2048, 16384], help="document lengths")
@@ -62,15 +56,8 @@ def main() -> None:
             calls = [sum(len(step.blocks) for step in plan) for plan in plans]
             traffic = ring_traffic(args.ring, piece_len, layout=layout, **row)
             sending, sent = [sum(n > 0 for n in t.kv) for t in traffic], [2 * sum(t.kv) * args.kv_dim for t in traffic]
-            cells = [
-                layout,
-                name,
-                span_e(work),
-                f"{max(work) / dense:.4f}",
-                span(calls),
-                f"{len(plans[0])}/{args.ring}",
-            ]
-            table_rows.append([*cells, span(sending), span(sent)])
+            cells = [layout, name, span(work, ".3e"), f"{max(work) / dense:.4f}", span(calls)]
+            table_rows.append([*cells, f"{len(plans[0])}/{args.ring}", span(sending), span(sent)])
     header = ["layout", "row", "query×key pairs", "busiest / one document", "kernel calls", "ring steps run"]
     print(table([*header, "steps sending K/V", "K/V elements sent"], table_rows))
 

@@ -44,12 +44,8 @@ def add_job_args(parser: argparse.ArgumentParser) -> None:
     """The device, model-shape and job flags of the comparison benchmarks (``bench_trainer``, ``bench_context``)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train")
     group = parser.add_argument_group("model shape (default: the tiny recipe's on CPU; Llama-3.2-1B, untied, on CUDA)")
-    group.add_argument("--hidden", type=int, help="model.hidden_size")
-    group.add_argument("--intermediate", type=int, help="MLP width")
-    group.add_argument("--layers", type=int, help="model.num_layers")
-    group.add_argument("--heads", type=int, help="model.num_heads")
-    group.add_argument("--kv-heads", type=int, help="model.num_kv_heads")
-    group.add_argument("--vocab", type=int, help="model.vocab_size (default: the tokenizer's on CPU)")
+    for key, setting in SHAPE_SETTINGS.items():
+        group.add_argument(f"--{key.replace('_', '-')}", type=int, help=setting)
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override of both sides' job"
     )

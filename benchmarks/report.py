@@ -4,6 +4,7 @@ reports."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -12,6 +13,20 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+MIB, GIB = 2**20, 2**30
+# the flags several benchmarks share: their settings but the default
+FLAGS = {
+    "device": {"choices": ("cpu", "cuda"), "help": "where it runs"},
+    "warmup": {"type": int, "help": "untimed rounds"},
+    "iters": {"type": int, "help": "timed rounds (the figure: their median)"},
+    "steps": {"type": int, "help": "timed steps of each side"},
+    "heads": {"type": int, "help": "query heads"},
+    "kv_heads": {"type": int, "help": "key/value heads (GQA when fewer than --heads)"},
+    "head_dim": {"type": int, "help": "head dimension"},
+    "json": {"metavar": "PATH", "help": "also write the figures as JSON"},
+}
 
 
 def command() -> str:
@@ -21,12 +36,39 @@ def command() -> str:
     return shlex.join(["python", *program, *sys.argv[1:]])
 
 
+def arguments(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser, ``doc`` its description, with the shared ``FLAGS`` named in ``flags`` (their default)."""
+    made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in flags.items():
+        made.add_argument(f"--{name.replace('_', '-')}", default=default, **FLAGS[name])
+    return made
+
+
+def listed(kind: type = str, choices: Sequence[Any] | None = None) -> Any:
+    """An argparse ``type``: a comma-separated list of ``kind``, each one of ``choices`` when given."""
+
+    def parse(text: str) -> list[Any]:
+        values = [kind(item.strip()) for item in text.split(",") if item.strip()]
+        unknown = sorted(set(values) - set(choices or values))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(map(str, choices))}")
+        return values
+
+    return parse
+
+
+def defaults_by_device(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> None:
+    """Set each flag of ``defaults`` the user left unset to its (CPU, CUDA) default for ``args.device``."""
+    for key, values in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, values[args.device == "cuda"])
+
+
 def commit() -> str:
     """The checkout's commit, short."""
+    git = ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
-        )
+        out = subprocess.run(git, capture_output=True, text=True)
     except OSError:
         return "unknown commit"
     return out.stdout.strip() or "unknown commit"
@@ -42,13 +84,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def machine_line() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
     model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
     )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (

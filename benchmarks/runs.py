@@ -264,11 +264,9 @@ def run_group(
     from lctrain.testing import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_group_") as out_dir:
+        sides = with_run_dirs(specs, out_dir)
         try:
-            per_rank = run_distributed(
-                group_steps, ranks, with_run_dirs(specs, out_dir), warmup, steps, budget, out_dir
-            )
-            return per_rank, None
+            return run_distributed(group_steps, ranks, sides, warmup, steps, budget, out_dir), None
         except Exception:
             stopped = memory.aborted_growth(Path(out_dir))
             if stopped is None:

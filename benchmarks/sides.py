@@ -46,12 +46,8 @@ def packed_batch(input_ids: Tensor, doc_len: int | None, shard: Callable[[Tensor
     labels[:, :-1] = input_ids[:, 1:]
     labels[:, bounds[1:-1] - 1] = IGNORE_INDEX
     positions = torch.cat([torch.arange(length) for length in lengths]).expand(batch, seq)
-    return {
-        "input_ids": shard(input_ids),
-        "labels": shard(labels),
-        "position_ids": shard(positions),
-        "cu_seqlens": [bounds.clone() for _ in range(batch)],
-    }
+    parts = {"input_ids": shard(input_ids), "labels": shard(labels), "position_ids": shard(positions)}
+    return parts | {"cu_seqlens": [bounds.clone() for _ in range(batch)]}
 
 
 def random_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:

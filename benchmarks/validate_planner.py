@@ -15,11 +15,9 @@ from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import command, machine_line, table
+from benchmarks.report import MIB, command, machine_line, table
 from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
-
-MIB = 2**20
 
 # (world size, pp, dp, ring, ulysses, activation checkpointing, seq_len, rows per step, loss chunk tokens)
 CASES = [
