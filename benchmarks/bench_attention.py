@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -159,18 +160,6 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
     return {name: {"rounds": measured[name], "checks": slowest([[c[name]] for c in checks])[0]} for name in names}
 
 
-class SendCounter:
-    """Stands in for ``dist.batch_isend_irecv`` and adds up the bytes of every ``isend`` it is given."""
-
-    def __init__(self) -> None:
-        self.original = dist.batch_isend_irecv
-        self.sent = 0
-
-    def __call__(self, ops: list[dist.P2POp]) -> list[dist.Work]:
-        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return self.original(ops)
-
-
 def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, int]:
     """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
     growth of a second one."""
@@ -179,19 +168,22 @@ def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return usp_attention(q, k, v, ulysses_group=None, ring_group=dist.group.WORLD)
 
-    counter = SendCounter()
-    dist.batch_isend_irecv = counter
-    try:  # the counted iteration doubles as the warm-up of the memory measurement
+    sent, original = [0], dist.batch_isend_irecv
+
+    def counted(ops: list[dist.P2POp]) -> list[dist.Work]:
+        """``dist.batch_isend_irecv``, adding up the bytes of every ``isend``."""
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    with mock.patch.object(dist, "batch_isend_irecv", counted):  # doubles as the memory measurement's warm-up
         out = attend(q, k, v)
-        forward_sent = counter.sent
+        forward_sent = sent[0]
         torch.autograd.grad(out, (q, k, v), dout)
-    finally:
-        dist.batch_isend_irecv = counter.original
     del out
     with StepMemory(torch.device("cpu"), collect=True) as peak:
         dist.barrier()
         autograd_step(attend, q, k, v, dout)()
-    return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": counter.sent - forward_sent}
+    return {"peak_bytes": peak.growth, "forward_sent": forward_sent, "backward_sent": sent[0] - forward_sent}
 
 
 def time_ms(case: dict[str, Any], key: str = "wall") -> float:
@@ -354,14 +346,10 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)
-    print("# Attention benchmark\n")
-    print(f"- command: `{command()}`")
-    print(f"- machine: {machine_line()}")
-    print(
-        f"- problem: B={args.batch}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, causal; "
-        f"forward+backward, one thread per rank, {args.warmup} warm-up + median of {args.iters} timed iterations, "
-        f"time = slowest rank"
-    )
+    print(f"# Attention benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(f"- problem: B={args.batch}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, causal; "
+          f"forward+backward, one thread per rank, {args.warmup} warm-up + median of {args.iters} timed iterations, "
+          "time = slowest rank")  # fmt: skip
     names: list[str] = []
     if "efficiency" in args.only:
         names += ["single", "ring_zigzag", "ring_contiguous"]

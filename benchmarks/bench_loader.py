@@ -133,9 +133,7 @@ def main() -> None:
     parser.add_argument("--expanded-conversations", type=int, default=1, help="~126K-token ones rendered per turn")
     parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
     args = parser.parse_args()
-    start_line = machine_line()
-    cp = args.ring * args.ulysses
-    local = args.seq_len // cp
+    start_line, local = machine_line(), args.seq_len // (args.ring * args.ulysses)
 
     with clock() as tokenizer:
         default_tokenizer_dir()  # trains it on first use
@@ -150,19 +148,14 @@ def main() -> None:
     gpu = f", train step on {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
     print(f"machine: {platform.platform()}, {start_line}, {torch.get_num_threads()} torch threads{gpu}")
     print(f"seq_len {args.seq_len}, ring {args.ring} x ulysses {args.ulysses}: {local} tokens per rank per row")
-    print(f"default tokenizer ready in {tokenizer['wall']:.2f} s (0 when cached)")
-    print()
+    print(f"default tokenizer ready in {tokenizer['wall']:.2f} s (0 when cached)\n")
     print(f"{'':44} {'s / row':>10} {'local tok/s':>12} {'global tok/s':>13}")
-    print(
-        f"{'loader (tokenize + pack + CP shard)':44} {loader_seconds:10.4f} {loader_rate:12,.0f} "
-        f"{args.seq_len / loader_seconds:13,.0f}"
-    )
+    loader = f"{loader_seconds:10.4f} {loader_rate:12,.0f} {args.seq_len / loader_seconds:13,.0f}"
+    print(f"{'loader (tokenize + pack + CP shard)':44} {loader}")
     print(f"{'tiny Llama fwd+bwd+AdamW on ' + str(local) + ' tokens':44} {step_seconds:10.4f} {step_rate:12,.0f}")
     print(f"ratio loader / train step: {loader_rate / step_rate:.1f}x (target >= 10x)")
-    print(f"resume skip: re-reading a whole epoch ({skipped} documents, no tokenization) takes {skip['wall']:.2f} s")
-    print()
-    print("\n".join(chat_section(args, place, default_tokenizer_dir())))
-    print()
+    print(f"resume skip: re-reading a whole epoch ({skipped} documents, no tokenization) takes {skip['wall']:.2f} s\n")
+    print("\n".join(chat_section(args, place, default_tokenizer_dir())) + "\n")
     print(f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -66,7 +66,7 @@ def rank_work(
     peers = LocalPeers(rank, plan, [(piece[1], piece[2]) for piece in pieces])
 
     def run() -> None:
-        out, lse, kept = _ring_forward(q_own, k_own, v_own, peers, plan, scale=scale, kernel=kernel)
+        out, lse, kept = _ring_forward(q_own, k_own, v_own, peers, plan, scale=scale, kernel=kernel, sink=None)
         _ring_backward(q_own, k_own, v_own, (dout_own, out, lse), kept, peers, plan, scale=scale, kernel=kernel)
 
     return run

@@ -75,7 +75,6 @@ def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int
 def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
     """One forward + backward with the ring's timeline on: the seconds waited for each kind of transfer, per pass
     (the busiest rank's), and the pass's compute seconds."""
-    import torch
     import torch.distributed as dist
 
     from lctrain.attention import timeline
@@ -85,11 +84,9 @@ def ring_waits(passes: Any, directory: Path) -> dict[str, float]:
         passes.forward()
         passes.backward()
     forward, backward = (timeline.exposed(r) for r in timeline.read_timelines(directory, dist.get_rank())[-2:])
-    values = [forward["kv"], backward["kv"], backward["dkv"], forward["compute"], backward["compute"]]
-    slowest = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    names = ("forward_kv", "backward_kv", "backward_dkv", "forward_compute", "backward_compute")
-    return dict(zip(names, slowest.tolist()))
+    waits = {"forward_kv": forward["kv"], "backward_kv": backward["kv"], "backward_dkv": backward["dkv"]}
+    waits |= {"forward_compute": forward["compute"], "backward_compute": backward["compute"]}
+    return gathered_slowest({"waits": [waits]})["waits"][0]
 
 
 def set_limit(rate: str | None) -> None:
@@ -238,8 +235,7 @@ def predicted_threshold(hardware: str, ranks: int, heads: int, kv_heads: int, to
 
 
 def waited(point: dict) -> float:
-    """Seconds the ring waited for its transfers on the limited link beyond what it waited on the link without a
-    limit (ranks out of step: on 2 cores 4 ranks and the machine's other work take turns)."""
+    """Seconds the ring waited for its transfers on the limited link beyond those on the link without a limit."""
     return max(0.0, sum(point["waits"][k] for k in WAITS) - sum(point["waits_free"][k] for k in WAITS))
 
 
@@ -353,16 +349,11 @@ def main() -> None:
     reason = unavailable()
     namespaces = reason is None
     rates = args.rates.split(",") if namespaces else [None]
-    print("# Ring overlap benchmark\n")
-    print(f"- command: `{command()}`")
-    print(f"- machine: {machine_line()}")
+    print(f"# Ring overlap benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
     if not namespaces:
         print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
-    print(
-        f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
-        f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank"
-    )
-    sys.stdout.flush()
+    print(f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
+          f"{args.warmup} warm-up + median of {args.iters}, time = slowest rank", flush=True)  # fmt: skip
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_ring_overlap_") as scratch:
         for ranks in (int(p) for p in args.ranks.split(",")):

@@ -22,7 +22,10 @@ of its layers); adding a family is adding a record, a parity test and a row of t
   RMSNorm; ``config.sliding_window`` on every layer, which transformers drops unless ``use_sliding_window``);
   ``gpt_oss`` (attention sinks, biased experts with a clamped SwiGLU, a biased router): ``config.sliding_window``
   (128) on the layers ``config.layer_types`` marks ``sliding_attention`` (every other one), the rule ``pattern``:
-  the config has no switch, so no window means every layer ``full_attention``, the window kept.
+  the config has no switch, so no window means every layer ``full_attention``, the window kept;
+- ``gemma3_text`` (Gemma 3: q/k RMSNorm, ``query_pre_attn_scalar`` as the softmax scale, scaled embeddings, RoPE per
+  layer type): ``config.sliding_window`` on the ``sliding_attention`` layers (five of every six), the rule
+  ``pattern``.
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
 attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
@@ -75,6 +78,12 @@ class Family:
     # the decoder layers' attribute holding a gated delta (linear-attention) mixer, on the layers whose
     # config.layer_types[i] is linear_attention: run over the context-parallel ranks by lctrain.linear_attention
     linear_mixer: str | None = None
+    # RoPE per layer type (config.rope_parameters keyed by layer_types' kinds, rotary_emb(x, positions, layer_type)):
+    # Gemma 3's local layers have their own base, its global layers theirs with the scaling
+    rope_per_layer_type: bool = False
+    sinks: bool = False  # a learned attention sink per head (gpt-oss): one parameter per head and layer
+    expert_bias: bool = False  # biased experts (gate_up and down) and router (gpt-oss)
+    layer_norms: int = 2  # RMSNorms of hidden size per decoder layer (Gemma 3's four: around attention and MLP)
 
     @property
     def moe(self) -> bool:
@@ -114,6 +123,17 @@ FAMILIES = {
             experts=Experts("num_local_experts", "intermediate_size"),
             lora_targets=ATTENTION,
             built_attention="eager",
+            sinks=True,
+            expert_bias=True,
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma 3 1B-27B (the language model)",
+            window="pattern",
+            qk_norm=True,
+            head_dim_from_width=True,
+            rope_per_layer_type=True,
+            layer_norms=4,
         ),
         # the hybrids: three gated delta layers before each gated full-attention layer (partial rotary, q/k norms)
         Family(
@@ -149,11 +169,31 @@ FAMILIES = {
 # the longest position in the batch, which differs between context-parallel ranks; proportional) are refused
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 ROPE_SCALING_TYPES = ROPE_TYPES[1:]
-# checkpoints of these model types hold a language model of a family (their config's text_config) beside what lctrain
-# leaves out: it trains the language model alone
-LANGUAGE_MODELS = {"qwen3_5": "its vision tower", "qwen3_5_moe": "its vision tower"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")  # a family with a linear_mixer
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """The language model of an image-text model type, which lctrain trains alone: its config is the checkpoint
+    config's ``config`` attribute; what it leaves out is neither read, trained nor exported (the export is the text
+    model's checkpoint)."""
+
+    left_out: str
+    # renames of the checkpoint's language-model tensors to the text model's names (from_pretrained's key_mapping),
+    # where transformers' own conversion mapping for the text model does not make them
+    renames: dict[str, str] | None = None
+    config: str = "text_config"
+
+
+LANGUAGE_MODELS = {
+    "gemma3": LanguageModel(
+        "its vision tower and projector",
+        {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head."},
+    ),
+    "qwen3_5": LanguageModel("its vision tower"),
+    "qwen3_5_moe": LanguageModel("its vision tower"),
+}
 
 _MOE = (
     "it is a mixture-of-experts model whose router or shared experts lctrain has not been made and checked to run "
@@ -163,9 +203,6 @@ _ALIBI = "its attention adds ALiBi position biases to the scores, which USP atte
 # why some model types people ask for are refused (any other type: not one of FAMILIES)
 REFUSED = {
     "gemma2": "its attention soft-caps the scores (attn_logit_softcapping), which USP attention does not compute",
-    "gemma3_text": "its sliding layers use their own RoPE base and its attention a query_pre_attn_scalar scale, which "
-    "lctrain's pipeline stages (one rotary embedding) and tests do not cover",
-    "gemma3": "a vision-language model: lctrain trains text-only decoders",
     "phi3": "it uses longrope RoPE (factors chosen by the longest position in the batch, which differs between "
     "context-parallel ranks) and fused qkv/gate_up projections lctrain does not test",
     "falcon": "its decoder layer (attention and MLP in parallel, a fused query_key_value projection, ALiBi in some "
@@ -178,6 +215,14 @@ REFUSED = {
     "olmoe": _MOE,
     "dbrx": _MOE,
 }
+
+
+def rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
+    """The RoPE parameters of each kind of layer: ``{layer type: parameters}`` for a family with RoPE per layer type
+    (``Family.rope_per_layer_type``), else ``{"all": config.rope_parameters}``; the dicts are the config's own."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    family = FAMILIES.get(config.model_type)
+    return dict(rope) if family is not None and family.rope_per_layer_type else {"all": rope}
 
 
 def model_source(path: str | None, family: str) -> str:
@@ -280,13 +325,22 @@ def check_model_features(config: Any, source: str, window_setting: int | None) -
             f"{source} holds quantized weights (quantization_config in its config.json): lctrain trains full-"
             f"precision weights; use the unquantized checkpoint"
         )
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
-            f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
-            f"replaces it)"
-        )
+    for rope in rope_parameters(config).values():
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
+                f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
+                f"replaces it)"
+            )
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None):
+            raise ValueError(
+                f"{source} sets {field}={getattr(config, field)}: lctrain's attention and loss do not soft-cap "
+                f"scores or logits, so training would not be the model's; use a checkpoint without it"
+            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{source} sets use_bidirectional_attention: lctrain trains causal decoders; set it to false")
     jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
     if jitter:
         raise ValueError(
@@ -372,10 +426,12 @@ def moe_layers(config: Any) -> list[int]:
 
 def active_parameters(config: Any, num_params: int) -> int:
     """The parameters one token computes with, of a model of ``num_params``: each MoE layer's experts count for the
-    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width); a dense model's
-    all. What the FLOP count (MFU) of a mixture of experts takes."""
+    ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width, and gpt-oss's
+    biases, 2 · width + hidden); a dense model's all. What the FLOP count (MFU) of a mixture of experts takes."""
     layers = moe_layers(config)
     if not layers:
         return num_params
     idle = num_experts(config) - config.num_experts_per_tok
-    return num_params - len(layers) * idle * 3 * config.hidden_size * expert_width(config)
+    hidden, width = config.hidden_size, expert_width(config)
+    expert = 3 * hidden * width + (2 * width + hidden) * FAMILIES[config.model_type].expert_bias  # gpt-oss's biases
+    return num_params - len(layers) * idle * expert

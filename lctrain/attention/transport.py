@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lctrain.attention.timeline import NoTimeline, PassTimeline, pass_timeline
 
+
 def group_coordinates(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) in ``group``; ``None`` is a group of one."""
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lctrain.config.schema import JobConfig
-from lctrain.families import check_experts, check_model_features, family_of, model_source, num_experts
+from lctrain.families import (
+    check_experts,
+    check_model_features,
+    family_of,
+    model_source,
+    num_experts,
+    rope_parameters,
+)
 from lctrain.rules import check_expert_parallel, check_linear_heads, check_pipeline, check_ulysses_heads
 
 if TYPE_CHECKING:
@@ -112,7 +119,7 @@ def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, v
         vocab_size=vocab_size,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         max_position_embeddings=config.max_position_embeddings,
-        rope_type=config.rope_parameters.get("rope_type"),
+        rope_type="dynamic" if any(r.get("rope_type") == "dynamic" for r in rope_parameters(config).values()) else None,
         num_experts=num_experts(config),
     )
     if family.linear_mixer is not None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -224,5 +223,4 @@ def open_data_source(
             folder = Path(config.prepared) / entry["folder"]
             shards = PreparedShards(folder, entry, config, index=index, dp_rank=dp_rank, dp_size=dp_size)
             return PreparedSource(shards, source_of_kind(shards, config, None, index=index, template=None))
-    raw = replace(config, prepared=None)
-    return open_source(source, raw, tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size)
+    return open_source(source, config, tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size)

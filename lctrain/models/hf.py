@@ -34,11 +34,13 @@ from lctrain.families import (
     model_source,
     num_experts,
     random_init_window_kwargs,
+    rope_parameters,
 )
 from lctrain.models.config import ModelConfig
 from lctrain.models.layouts import (
     LAYOUT_WORDS,
     WEIGHTS_NAME,
+    Reading,
     TensorSource,
     checkpoint_files,
     checkpoint_source,
@@ -86,19 +88,10 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
             raise FileNotFoundError(
                 f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
             )
-        config = AutoConfig.from_pretrained(path)
-        if config.model_type in LANGUAGE_MODELS:
-            logger.info(
-                "%s: a %s checkpoint: training its language model (%s); left out: %s",
-                model_source(cfg.path, cfg.family),
-                config.model_type,
-                config.text_config.model_type,
-                LANGUAGE_MODELS[config.model_type],
-            )
-            config = config.text_config
+        config = _language_model(AutoConfig.from_pretrained(path), model_source(cfg.path, cfg.family))
         family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
         apply_sliding_window(config, cfg.sliding_window)
-        if dequantizer(_quantization(path)) is not None:  # read dequantized: trained and exported unquantized
+        if checkpoint_reading(path).quantizer is not None:  # read dequantized: trained and exported unquantized
             del config.quantization_config
     else:
         family = family_of(cfg.family, model_source(None, cfg.family))
@@ -144,6 +137,23 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     return config
 
 
+def _language_model(config: PretrainedConfig, source: str) -> PretrainedConfig:
+    """The config of the model lctrain trains from a checkpoint's: an image-text model's language model
+    (``families.LANGUAGE_MODELS``, said in one line with what is left out), else ``config`` itself."""
+    if config.model_type not in LANGUAGE_MODELS:
+        return config
+    record = LANGUAGE_MODELS[config.model_type]
+    language_model = getattr(config, record.config)
+    logger.info(
+        "%s: a %s checkpoint: training its language model (%s); left out: %s",
+        source,
+        config.model_type,
+        language_model.model_type,
+        record.left_out,
+    )
+    return language_model
+
+
 def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
     """``AutoConfig.for_model(cfg.family, **fields)``; sizes transformers refuses (its config classes validate them,
     e.g. a width the heads do not divide) become a ``ValueError`` naming the ``model.*`` settings."""
@@ -180,10 +190,20 @@ def router_aux_coef(config: PretrainedConfig) -> float:
 def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
     """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set) to the
     transformers config, in place: its ``rope_parameters`` are what the model computes RoPE from and what the
-    exported ``config.json`` holds, so the export loads and generates with the same positions in transformers."""
+    exported ``config.json`` holds, so the export loads and generates with the same positions in transformers. With
+    RoPE per layer type (Gemma 3) they set the global (``full_attention``) layers'; the local layers keep theirs."""
     if cfg.max_position_embeddings is not None:
         config.max_position_embeddings = cfg.max_position_embeddings
-    rope = dict(config.rope_parameters)
+    kinds = rope_parameters(config)
+    if "all" not in kinds:  # RoPE per layer type (Gemma 3): the settings are the global layers'
+        config.rope_parameters = {**kinds, "full_attention": _rope_settings(kinds["full_attention"], cfg)}
+        return
+    config.rope_parameters = _rope_settings(kinds["all"], cfg)
+
+
+def _rope_settings(rope: dict, cfg: ModelConfig) -> dict:
+    """``rope`` (one kind of layer's RoPE parameters) with ``model.rope_theta`` and ``model.rope_scaling`` applied."""
+    rope = dict(rope)
     if cfg.rope_theta is not None:
         rope["rope_theta"] = cfg.rope_theta
     scaling = cfg.rope_scaling
@@ -193,7 +213,7 @@ def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
             rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
         if scaling.type == "llama3":
             rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
-    config.rope_parameters = rope
+    return rope
 
 
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -229,26 +249,29 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
     checkpoint cannot make every tensor of the model."""
     source = model_source(str(path), config.model_type)
     files = checkpoint_files(path)
-    quantizer = dequantizer(_quantization(path))
-    read, plan = checkpoint_source(files, build_empty_model(config), source, quantizer)
-    dequantized = " (MXFP4 experts dequantized by transformers as they are read)" if quantizer else ""
+    reading = checkpoint_reading(path)
+    read, plan = checkpoint_source(files, build_empty_model(config), source, reading)
+    dequantized = " (MXFP4 experts dequantized by transformers as they are read)" if reading.quantizer else ""
     logger.info("%s: a %s checkpoint in %s%s", source, plan.model_type, LAYOUT_WORDS[plan.layout], dequantized)
     return read
 
 
-def _quantization(path: str | Path) -> dict | None:
-    """The ``quantization_config`` of the checkpoint in ``path`` (its config.json), None when it has none."""
-    return json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+def checkpoint_reading(path: str | Path) -> Reading:
+    """How the checkpoint in ``path`` is read, from its config.json: dequantized (``quantization_config``:
+    ``layouts.dequantizer``), and for an image-text model type its language model's tensors renamed to the text
+    model's (``families.LANGUAGE_MODELS``)."""
+    fields = json.loads((Path(path) / "config.json").read_text())
+    language_model = LANGUAGE_MODELS.get(fields.get("model_type"))
+    return Reading(dequantizer(fields.get("quantization_config")), language_model and language_model.renames)
 
 
 def checkpoint_layout(path: str | Path) -> str:
     """The layout of the Hugging Face checkpoint in ``path``, in words (``LAYOUT_WORDS``), planned as
     ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
-    config = AutoConfig.from_pretrained(path)
-    source = model_source(str(path), config.model_type)
-    _, plan = checkpoint_source(
-        checkpoint_files(path), build_empty_model(config), source, dequantizer(_quantization(path))
-    )
+    checkpoint_config = AutoConfig.from_pretrained(path)
+    source = model_source(str(path), checkpoint_config.model_type)
+    config = _language_model(checkpoint_config, source)
+    _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source, checkpoint_reading(path))
     return LAYOUT_WORDS[plan.layout]
 
 

@@ -121,11 +121,24 @@ class LayoutPlan:
     unused: list[str]  # checkpoint tensors that make no model tensor (e.g. a vision tower beside a language model)
 
 
-def conversions(model: PreTrainedModel, *, legacy: bool, quantizer: HfQuantizer | None = None) -> list:
+@dataclass(frozen=True)
+class Reading:
+    """How a checkpoint of another kind than the model is read: ``quantizer`` dequantizes it (``dequantizer``),
+    ``key_mapping`` renames its tensors (``from_pretrained``'s option of that name: an image-text checkpoint's
+    language model, ``families.LANGUAGE_MODELS``)."""
+
+    quantizer: HfQuantizer | None = None
+    key_mapping: dict[str, str] | None = None
+
+
+def conversions(model: PreTrainedModel, *, legacy: bool, reading: Reading | None = None) -> list:
     """transformers' transforms from the published layout to ``model``'s in-memory one, for its model type and its
     sub-models: ``from_pretrained``'s, with (``legacy``) the renames of old checkpoints' names it also applies, and
-    a pre-quantized checkpoint's dequantization (``quantizer``: ``dequantizer``'s)."""
-    return get_model_conversion_mapping(model, hf_quantizer=quantizer, add_legacy=legacy)
+    ``reading``'s renames and dequantization."""
+    reading = reading or Reading()
+    return get_model_conversion_mapping(
+        model, key_mapping=reading.key_mapping, hf_quantizer=reading.quantizer, add_legacy=legacy
+    )
 
 
 def dequantizer(quantization: dict | None) -> HfQuantizer | None:
@@ -139,12 +152,12 @@ def dequantizer(quantization: dict | None) -> HfQuantizer | None:
 
 
 def plan_checkpoint(
-    names: list[str], model: PreTrainedModel, source: str, quantizer: HfQuantizer | None = None
+    names: list[str], model: PreTrainedModel, source: str, reading: Reading | None = None
 ) -> LayoutPlan:
-    """Map the checkpoint tensor ``names`` onto ``model`` (empty, on meta) as ``from_pretrained`` does (with
-    ``quantizer``'s dequantization, ``dequantizer``). Raises ``CheckpointLayoutError`` naming the first model tensor
-    no checkpoint tensor makes. ``source`` names the checkpoint in messages (``model.path='...'``)."""
-    transforms = conversions(model, legacy=True, quantizer=quantizer)
+    """Map the checkpoint tensor ``names`` onto ``model`` (empty, on meta) as ``from_pretrained`` does (read as
+    ``reading`` says). Raises ``CheckpointLayoutError`` naming the first model tensor no checkpoint tensor makes.
+    ``source`` names the checkpoint in messages (``model.path='...'``)."""
+    transforms = conversions(model, legacy=True, reading=reading)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -202,14 +215,14 @@ def _describe(transform: WeightRenaming | WeightConverter) -> str:
 
 
 def checkpoint_source(
-    files: dict[str, Path], model: PreTrainedModel, source: str, quantizer: HfQuantizer | None = None
+    files: dict[str, Path], model: PreTrainedModel, source: str, reading: Reading | None = None
 ) -> tuple[TensorSource, LayoutPlan]:
     """Full model tensors by name from the checkpoint whose tensors are in ``files`` (``checkpoint_files``), in any
-    layout ``plan_checkpoint`` reads (dequantized by ``quantizer``: ``dequantizer``), and the plan. ``model``: the
+    layout ``plan_checkpoint`` reads (as ``reading`` says), and the plan. ``model``: the
     job's model, empty (on meta), of which only the names, shapes and config are read. Each call ``read(name,
     shape)`` reads and converts that tensor's sources (a one-to-many conversion's other outputs are kept until they
     are asked for); a shape other than ``shape`` is named."""
-    plan = plan_checkpoint(list(files), model, source, quantizer)
+    plan = plan_checkpoint(list(files), model, source, reading)
     if plan.unused:
         logger.warning(
             "%s: %d tensors of the checkpoint are not part of the %s model and are not read (first: %s)",

@@ -3,7 +3,8 @@
 ``apply_pipeline`` splits a Hugging Face Llama-style causal LM into stages without touching its classes. A stage
 is a ``PipelineStageModule`` that holds some of the model's own submodules under their Hugging Face names: the
 first stage ``model.embed_tokens``, every stage its ``model.layers.<i>`` (global index) and ``model.rotary_emb``
-(RoPE is computed wherever layers run), the last stage ``model.norm`` and ``lm_head``. Parameter names, and so
+(RoPE is computed wherever layers run; per layer type where the family has RoPE per layer type, as Gemma 3's local
+and global layers), the last stage ``model.norm`` and ``lm_head``. Parameter names, and so
 random init, checkpoints and export, are the same for every pp degree.
 
 Stages are balanced by layer count unless split points are named. With ``stages_per_rank`` > 1 (interleaved and
@@ -29,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 from transformers import PreTrainedModel
 
+from lctrain.families import FAMILIES
 from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, stage_layers
 
 # (final hidden states after the norm [1, S_local, hidden], LM head weight [vocab, hidden], the row's fields) -> the
@@ -90,6 +92,9 @@ class PipelineStageModule(ModelParts):
         )
         self.stage_index, self.num_stages = stage_index, num_stages
         self.first, self.last = first, last
+        # with RoPE per layer type (Gemma 3: local and global layers' bases), each layer's type; else None
+        per_type = FAMILIES[model.config.model_type].rope_per_layer_type
+        self.layer_types = {str(i): model.config.layer_types[i] for i in layers} if per_type else None
         # a tensor the stages pass along beside the hidden states, each adding what its layers computed of the row
         # (a mixture of experts' router totals, ``lctrain.models.moe.RouterTotals``); the last stage's head gets it
         # as the row's ``carried``
@@ -115,16 +120,21 @@ class PipelineStageModule(ModelParts):
         last stage what ``head`` makes of the final normed hidden states.
         """
         hidden = self.model.embed_tokens(x) if self.first else x
-        position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
+        if self.layer_types is None:
+            rope = self.model.rotary_emb(hidden, position_ids=position_ids)
+            position_embeddings = dict.fromkeys(self.model.layers, rope)
+        else:
+            kinds = {kind: self.model.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types.values())}
+            position_embeddings = {index: kinds[kind] for index, kind in self.layer_types.items()}
         bounds = cu_seqlens[0]
         bounds = bounds[bounds >= 0]
         prefixes = None if doc_prefix is None else doc_prefix[0, : len(bounds) - 1]
-        for layer in self.model.layers.values():
+        for index, layer in self.model.layers.items():
             hidden = layer(
                 hidden,
                 attention_mask=None,
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[index],
                 cu_seq_lens_q=bounds,
                 doc_prefix=prefixes,
             )

@@ -42,15 +42,24 @@ class ModelSpec:
     experts_per_token: int = 0  # the router's top-k
     expert_intermediate: int = 0  # one expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size)
     layout: str | None = None  # the layout of the weights in ``path`` (lctrain.models.layouts), in words; None: none
+    sinks: bool = False  # an attention sink per head (gpt-oss)
+    expert_bias: bool = False  # biased experts and router (gpt-oss): 2 · expert_intermediate + hidden per expert
+    norms: int = 2  # RMSNorms of hidden size per layer (Gemma 3: 4)
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
 
     @property
+    def one_expert_params(self) -> int:
+        """One expert's weights: gate, up and down (and their biases, gpt-oss)."""
+        width = self.expert_intermediate
+        return 3 * self.hidden * width + (2 * width + self.hidden) * self.expert_bias
+
+    @property
     def expert_params(self) -> int:
         """One layer's expert weights (gate, up, down of every expert): what expert parallelism spreads."""
-        return self.experts * 3 * self.hidden * self.expert_intermediate
+        return self.experts * self.one_expert_params
 
     @property
     def token_mlp_width(self) -> int:
@@ -72,16 +81,15 @@ class ModelSpec:
         h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         attention = 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         if self.moe:
-            mlp = self.expert_params + self.experts * h
+            mlp = self.expert_params + self.experts * (h + self.expert_bias)
         else:
             mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
-        return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm
+        return attention + self.heads * self.sinks + mlp + self.norms * h + 2 * self.head_dim * self.qk_norm
 
     @property
     def active_layer_params(self) -> int:
         """The parameters of one layer a token goes through: all but the experts it is not routed to."""
-        unused = (self.experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
-        return self.layer_params - unused
+        return self.layer_params - (self.experts - self.experts_per_token) * self.one_expert_params
 
     @property
     def embed_params(self) -> int:
@@ -155,6 +163,9 @@ class ModelSpec:
             experts=experts,
             experts_per_token=int(getattr(hf, "num_experts_per_tok", 0)) if experts else 0,
             expert_intermediate=expert_width(hf) if experts else 0,
+            sinks=record.sinks,
+            expert_bias=record.expert_bias,
+            norms=record.layer_norms,
         )
 
 
@@ -165,12 +176,22 @@ def _named(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
 def _moe(
     name: str, hidden: int, layers: int, heads: int, kv: int, vocab: int, experts: int, k: int, width: int, **kw
 ) -> ModelSpec:
-    """A mixture of experts: ``experts`` of ``width`` per layer, ``k`` per token (RoPE base 1e6, as all four)."""
+    """A mixture of experts: ``experts`` of ``width`` per layer, ``k`` per token (RoPE base 1e6 unless given)."""
     moe = {"experts": experts, "experts_per_token": k, "expert_intermediate": width, "rope_theta": 1e6}
-    return _named(name, hidden, width, layers, heads, kv, vocab, **moe, **kw)
+    return _named(name, hidden, width, layers, heads, kv, vocab, **{**moe, **kw})
 
 
 QWEN3_MOE = {"head_dim": 128, "family": "qwen3_moe", "qk_norm": True}
+# gpt-oss: 128-token windows on every other layer (the first slides), biases on the attention, experts and router
+GPT_OSS = {
+    "head_dim": 64, "family": "gpt_oss", "qkv_bias": True, "o_bias": True, "sinks": True, "expert_bias": True,
+    "rope_theta": 150000.0,
+}  # fmt: skip
+# Gemma 3 27B's language model: 1,024-token windows on five layers of six, tied embeddings, four norms a layer
+GEMMA3_27B = {
+    "head_dim": 128, "family": "gemma3_text", "tied": True, "qk_norm": True, "norms": 4, "rope_theta": 1e6,
+    "windows": tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
+}  # fmt: skip
 
 # Published sizes (the models' config.json files; mistral-7b is v0.1, with its 4,096-token window on every layer;
 # mixtral-8x7b is v0.1, without a window).
@@ -192,6 +213,9 @@ NAMED_MODELS = {
         _moe("qwen3-235b-a22b", 4096, 94, 64, 4, 151936, 128, 8, 1536, **QWEN3_MOE),
         _moe("mixtral-8x7b", 4096, 32, 32, 8, 32000, 8, 2, 14336, family="mixtral"),
         _moe("mixtral-8x22b", 6144, 56, 48, 8, 32768, 8, 2, 16384, family="mixtral"),
+        _moe("gpt-oss-20b", 2880, 24, 64, 8, 201088, 32, 4, 2880, **GPT_OSS, windows=(128, None) * 12),
+        _moe("gpt-oss-120b", 2880, 36, 64, 8, 201088, 128, 4, 2880, **GPT_OSS, windows=(128, None) * 18),
+        _named("gemma3-27b", 5376, 21504, 62, 32, 16, 262208, **GEMMA3_27B),
     )
 }
 

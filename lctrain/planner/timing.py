@@ -12,8 +12,8 @@ from lctrain.rules import groups_inside_nodes, stage_layers
 BACKWARD_FLOPS_RATIO = 2.5  # attention backward / forward FLOPs (flash backward: 5 matmuls vs 2, scores recomputed)
 
 
-# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.ring_transfers.PIECES; a test
-# keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
+# The pieces the ring's last forward fetch and its dK/dV returns travel in (lctrain.attention.ring_transfers.PIECES;
+# a test keeps the two equal): on a ring of two, where each pass has one transfer, it hides behind 2 - 1/PIECES steps.
 RING_PIECES = 4
 
 
@@ -147,8 +147,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     compute = model_flops * (1 + forwards / 3) / flops_rate(hw, work)
     ring_exposed = 0.0
     if layout.ring > 1:
-        fwd = ring.exposed_fwd_s * (1 + recomputed)
-        ring_exposed = rows * layers * (layout.ring - 1) * (fwd + ring.exposed_bwd_s)
+        ring_exposed = rows * layers * ring_layer_s(model, layout, ring, recomputed)
     ulysses = 0.0
     if layout.ulysses > 1:
         tokens = work.seq_len // layout.cp
@@ -174,6 +173,26 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     return StepTime(
         compute, ring_exposed, ulysses, experts, fsdp_exposed, bubble, tokens, model_flops, hw.tflops * 1e12
     )
+
+
+def ring_layer_s(model: ModelSpec, layout: Layout, ring: RingStep, recomputed: float) -> float:
+    """The ring's exposed seconds in one layer for one row, averaged over the model's layers: a layer without a
+    window (or with one reaching past a zigzag chunk, S/2R) runs ring − 1 steps whose transfers hide behind their
+    compute or not (``RingStep``); a layer whose window W is no larger than a chunk fetches only the W − 1 tokens
+    before each of its two chunks from its ring neighbours (and returns their dK/dV), counted whole, as its banded
+    compute is too short to hide them (gpt-oss's 128-token layers, Gemma 3's 1,024-token ones)."""
+    fwd = ring.exposed_fwd_s * (1 + recomputed)
+    full = (layout.ring - 1) * (fwd + ring.exposed_bwd_s)
+    chunk = ring.tokens_per_rank // 2
+    windows = model.windows or (None,) * model.layers
+    total = 0.0
+    for window in windows:
+        if window is None or window > chunk:
+            total += full
+        else:  # 2 (W - 1) of the piece's rows travel, forward (again when recomputed) and backward
+            edge = 2 * (window - 1) / ring.tokens_per_rank
+            total += edge * (ring.comm_fwd_s * (1 + recomputed) + ring.comm_bwd_s)
+    return total / len(windows)
 
 
 def expert_all_to_all_s(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) -> float:

@@ -11,6 +11,10 @@ as ``parallel.dp=2`` x ``parallel.ring=2``, 12 steps, a checkpoint every 6:
 Checked: steps 1-6 of the prepared job equal the reference's exactly (loss and grad norm; on CPU, fp32 and gloo the
 same rows give bitwise the same steps), and steps 7-12 of the relaunch equal the reference's within 1e-4 relative
 (ring and Ulysses attention sum in other orders), each step once; and the skipped-record counts at the end agree.
+
+Preference pairs (TRL's three forms, ``testbed/corpus.py``): a DPO job from a prepared set on ``parallel.dp=2`` x
+``parallel.ulysses=2`` gives every step of the same job from the files exactly (loss, grad norm, reward margin and
+accuracy).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from testbed.corpus import write_chat_corpus, write_corpus
+from testbed.corpus import write_chat_corpus, write_corpus, write_pair_corpus
 from tests.helpers.jobs import kill_job, wait_for_checkpoint, workers_by_rank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +41,6 @@ JOB = [
     "model.num_kv_heads=2",
     "data.seq_len=128",
     "data.shuffle_buffer=16",
-    f"train.steps={STEPS}",
-    f"checkpoint.every={EVERY}",
     "optim.warmup_steps=3",
     "logging.progress_bar=false",
     "logging.plot=false",
@@ -52,9 +54,10 @@ def data_overrides(root: Path) -> list[str]:
     return [f"data.sources={sources}"]
 
 
-def launch(root: Path, run_dir: Path, log: Path, *extra: str, mesh: str = "parallel.ring=2") -> subprocess.Popen:
+def launch(run_dir: Path, log: Path, *extra: str, mesh: str = "parallel.ring=2") -> subprocess.Popen:
+    """``torchrun`` of 4 processes, dp 2 x ``mesh``, with ``extra`` overrides (the data among them)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    command += ["-m", "lctrain", "train", *JOB, *data_overrides(root), "parallel.dp=2", mesh]
+    command += ["-m", "lctrain", "train", *JOB, "parallel.dp=2", mesh]
     command += [f"train.run_dir={run_dir}", *extra]
     with log.open("w") as out:
         return subprocess.Popen(
@@ -89,10 +92,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     command = [sys.executable, "-m", "lctrain", "prepare", *data_overrides(root), prepared, "data.prepare_workers=2"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
-    reference = launch(root, root / "reference", root / "reference.log")
+    job = [*data_overrides(root), f"train.steps={STEPS}", f"checkpoint.every={EVERY}"]
+    reference = launch(root / "reference", root / "reference.log", *job)
     killed = root / "prepared"
     try:
-        proc = launch(root, killed, root / "killed.log", prepared)
+        proc = launch(killed, root / "killed.log", *job, prepared)
         try:
             wait_for_checkpoint(proc, killed / "checkpoints" / f"step_{EVERY:08d}", root / "killed.log", TIMEOUT_S)
             workers = workers_by_rank(proc)
@@ -105,7 +109,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         killed_steps = [r["step"] for r in records(killed)]
     finally:
         reference_log = finish(reference, root / "reference.log")
-    log = finish(launch(root, killed, root / "resumed.log", prepared, mesh="parallel.ulysses=2"), root / "resumed.log")
+    log = finish(launch(killed, root / "resumed.log", *job, prepared, mesh="parallel.ulysses=2"), root / "resumed.log")
     return {"root": root, "killed_steps": killed_steps, "log": log, "reference_log": reference_log}
 
 
@@ -123,3 +127,24 @@ def test_prepared_job_steps_equal_the_files_job_and_resume_on_another_mesh(runs:
                 assert res[key] == pytest.approx(ref[key], rel=1e-4), f"step {ref['step']} {key}"
     skipped = [line.split(" data: ", 1)[1] for line in runs["reference_log"].splitlines() if " data: " in line]
     assert skipped and any(line.endswith(skipped[-1]) for line in runs["log"].splitlines())
+
+
+def test_preference_pairs_from_a_prepared_set_train_as_from_the_files(tmp_path: Path) -> None:
+    write_pair_corpus(tmp_path / "pairs.jsonl", 200)
+    data = [f"data.paths=['{tmp_path / 'pairs.jsonl'}']", f"data.prepared={tmp_path / 'set'}", "data.prepare_workers=1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lctrain", "prepare", *data], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    dpo = ["objective.name=dpo", "train.steps=4", "checkpoint.every=0", "data.shuffle_buffer=0"]
+    jobs = {
+        name: launch(tmp_path / name, tmp_path / f"{name}.log", *dpo, *extra, mesh="parallel.ulysses=2")
+        for name, extra in (("files", data[:1]), ("prepared", data[:2]))
+    }
+    for name, job in jobs.items():
+        finish(job, tmp_path / f"{name}.log")
+    files, prepared = records(tmp_path / "files"), records(tmp_path / "prepared")
+    assert len(files) == 4 and all(r["rewards/margins"] is not None for r in files)
+    for want, got in zip(files, prepared, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies"):
+            assert got[key] == want[key], f"step {want['step']} {key}: prepared {got[key]}, files {want[key]}"

@@ -46,13 +46,19 @@ _LINEAR = {
 def hf_model(family: str, seed: int = 0) -> PreTrainedModel:
     """A tiny ``family`` model with transformers' own random init (seeded), fp32, the embedded tokenizer's vocab; a
     mixture of experts with 4 experts of width 32, 2 per token (and a shared expert of width 32 where it has one);
-    a hybrid with a gated delta layer (2 key heads, 4 value heads of 8) before its full-attention layer;
-    gpt-oss's sliding layers with a window of 8."""
+    a hybrid with a gated delta layer (2 key heads, 4 value heads of 8) before its full-attention layer; gpt-oss's
+    and Gemma 3's layers a sliding one (a window of 8) and a full one; Gemma 3's RoPE bases and scaling as in its 27B
+    model (``query_pre_attn_scalar`` 256, its config's default: not the head dim)."""
     record = RECORDS[family]
     experts = record.experts
     sizes = _SIZES if experts is None else {**_SIZES, experts.count: 4, experts.width: 32, "num_experts_per_tok": 2}
-    if record.window == "pattern":  # its own sliding layers, with a window shorter than the tests' rows
-        sizes = {**sizes, "sliding_window": 8}
+    if record.window == "pattern":  # a sliding and a full layer, the window shorter than the tests' rows
+        sizes = {**sizes, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    if family == "gemma3_text":  # Gemma 3 27B's RoPE: the local layers' base, the global layers' base scaled x8
+        sizes["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        }
     if record.linear_mixer is not None:
         sizes = {**sizes, **_LINEAR} | ({"shared_expert_intermediate_size": 32} if experts is not None else {})
     config = AutoConfig.for_model(family, vocab_size=len(load_tokenizer(None)), **sizes)

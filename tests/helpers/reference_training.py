@@ -215,6 +215,7 @@ def reference_model(cfg: JobConfig) -> torch.nn.Module:
     else:
         source = random_init_source(hf_config, cfg.train.seed)
     materialize(model, adapter_source(source, cfg.train.seed), torch.device("cpu"))
+    model.tie_weights()  # materialize's to_empty makes the tied LM head a tensor of its own (Gemma 3 ties them)
     return model
 
 

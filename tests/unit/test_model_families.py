@@ -62,6 +62,12 @@ GPT_OSS = {  # gpt-oss-20b: every other layer slides (128 tokens there)
     "sliding_window": 8,
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
 }
+GEMMA3 = {  # Gemma 3: five local layers to one global (its window 1024 on the local ones), here two to one
+    "model_type": "gemma3_text",
+    "head_dim": 8,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+}
 # (config.json fields, model.sliding_window, the window of each of the 3 layers)
 CHECKPOINTS = {
     "llama": ({"model_type": "llama"}, None, [None, None, None]),
@@ -100,6 +106,9 @@ CHECKPOINTS = {
     "gpt_oss": (GPT_OSS, None, [8, None, 8]),
     "gpt_oss_off": (GPT_OSS, 0, [None, None, None]),
     "gpt_oss_16": (GPT_OSS, 16, [16, None, 16]),
+    "gemma3_text": (GEMMA3, None, [8, 8, None]),
+    "gemma3_text_off": (GEMMA3, 0, [None, None, None]),
+    "gemma3_text_16": (GEMMA3, 16, [16, 16, None]),
 }
 # random init: (model.family, model.sliding_window, windows)
 RANDOM_INIT = {
@@ -116,6 +125,8 @@ RANDOM_INIT = {
     "qwen3_moe_16": ("qwen3_moe", 16, [16, 16, 16]),
     "gpt_oss": ("gpt_oss", None, [None, None, None]),  # not transformers' default 128 on every other layer
     "gpt_oss_16": ("gpt_oss", 16, [16, None, 16]),  # its own sliding layers
+    "gemma3_text": ("gemma3_text", None, [None, None, None]),
+    "gemma3_text_16": ("gemma3_text", 16, [16, 16, 16]),  # transformers' pattern: the sixth layer is the first global
 }
 
 _received: dict[int, int | None] = {}
@@ -221,7 +232,7 @@ REFUSED = {
         1,
         ["routes each token to 3 of 2 experts", "model.experts_per_token between 1 and model.num_experts"],
     ),
-    "gemma3_text": ({"model_type": "gemma3_text"}, [], 1, ["is a 'gemma3_text' model", "own RoPE base"]),
+    "gemma3_softcapping": ({**GEMMA3, "final_logit_softcapping": 30.0}, [], 1, ["sets final_logit_softcapping=30.0"]),
     "phi3": ({"model_type": "phi3"}, [], 1, ["is a 'phi3' model", "longrope"]),
     "random_init_family": (None, ["model.family=gpt2"], 1, ["model.family='gpt2' is a 'gpt2' model"]),
     "attention_dropout": (

@@ -439,6 +439,22 @@ def test_ring_hides_exactly_from_the_threshold() -> None:
     assert inside.link == "intra"
 
 
+def test_windowed_layers_send_only_their_edges() -> None:
+    """gpt-oss-20b at 128K on a ring of 8 (slow links: nothing hides): its 12 full layers run the whole ring, its 12
+    128-token layers only fetch 2 · 127 rows of the piece per pass, so the ring's exposed time per layer is half the
+    all-full model's plus the edges, by hand."""
+    from lctrain.planner.timing import ring_layer_s
+
+    model = NAMED_MODELS["gpt-oss-20b"]
+    hw = Hardware("test", tflops=1000, mem_gib=80, intra_gbps=1, inter_gbps=1)
+    layout = Layout(1, 1, 8, 1)
+    ring = ring_step(model, layout, hw, Workload(131072, gpus_per_node=8, mfu=1.0, link_efficiency=1.0))
+    full = ring_layer_s(dataclasses.replace(model, windows=()), layout, ring, 0.0)
+    assert full == pytest.approx(7 * (ring.exposed_fwd_s + ring.exposed_bwd_s)) and full > 0
+    edges = 2 * 127 / ring.tokens_per_rank * (ring.comm_fwd_s + ring.comm_bwd_s)
+    assert ring_layer_s(model, layout, ring, 0.0) == pytest.approx((full + edges) / 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The command: JSON, table, recipe
 # ---------------------------------------------------------------------------------------------------------------

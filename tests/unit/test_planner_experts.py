@@ -54,6 +54,37 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     assert tiny_spec(family).num_params == sum(p.numel() for p in tiny_model(family).parameters())
 
 
+def test_gpt_oss_and_gemma3_counts() -> None:
+    """The published totals (gpt-oss: 20.91B and 116.83B; active 3.61B and 5.13B without the unembedding, as
+    OpenAI counts them), and each size's count equal to transformers' model of its config (built on meta)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small, large = NAMED_MODELS["gpt-oss-20b"], NAMED_MODELS["gpt-oss-120b"]
+    assert (small.num_params, large.num_params) == (20_914_757_184, 116_829_156_672)
+    assert round((small.active_params - small.head_params) / 1e7) == 361
+    assert round((large.active_params - large.head_params) / 1e7) == 513
+    configs = {
+        "gpt-oss-20b": dict(
+            model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+            vocab_size=201088, sliding_window=128,
+        ),
+        "gemma3-27b": dict(
+            model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208, sliding_window=1024,
+        ),
+    }  # fmt: skip
+    for name, fields in configs.items():
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+        model.tie_weights()  # init_empty_weights makes Gemma 3's tied LM head a tensor of its own
+        assert NAMED_MODELS[name].num_params == sum(p.numel() for p in model.parameters()), name
+        spec = ModelSpec.from_hf_config(fields, name=name)
+        assert spec.num_params == NAMED_MODELS[name].num_params, name
+        assert spec.windows == NAMED_MODELS[name].windows, name
+
+
 @pytest.mark.parametrize("family", list(TINY_MOE))
 def test_moe_layer_activations_equal_what_autograd_saves(family: str) -> None:
     """One decoder layer in fp32 with lctrain's experts implementation: every tensor autograd keeps (parameters and
@@ -99,7 +130,11 @@ def test_degrees_the_search_tries_and_refuses() -> None:
     assert [plan.layout.ep for plan in plans] == [1, 2, 4, 8]
 
 
-MOE_RECIPES = ("qwen3_30b_a3b_128k", "qwen3_30b_a3b_1m", "mixtral_8x7b_32k")
+# the mixtures of experts' recipes, and Gemma 3's (its header quotes the planner the same way)
+MOE_RECIPES = (
+    "qwen3_30b_a3b_128k", "qwen3_30b_a3b_1m", "mixtral_8x7b_32k", "gpt_oss_20b_128k", "gpt_oss_120b_128k",
+    "gemma3_27b_128k",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MOE_RECIPES)
