@@ -12,8 +12,10 @@ sees only column j of the values), so one kernel run on values ``[0 | v]`` from 
 A document start restarts the state (a zero transition): a piece is cut into segments at the document starts it
 holds; only its first segment, when no document starts at the piece's first token, continues the state entering
 the piece. Its summary is that segment's ``(A, B)`` when it is the piece's only segment, else ``(0, B)`` of its
-last segment, run from zero. ``compose`` chains the summaries in global order (fp32); ``run_pieces`` then runs the
-continuing segments from their true entering states, and every other segment from zero, once.
+last segment, run from zero. ``compose`` chains the summaries in global order (fp32); ``finish_piece`` then gives
+each continuing segment its outputs from its true entering state: the same run's outputs are ``[A_t^T q_t | o_t]``
+(the state after token t read by q_t), so a piece's outputs from ``S`` are ``o_t + S^T A_t^T q_t`` without a second
+run; a continuing segment followed by others in its piece (whose summary is not its) is run once from ``S``.
 
 The kernel is transformers' pure-torch chunked gated delta rule (the Qwen3-Next and Qwen3.5 reference), with the
 queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by autograd.
@@ -64,11 +66,14 @@ def _take(segment: Segment, *tensors: Tensor) -> list[Tensor]:
 
 @dataclass
 class PieceRun:
-    """A piece's first pass: its summary ``[A | B]`` (``[B, Hv, dk, dk + dv]``, fp32) and the outputs of the
-    segments that start from zero (final), by segment index."""
+    """A piece's first pass: its summary ``[A | B]`` (``[B, Hv, dk, dk + dv]``, fp32), the outputs of the segments
+    that start from zero (final), by segment index, and for a piece whose one segment continues the entering state,
+    that run's outputs ``[A_t^T q_t | o_t from zero]`` (``[B, L, Hv, dk + dv]``, fp32): its outputs from the entering
+    state ``S`` are ``o_t + S^T A_t^T q_t``, with no second run."""
 
     summary: Tensor
     outputs: dict[int, Tensor]
+    reads: Tensor | None = None
 
 
 def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Sequence[Segment]) -> PieceRun:
@@ -81,14 +86,14 @@ def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, se
             continue
         out, last_state = _kernel(*_take(segment, q, k, v, g, beta), None)
         outputs[index] = out
-    if segments[-1].continues:  # the only segment: [A | B] in one run
-        qs, ks, vs, gs, bs = _take(segments[-1], q, k, v, g, beta)
+    if segments[-1].continues:  # the only segment: [A | B] and the outputs' two parts in one run, in fp32
+        qs, ks, vs, gs, bs = _take(segments[-1], q.float(), k, v, g, beta)
         eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(batch, heads, dk, dk)
         state = torch.cat([eye, eye.new_zeros(batch, heads, dk, dv)], dim=-1)
         values = torch.cat([vs.new_zeros(*vs.shape[:3], dk), vs], dim=-1)
-        _, summary = _kernel(qs, ks, values, gs, bs, state)
-    else:
-        summary = torch.cat([last_state.new_zeros(batch, heads, dk, dk), last_state], dim=-1)
+        reads, summary = _kernel(qs, ks, values, gs, bs, state)
+        return PieceRun(summary, outputs, reads)
+    summary = torch.cat([last_state.new_zeros(batch, heads, dk, dk), last_state], dim=-1)
     return PieceRun(summary, outputs)
 
 
@@ -112,11 +117,15 @@ def finish_piece(
     run: PieceRun,
     entering: Tensor,
 ) -> Tensor:
-    """The piece's outputs ``[B, L_piece, Hv, dv]``: its continuing segment run from ``entering`` (the state the
-    composition gives it), its other segments' outputs from ``run``."""
-    outs = []
+    """The piece's outputs ``[B, L_piece, Hv, dv]`` in q's dtype: its continuing segment's from ``entering`` (the
+    state the composition gives it: read through ``run.reads``, or run from it when the piece holds other segments
+    too), its other segments' from ``run``."""
+    outs, dk = [], q.shape[3]
     for index, segment in enumerate(segments):
-        if segment.continues:
+        if segment.continues and run.reads is not None:
+            reads = run.reads
+            outs.append((reads[..., dk:] + torch.einsum("blhk,bhkv->blhv", reads[..., :dk], entering)).to(q.dtype))
+        elif segment.continues:
             outs.append(_kernel(*_take(segment, q, k, v, g, beta), entering)[0])
         else:
             outs.append(run.outputs[index])

@@ -1,0 +1,96 @@
+"""One gated delta (linear-attention) layer, forward + backward, at a fixed total length on P ring ranks (zigzag):
+the slowest rank's time, P x that time against one rank's, and the bytes each layer all-gathers (the conv halos and
+the piece summaries: independent of the length); at P = 1 also transformers' own module on the same tokens. The
+layer is Qwen3.5's ``Qwen3_5GatedDeltaNet``, fp32 on CPU, one thread per rank."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from benchmarks.timing import median_seconds
+from lctrain.attention import SequencePlace
+from lctrain.linear_attention.gated_deltanet import patch_linear_attention
+from lctrain.testing import run_distributed
+
+
+def layer(args: argparse.Namespace) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        hidden_size=args.hidden,
+        linear_num_key_heads=args.key_heads,
+        linear_num_value_heads=args.value_heads,
+        linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    return Qwen3_5GatedDeltaNet(config, 0)
+
+
+def exchanged_bytes(args: argparse.Namespace, ranks: int) -> int:
+    """What one layer all-gathers per rank's pieces (2 under zigzag), times the ranks: halos and summaries, fp32."""
+    channels = args.head_dim * (2 * args.key_heads + args.value_heads)
+    halo = 3 * channels * 4
+    summary = args.value_heads * args.head_dim * 2 * args.head_dim * 4
+    return 2 * ranks * (halo + summary)
+
+
+def step(module: torch.nn.Module, hidden: torch.Tensor) -> None:
+    module(hidden).sum().backward()
+
+
+def rank_seconds(args: argparse.Namespace, length: int) -> float:
+    """The slowest rank's median seconds of one forward + backward on its zigzag share of ``length`` tokens."""
+    torch.set_num_threads(1)
+    size = dist.get_world_size()
+    module = layer(args)
+    patch_linear_attention(
+        [module], ring_group=dist.group.WORLD if size > 1 else None, ulysses_group=None, layout="zigzag"
+    )
+    place = SequencePlace(dist.get_rank(), size)
+    hidden = place.shard(torch.randn(1, length, args.hidden, generator=torch.Generator().manual_seed(1)), dim=1)
+    seconds = torch.tensor(median_seconds(functools.partial(step, module, hidden.requires_grad_()), args.iters))
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--key-heads", type=int, default=4)
+    parser.add_argument("--value-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"Qwen3_5GatedDeltaNet, hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of "
+        f"{args.head_dim}, fp32, CPU, one thread per rank, forward + backward, median of {args.iters}"
+    )
+    print("| tokens | ranks | slowest rank ms | ranks x ms / one rank's | bytes all-gathered per layer |")
+    print("|---|---|---|---|---|")
+    for length in args.lengths:
+        module, hidden = layer(args), torch.randn(1, length, args.hidden, requires_grad=True)
+        own = median_seconds(functools.partial(step, module, hidden), args.iters)
+        one = None
+        for ranks in args.ranks:
+            seconds = run_distributed(rank_seconds, ranks, args, length)[0]
+            one = one or seconds
+            print(
+                f"| {length} | {ranks} | {seconds * 1e3:.0f} | {ranks * seconds / one:.2f} | "
+                f"{exchanged_bytes(args, ranks) if ranks > 1 else 0} |"
+            )
+        print(f"| {length} | transformers' module, 1 | {own * 1e3:.0f} | lctrain / transformers: {one / own:.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
