@@ -2,11 +2,14 @@
 full-attention layer) trained by the ``Trainer`` on 4 ranks like the plain single-process model
 (``reference_training.py``: each document piece run alone), in the settings the other parity tests leave out:
 pipeline stages cutting between the two kinds of layer (pp 2 x ring 2, 1F1B, full activation checkpointing),
-dp 2 x ring 2 with accumulation, and LoRA on the linear layers' projections on ring 2 x Ulysses 2.
+dp 2 x ring 2 with accumulation, and LoRA on the linear layers' projections on ring 2 x Ulysses 2; and the dp 2 x
+ring 2 case stopped after 2 steps (a checkpoint at step 2: the linear layers' ``A_log``, ``dt_bias`` and convolution
+FSDP-sharded with their AdamW states, each dp rank's loader position) and resumed to ``STEPS``.
 
-One spawn of 4 ranks runs the three cases for ``STEPS`` steps. Tolerances (fp32), the trainer parity tests':
+One spawn of 4 ranks runs the three cases for ``STEPS`` steps, then the resumed run. Tolerances (fp32), the trainer parity tests':
 first step loss within 1e-5 relative and every gradient within 1e-5 absolute + 1e-4 relative; every loss within
-1e-5 relative and every gradient norm within 1e-3 relative.
+1e-5 relative and every gradient norm within 1e-3 relative; the resumed steps' losses and gradient norms equal the
+uninterrupted run's exactly (on CPU, fp32 and gloo, resuming is bitwise deterministic).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import functools
 
 import pytest
 
+from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
+    cases_then_resumed,
     job_config,
     reference,
-    world_job,
 )
 
 STEPS = 10  # enough rows that most hold several documents (the reference checks it)
@@ -45,24 +49,31 @@ CASES = {
         1,
     ),
 }
+RESUMED = "dp2-ring2-accum2"  # stopped at step 2 and resumed
+
+
+def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) -> JobConfig:
+    parallel, model, _, batch_size, grad_accum = CASES[case]
+    return job_config(
+        workdir,
+        f"{workdir}/run_{run or case}",
+        steps=steps,
+        num_layers=LAYERS,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        parallel=parallel,
+        model=model,
+    )
+
+
+def hybrid_world(workdir: str) -> dict | None:
+    """Every case, then the resumed run: 2 steps with a checkpoint, then on to ``STEPS`` from it."""
+    return cases_then_resumed(job, workdir, CASES, RESUMED)
 
 
 @functools.cache
 def results_for(workdir: str) -> dict:
-    configs = {
-        case: job_config(
-            workdir,
-            f"{workdir}/run_{case}",
-            steps=STEPS,
-            num_layers=LAYERS,
-            batch_size=batch_size,
-            grad_accum=grad_accum,
-            parallel=parallel,
-            model=model,
-        )
-        for case, (parallel, model, _, batch_size, grad_accum) in CASES.items()
-    }
-    return run_distributed(world_job, 4, configs)[0]
+    return run_distributed(hybrid_world, 4, workdir)[0]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -80,3 +91,9 @@ def test_hybrid_trains_like_the_single_process_model(case: str, parity_workdir: 
     result = results_for(parity_workdir)[case]
     assert_first_step_matches(result, expected)
     assert_curve_matches(result, expected, STEPS)
+
+
+def test_hybrid_resume_continues_exactly(parity_workdir: str) -> None:
+    results = results_for(parity_workdir)
+    (losses, norms, _), (full_losses, full_norms, _) = results["resumed"], results[RESUMED]
+    assert losses == full_losses[2:] and norms == full_norms[2:]
