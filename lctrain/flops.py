@@ -14,16 +14,40 @@ def attention_pairs_per_token(seq_len: int, window: int | None = None) -> float:
     return window - window * window / (2 * seq_len)
 
 
+def delta_rule_flops_per_token(value_heads: int, key_dim: int, value_dim: int, chunk: int = 64) -> float:
+    """Training FLOPs per token of one gated delta (linear-attention) layer's chunked recurrence, its projections
+    aside (counted with the parameters): per value head, the chunk's products (keys with keys, queries with keys,
+    the chunk's mixing of the beta-scaled values and keys and of the corrected values: 2·chunk·(3·dk + 2·dv)) and
+    the state's (read by the queries and the keys, updated: 3 · 2·dk·dv), forward and backward (3x). Independent of
+    the sequence length."""
+    forward = 2 * chunk * (3 * key_dim + 2 * value_dim) + 6 * key_dim * value_dim
+    return 3 * value_heads * forward
+
+
 def flops_per_token(
-    num_params: int, num_layers: int, hidden_size: int, seq_len: int, windows: Sequence[int | None] = ()
+    num_params: int,
+    num_layers: int,
+    hidden_size: int,
+    seq_len: int,
+    windows: Sequence[int | None] = (),
+    linear: Sequence[bool] = (),
+    delta_rule: float = 0.0,
 ) -> float:
     """Training FLOPs per token: 6 per parameter (forward and backward matmuls) plus causal attention,
     12·hidden per visible pair and layer: 6·layers·hidden·seq_len without windows (half of the 12·L·H·S of full
-    attention). ``windows``: each layer's sliding window (``layer_windows``; None = full causal), () = none."""
-    if windows and len(windows) != num_layers:
-        raise ValueError(f"flops_per_token: {len(windows)} windows for {num_layers} layers")
-    pairs = sum(attention_pairs_per_token(seq_len, window) for window in windows or [None] * num_layers)
-    return 6 * num_params + 12 * hidden_size * pairs
+    attention). ``windows``: each layer's sliding window (``layer_windows``; None = full causal), () = none.
+    ``linear``: whether each layer is a gated delta layer (a hybrid's), which attends to no pair and counts
+    ``delta_rule`` (``delta_rule_flops_per_token``) instead; () = none."""
+    for name, given in (("windows", windows), ("linear", linear)):
+        if given and len(given) != num_layers:
+            raise ValueError(f"flops_per_token: {len(given)} {name} for {num_layers} layers")
+    kinds = linear or [False] * num_layers
+    pairs = sum(
+        attention_pairs_per_token(seq_len, window)
+        for window, is_linear in zip(windows or [None] * num_layers, kinds)
+        if not is_linear
+    )
+    return 6 * num_params + 12 * hidden_size * pairs + sum(kinds) * delta_rule
 
 
 def document_flops_per_token(num_params: int, num_layers: int, hidden_size: int, doc_lengths: Sequence[int]) -> float:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lctrain.families import FAMILIES
+from lctrain.families import ATTENTION, FAMILIES
 from lctrain.planner.presets import FP32, GIB, Layout, ModelSpec, Workload
 from lctrain.rules import stage_layers
 
 STATE_BYTES = 4 + 4 + 8  # per parameter, FSDP-sharded: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
+CHUNK = 64  # the chunk of transformers' chunked gated delta rule (torch_chunk_gated_delta_rule), which lctrain runs
 
 
 @dataclass(frozen=True)
@@ -24,13 +25,19 @@ class Lora:
     def trains(self, module: str) -> bool:
         return module in self.trainable
 
-    def layer_adapter_params(self, model: ModelSpec) -> int:
-        """One decoder layer's adapter parameters: rank · (in + out) for each projection (a mixture of experts':
-        the attention's), and with ``experts`` rank · (in + out) for each expert weight of each expert
+    def layer_adapter_params(self, model: ModelSpec, layer: int = 0) -> int:
+        """Decoder layer ``layer``'s adapter parameters: rank · (in + out) for each projection (a mixture of
+        experts': the attention's; a hybrid's gated delta layer: its family's targets among its own projections,
+        ``linear_projections``), and with ``experts`` rank · (in + out) for each expert weight of each expert
         (``gate_up_proj`` h -> 2I, ``down_proj`` I -> h: rank · E · (2h + 3I))."""
         h, q, kv, inter = model.hidden, model.q_dim, model.kv_dim, model.intermediate
         experts = model.experts * (2 * h + 3 * model.expert_intermediate) if self.experts else 0
-        return self.rank * ((h + q) * 2 + (h + kv) * 2 + (0 if model.moe else (h + inter) * 3) + experts)
+        if model.is_linear(layer):
+            shapes = linear_projections(model)
+            mixer = sum(sum(shapes[name]) for name in FAMILIES[model.family].lora_targets if name in shapes)
+        else:  # q (with the hybrids' gate: 2q wide), o, k, v
+            mixer = (h + q * (1 + model.attention_gate)) + (q + h) + (h + kv) * 2
+        return self.rank * (mixer + (0 if model.moe else (h + inter) * 3) + experts)
 
     def adapted_expert_bytes(self, model: ModelSpec, e: int) -> int:
         """What one layer's expert adapters add beside the per-token terms: peft adds each expert's update to the
@@ -38,10 +45,12 @@ class Lora:
         keep for the backward, whose gradient is as large again while that layer's backward runs."""
         return model.expert_params * e if self.experts else 0
 
-    def layer_trained_params(self, model: ModelSpec) -> int:
-        """One decoder layer's trained parameters: its adapters and, with ``norm``, copies of its RMSNorms."""
-        norms = 2 * model.hidden + 2 * model.head_dim * model.qk_norm
-        return self.layer_adapter_params(model) + (norms if self.trains("norm") else 0)
+    def layer_trained_params(self, model: ModelSpec, layer: int = 0) -> int:
+        """Decoder layer ``layer``'s trained parameters: its adapters and, with ``norm``, copies of its RMSNorms
+        (a gated delta layer's gated norm in place of the q/k norms)."""
+        mixer_norms = model.linear_head_dims[1] if model.is_linear(layer) else 2 * model.head_dim * model.qk_norm
+        norms = 2 * model.hidden + mixer_norms
+        return self.layer_adapter_params(model, layer) + (norms if self.trains("norm") else 0)
 
     def root_trained_params(self, model: ModelSpec, *, first: bool, last: bool) -> int:
         """The trained copies among the root's modules (embeddings on the first stage, final norm and head on the
@@ -52,6 +61,21 @@ class Lora:
         return embed + norm + head
 
 
+def linear_projections(model: ModelSpec) -> dict[str, tuple[int, int]]:
+    """A gated delta layer's projections by transformers' names, (in, out): Qwen3-Next's fused ``in_proj_qkvz`` and
+    ``in_proj_ba``, Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; ``out_proj``."""
+    h, hv, values = model.hidden, model.linear_heads[1], model.linear_heads[1] * model.linear_head_dims[1]
+    return {
+        "in_proj_qkvz": (h, model.conv_channels + values),
+        "in_proj_ba": (h, 2 * hv),
+        "in_proj_qkv": (h, model.conv_channels),
+        "in_proj_z": (h, values),
+        "in_proj_b": (h, hv),
+        "in_proj_a": (h, hv),
+        "out_proj": (values, h),
+    }
+
+
 def kv_width(model: ModelSpec, ulysses: int) -> int:
     """K (or V) elements per local token that attention keeps and the ring sends: after the Ulysses all-to-all a GPU
     holds S/R tokens of max(Hkv/U, 1) heads, i.e. max(Hkv, U)·D per local token (KV heads are replicated U/Hkv
@@ -59,8 +83,53 @@ def kv_width(model: ModelSpec, ulysses: int) -> int:
     return model.head_dim * (max(model.kv_heads, ulysses) if ulysses > 1 else model.kv_heads)
 
 
+def delta_rule_bytes(model: ModelSpec) -> int:
+    """Bytes per local token (all of a token's value heads) that one run of transformers' chunked gated delta rule
+    keeps, in fp32, as lctrain runs it on a piece (values ``[0 | v]``, w = dk + dv wide, for the piece's summary),
+    counted per value head from the tensors autograd saves in it: the queries and keys and their chunked and
+    beta-scaled copies, before and after their L2 norm (12 · dk), the values and their chunked, corrected and output
+    forms (4 · w), five chunk-by-chunk matrices of each chunk (5 · CHUNK: each token's row of them), norms, beta and
+    decay (6), and the state entering each chunk and its decayed copy (2 · dk · w / CHUNK: the recurrent state,
+    [dk, w] per head, twice a chunk)."""
+    hv, (dk, dv) = model.linear_heads[1], model.linear_head_dims
+    w = dk + dv
+    return hv * FP32 * (12 * dk + 4 * w + 5 * CHUNK + 6 + 2 * dk * w // CHUNK)
+
+
+def linear_mixer_bytes(model: ModelSpec, e: int, ulysses: int) -> int:
+    """Bytes per local token a gated delta mixer keeps for its backward: the projections' outputs (q, k, v before
+    the convolution, z, b, a), the convolution's and SiLU's outputs, the gates g and beta and softplus's input
+    (fp32), with Ulysses the all-to-all's q, k, v and gates (and the output back), the chunked rule's tensors
+    (``delta_rule_bytes``) and the gated RMSNorm's fp32 input, gate and normalized value and its output, which
+    ``out_proj`` keeps. Nothing of it grows with the sequence beyond its own tokens: no K/V."""
+    hv, (_, dv) = model.linear_heads[1], model.linear_head_dims
+    channels, values = model.conv_channels, hv * dv
+    projections = (channels + values + 2 * hv) * e + 2 * channels * e + 3 * hv * FP32
+    if ulysses > 1:
+        projections += channels * e + 2 * hv * FP32 + values * e
+    return projections + delta_rule_bytes(model) + values * (3 * FP32 + e)
+
+
+def linear_state_bytes(model: ModelSpec, ring: int, ulysses: int, e: int) -> int:
+    """Bytes per row one gated delta layer keeps whatever the length: the summaries of every piece of the row
+    (zigzag: 2 · ring pieces) gathered over the ring, ``[pieces, Hv/U, dk, dk + dv]`` fp32, the composed states
+    entering them, ``[pieces, Hv/U, dk, dv]`` fp32, and the gathered convolution halos,
+    ``[pieces, K - 1, channels/U]``."""
+    hv, (dk, dv) = model.linear_heads[1], model.linear_head_dims
+    pieces, heads = 2 * ring, hv // ulysses
+    summaries = pieces * heads * dk * (2 * dk + dv) * FP32
+    return summaries + pieces * (model.conv_kernel - 1) * model.conv_channels // ulysses * e
+
+
 def layer_activation_bytes(
-    model: ModelSpec, e: int, ulysses: int, *, mlp_chunked: bool = False, ring: int = 1, lora: Lora | None = None
+    model: ModelSpec,
+    e: int,
+    ulysses: int,
+    *,
+    mlp_chunked: bool = False,
+    ring: int = 1,
+    lora: Lora | None = None,
+    linear: bool = False,
 ) -> int:
     """Bytes per local token that one decoder layer keeps for its backward when it is not checkpointed.
 
@@ -82,20 +151,28 @@ def layer_activation_bytes(
     With LoRA (``lora``): a frozen norm weight needs no gradient, so its normalized value is not kept; each adapter
     keeps its ``[tokens, rank]`` middle (``lora_B``'s input); the adapted linear layers' inputs are kept by
     ``lora_A`` as they were by the trained weights.
+
+    ``linear``: a hybrid's gated delta layer, its mixer's bytes (``linear_mixer_bytes``) in place of attention's
+    (and of the q/k norms'); a shared expert keeps the MLP's four tensors of its width, its gate's logit and sigmoid.
     """
     h, q = model.hidden, model.q_dim
     normalized = 0 if lora is not None and not lora.trains("norm") else e  # kept for the norm weight's gradient
     norms = 2 * (h * (FP32 + e + normalized) + FP32)
-    if model.qk_norm:
+    if model.qk_norm and not linear:
         norms += (q + model.kv_dim) * (FP32 + normalized) + (model.heads + model.kv_heads) * FP32
     kv_pieces = 2 if ring > 1 else 1
     attention = q * e * (3 if ulysses > 1 else 2) + kv_pieces * 2 * kv_width(model, ulysses) * e + model.heads * FP32
-    mlp = 0 if mlp_chunked else 4 * model.token_mlp_width * e
+    if linear:
+        attention = linear_mixer_bytes(model, e, ulysses)
+    mlp = 0 if mlp_chunked else 4 * (model.token_mlp_width + model.shared_expert) * e
+    mlp += 0 if mlp_chunked or not model.shared_expert else e + FP32
     if model.moe and not mlp_chunked:
         k = model.experts_per_token
         # the router's logits and probabilities, its top-k (fp32 weights, int64 indices) renormalised (their sum)
         mlp += 2 * k * h * e + model.experts * (e + FP32) + k * (FP32 + 8) + (k + 1) * FP32
-    projections = len(FAMILIES[model.family].lora_targets)  # the layers model.lora adapts by default
+    other = ATTENTION if linear else tuple(linear_projections(model)) if model.linear_layers else ()
+    # the layers model.lora adapts by default (a hybrid's: those of the layer's kind)
+    projections = sum(name not in other for name in FAMILIES[model.family].lora_targets)
     adapters = 0 if lora is None else projections * lora.rank * e
     return norms + attention + mlp + adapters
 
@@ -115,7 +192,9 @@ def layer_backward_bytes(model: ModelSpec, e: int, ring: int, ulysses: int, *, m
         attention += 2 * (2 * kv) * e + 2 * (2 * kv) * FP32
     if ulysses > 1:
         attention += 2 * q * e
-    return max(mlp, attention)
+    # a gated delta layer's: the gradient of its output and of the chunked rule's fp32 tensors, as large again
+    linear = h * e + delta_rule_bytes(model) if any(model.linear_layers) else 0
+    return max(mlp, attention, linear)
 
 
 @dataclass
@@ -162,12 +241,15 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
     lora = Lora(work.lora_rank, work.lora_trainable, work.lora_experts) if work.lora_rank else None
     adapted = 0 if lora is None else lora.adapted_expert_bytes(model, e)  # per layer, not per token
     full = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, ring=layout.ring, lora=lora)
+    full_linear = layer_activation_bytes(model, e, layout.ulysses, mlp_chunked=chunked, lora=lora, linear=True)
+    state = linear_state_bytes(model, layout.ring, layout.ulysses, e) if any(model.linear_layers) else 0
     kept_input = 0 if (work.offload and work.device == "cuda") else model.hidden * e  # a checkpointed layer's input
     h, vocab, layer = model.hidden, model.vocab, model.layer_params
     cast = FP32 if e != FP32 else 0  # an unsharded gradient cast to fp32 for the reduce-scatter
     # LoRA: the trained parameters (adapters, trained copies) have fp32 states and gradients; the frozen base
     # (every original weight) is stored sharded in the compute dtype, with no gradient and no AdamW state
-    layer_trained = layer if lora is None else lora.layer_trained_params(model)
+    trained_of = model.params_of if lora is None else lambda i: lora.layer_trained_params(model, i)
+    layer_trained = max(trained_of(i) for i in range(model.layers))  # the largest layer's
     not_here = model.expert_params * (layout.ep - 1) // layout.ep  # a layer's experts held by the other EP ranks
     layer_unit = layer - not_here + (0 if lora is None else layer_trained)  # what FSDP gathers of one layer
     # a layer's unsharded gradient (LoRA on a mixture of experts: no expert weight's gradient, the adapters' only)
@@ -179,8 +261,12 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
         root = (model.embed_params if first else 0) + ((model.head_params + h) if last else 0)
         root_trained = root if lora is None else lora.root_trained_params(model, first=first, last=last)
         root_unit = root + (0 if lora is None else root_trained)
-        stage_params = len(layers) * layer + root
-        trained = len(layers) * layer_trained + root_trained
+        layer_sum = sum(model.params_of(i) for i in layers)
+        stage_params = layer_sum + root
+        trained_sum = sum(trained_of(i) for i in layers)
+        trained = trained_sum + root_trained
+        # the stage's layers' unsharded gradients (pp > 1)
+        grads_sum = trained_sum - (len(layers) * not_here if lora is None else 0)
         frozen = 0 if lora is None else stage_params
         # fp32 weights, AdamW exp_avg, exp_avg_sq of the trained parameters; the frozen ones
         live_states = (trained * (STATE_BYTES - FP32) + frozen * e) / layout.dp_cp
@@ -190,21 +276,24 @@ def stage_memory(model: ModelSpec, layout: Layout, work: Workload) -> list[Memor
             unsharded_grads = root_trained * (e + cast)
         else:  # a stage keeps its layers gathered, and their gradients unsharded, for the whole step
             gathered_fwd = (root_unit + len(layers) * layer_unit) * e
-            gathered_bwd = gathered_fwd + len(layers) * layer_grads * e + layer_grads * cast
-            unsharded_grads = (len(layers) * layer_grads + root_trained) * e + max(root_trained, layer_grads) * cast
+            gathered_bwd = gathered_fwd + grads_sum * e + layer_grads * cast
+            unsharded_grads = (grads_sum + root_trained) * e + max(root_trained, layer_grads) * cast
         in_flight = 1 if layout.pp == 1 else min(work.batch, layout.pp - index)  # 1F1B warm-up depth
-        per_token = sum(kept_input if layout.checkpointed(i) else full for i in layers)
+        kinds = {i: full_linear if model.is_linear(i) else full for i in layers}
+        per_token = sum(kept_input if layout.checkpointed(i) else kinds[i] for i in layers)
         per_token += 2 * model.head_dim * e + 3 * 8  # RoPE cos/sin, shared by the layers; ids, labels, positions
         final_norm = h * (FP32 + norm_kept) + FP32 if last else 0  # the final norm's fp32 input, [normalized], rsqrt
         per_token += final_norm
         if not first:
             per_token += h * e  # the activations received from the previous stage
         kept_adapted = adapted * sum(not layout.checkpointed(i) for i in layers)  # the adapted expert weights
-        activations = in_flight * (tokens * per_token + kept_adapted)
+        kept_states = state * sum(model.is_linear(i) and not layout.checkpointed(i) for i in layers)
+        activations = in_flight * (tokens * per_token + kept_adapted + kept_states)
         activations_bwd = activations - tokens * final_norm  # its backward ran before the last layer's
         # the rebuilt layer; in fp32 its first norm keeps the layer's input itself, which the checkpoint holds already
-        rebuilt = full - (h * FP32 if e == FP32 else 0)
-        recompute = tokens * rebuilt + adapted if any(layout.checkpointed(i) for i in layers) else 0
+        rebuilt = max((kinds[i] for i in layers if layout.checkpointed(i)), default=0) - (h * FP32 if e == FP32 else 0)
+        rebuilt_state = state if any(model.is_linear(i) and layout.checkpointed(i) for i in layers) else 0
+        recompute = tokens * rebuilt + adapted + rebuilt_state if any(layout.checkpointed(i) for i in layers) else 0
         backward = tokens * layer_backward_bytes(model, e, layout.ring, layout.ulysses, mlp_chunked=chunked)
         backward += adapted  # the adapted expert weights' gradient
         if chunked:  # one MLP chunk rebuilt in the backward (gate, SiLU, up, product) with two gradients

@@ -19,7 +19,8 @@ class ModelSpec:
     """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE and
     Mixtral) that memory, FLOPs and bytes depend on. A mixture of experts has ``experts`` experts of width
     ``expert_intermediate`` in every layer in place of the MLP, and a router (``experts x hidden``) that sends each
-    token to ``experts_per_token`` of them; ``intermediate`` is then unused."""
+    token to ``experts_per_token`` of them; ``intermediate`` is then unused. A hybrid (Qwen3-Next, Qwen3.5) has a
+    gated delta (linear-attention) mixer in place of attention on the layers ``linear_layers`` marks."""
 
     name: str
     hidden: int
@@ -45,6 +46,27 @@ class ModelSpec:
     sinks: bool = False  # an attention sink per head (gpt-oss)
     expert_bias: bool = False  # biased experts and router (gpt-oss): 2 · expert_intermediate + hidden per expert
     norms: int = 2  # RMSNorms of hidden size per layer (Gemma 3: 4)
+    attention_gate: bool = False  # q_proj also makes the output's gate (the hybrids): 2 · q_dim wide
+    shared_expert: int = 0  # the width of an always-used shared expert, with its gate (hidden -> 1); 0: none
+    linear_layers: tuple[bool, ...] = ()  # each layer's mixer is a gated delta layer (else attention); () = none
+    linear_heads: tuple[int, int] = (0, 0)  # the gated delta layers' key and value heads (Hk, Hv)
+    linear_head_dims: tuple[int, int] = (0, 0)  # their key and value head dims (dk, dv)
+    conv_kernel: int = 0  # the taps of their causal convolution over q, k and v
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer``'s sequence mixer is a gated delta (linear-attention) layer."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def attention_layer_indices(self) -> list[int]:
+        """The layers with attention (whose K/V grow with the length)."""
+        return [i for i in range(self.layers) if not self.is_linear(i)]
+
+    @property
+    def conv_channels(self) -> int:
+        """The gated delta layers' convolved channels per token: q, k (Hk · dk each) and v (Hv · dv)."""
+        (hk, hv), (dk, dv) = self.linear_heads, self.linear_head_dims
+        return 2 * hk * dk + hv * dv
 
     @property
     def moe(self) -> bool:
@@ -75,21 +97,46 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP (a mixture of experts: every
-        expert's, and the router), two RMSNorm weights (and Qwen3's q/k RMSNorm weights)."""
-        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
-        if self.moe:
-            mlp = self.expert_params + self.experts * (h + self.expert_bias)
-        else:
-            mlp = 3 * h * inter + (2 * inter + h) * self.mlp_bias
-        return attention + self.heads * self.sinks + mlp + self.norms * h + 2 * self.head_dim * self.qk_norm
+    def attention_params(self) -> int:
+        """One attention mixer: q (with the hybrids' output gate: twice as wide), k, v, o projections, their biases,
+        the sinks, and Qwen3's q/k RMSNorm weights."""
+        h, q, kv = self.hidden, self.q_dim * (1 + self.attention_gate), self.kv_dim
+        projections = h * (q + 2 * kv + self.q_dim) + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        return projections + self.heads * self.sinks + 2 * self.head_dim * self.qk_norm
 
     @property
-    def active_layer_params(self) -> int:
-        """The parameters of one layer a token goes through: all but the experts it is not routed to."""
-        return self.layer_params - (self.experts - self.experts_per_token) * self.one_expert_params
+    def linear_params(self) -> int:
+        """One gated delta mixer, as transformers builds it (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``):
+        the input projections to q, k, v, z, b and a (hidden -> 2 · Hk · dk + 2 · Hv · dv + 2 · Hv), the depthwise
+        convolution over q, k, v (``conv_kernel`` taps, no bias), ``A_log`` and ``dt_bias`` (Hv each), the gated
+        RMSNorm (dv) and ``out_proj`` (Hv · dv -> hidden)."""
+        (hk, hv), (dk, dv), h = self.linear_heads, self.linear_head_dims, self.hidden
+        projections = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
+        return projections + self.conv_channels * self.conv_kernel + 2 * hv + dv
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: gate/up/down (a mixture of experts: every expert's, the router, the shared expert and
+        its gate)."""
+        h, inter = self.hidden, self.intermediate
+        if not self.moe:
+            return 3 * h * inter + (2 * inter + h) * self.mlp_bias
+        shared = (3 * h * self.shared_expert + h) if self.shared_expert else 0
+        return self.expert_params + self.experts * (h + self.expert_bias) + shared
+
+    def params_of(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer``: its mixer (attention or gated delta), its MLP and its RMSNorms."""
+        mixer = self.linear_params if self.is_linear(layer) else self.attention_params
+        return mixer + self.mlp_params + self.norms * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of the largest decoder layer (what FSDP gathers at once): q, k, v, o projections, gate/up/down
+        MLP (a mixture of experts: every expert's, and the router), two RMSNorm weights (and Qwen3's q/k RMSNorm
+        weights); a hybrid's larger of its two kinds."""
+        mixers = [self.attention_params] if self.attention_layer_indices else []
+        mixers += [self.linear_params] if any(self.linear_layers) else []
+        return max(mixers) + self.mlp_params + self.norms * self.hidden
 
     @property
     def embed_params(self) -> int:
@@ -103,23 +150,23 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         """All parameters, as ``sum(p.numel() for p in model.parameters())`` counts them (tied ones once)."""
-        return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+        layers = sum(self.params_of(i) for i in range(self.layers))
+        return self.embed_params + layers + self.hidden + self.head_params
 
     @property
     def active_params(self) -> int:
         """The parameters one token goes through (the FLOPs' count): ``num_params`` for a dense model."""
-        return self.num_params - self.layers * (self.layer_params - self.active_layer_params)
+        return self.num_params - self.layers * (self.experts - self.experts_per_token) * self.one_expert_params
 
     @classmethod
     def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
         """From a Hugging Face ``config.json``, read by transformers (its class defaults for absent fields, e.g.
         Qwen3's ``head_dim`` 128). Biases as transformers builds them: Qwen2 always on q/k/v, never on o; Llama and
         Qwen3 on all four with ``attention_bias``."""
-        missing = [
-            key
-            for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-            if key not in config
-        ]
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        # a mixture of experts' MLP width is its experts' (Qwen3.5 MoE's config has no intermediate_size)
+        needed += () if "num_experts" in config or "num_local_experts" in config else ("intermediate_size",)
+        missing = [key for key in needed if key not in config]
         if missing:
             raise ValueError(f"{name}: config.json has no {', '.join(missing)}: is it a Llama-style decoder?")
         # imported here: the named sizes need neither transformers nor torch (lctrain.models imports both)
@@ -129,11 +176,6 @@ class ModelSpec:
 
         record = family_of(config.get("model_type", "llama"), f"--model {name}")
         family = record.model_type
-        if record.linear_mixer is not None:
-            raise ValueError(
-                f"{name}: a {family} model, whose gated delta (linear-attention) layers the planner does not count "
-                f"(their weights, state and summary exchange): size its jobs with a short measured run instead"
-            )
         hf = AutoConfig.for_model(**{**config, "model_type": family})
         attention_bias = bool(getattr(hf, "attention_bias", False))
         windows = tuple(layer_windows(hf))
@@ -142,10 +184,12 @@ class ModelSpec:
             raise ValueError(
                 f"{name}: the planner counts experts in every layer (mlp_only_layers [], decoder_sparse_step 1)"
             )
+        hybrid = record.linear_mixer is not None
+        linear = tuple(kind == "linear_attention" for kind in hf.layer_types) if hybrid else ()
         return cls(
             name=name,
             hidden=hf.hidden_size,
-            intermediate=hf.intermediate_size,
+            intermediate=getattr(hf, "intermediate_size", None) or expert_width(hf),
             layers=hf.num_hidden_layers,
             heads=hf.num_attention_heads,
             kv_heads=hf.num_key_value_heads,
@@ -166,6 +210,12 @@ class ModelSpec:
             sinks=record.sinks,
             expert_bias=record.expert_bias,
             norms=record.layer_norms,
+            attention_gate=hybrid,  # the hybrids' full-attention layers gate their output
+            shared_expert=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+            linear_layers=linear,
+            linear_heads=(hf.linear_num_key_heads, hf.linear_num_value_heads) if hybrid else (0, 0),
+            linear_head_dims=(hf.linear_key_head_dim, hf.linear_value_head_dim) if hybrid else (0, 0),
+            conv_kernel=hf.linear_conv_kernel_dim if hybrid else 0,
         )
 
 
@@ -182,6 +232,12 @@ def _moe(
 
 
 QWEN3_MOE = {"head_dim": 128, "family": "qwen3_moe", "qk_norm": True}
+# Qwen3-Next-80B-A3B: three gated delta layers before each gated full-attention layer, a shared expert of 512
+QWEN3_NEXT = {
+    "head_dim": 256, "family": "qwen3_next", "qk_norm": True, "attention_gate": True, "shared_expert": 512,
+    "linear_layers": tuple((i + 1) % 4 != 0 for i in range(48)), "linear_heads": (16, 32),
+    "linear_head_dims": (128, 128), "conv_kernel": 4, "rope_theta": 1e7,
+}  # fmt: skip
 # gpt-oss: 128-token windows on every other layer (the first slides), biases on the attention, experts and router
 GPT_OSS = {
     "head_dim": 64, "family": "gpt_oss", "qkv_bias": True, "o_bias": True, "sinks": True, "expert_bias": True,
@@ -211,6 +267,7 @@ NAMED_MODELS = {
         _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
         _moe("qwen3-30b-a3b", 2048, 48, 32, 4, 151936, 128, 8, 768, **QWEN3_MOE),
         _moe("qwen3-235b-a22b", 4096, 94, 64, 4, 151936, 128, 8, 1536, **QWEN3_MOE),
+        _moe("qwen3-next-80b-a3b", 2048, 48, 16, 2, 151936, 512, 10, 512, **QWEN3_NEXT),
         _moe("mixtral-8x7b", 4096, 32, 32, 8, 32000, 8, 2, 14336, family="mixtral"),
         _moe("mixtral-8x22b", 6144, 56, 48, 8, 32768, 8, 2, 16384, family="mixtral"),
         _moe("gpt-oss-20b", 2880, 24, 64, 8, 201088, 32, 4, 2880, **GPT_OSS, windows=(128, None) * 12),

@@ -12,6 +12,7 @@ from lctrain.rules import (
     check_activation_offload,
     check_expert_adapters,
     check_expert_parallel,
+    check_linear_heads,
     check_pipeline,
     check_ulysses_heads,
 )
@@ -27,6 +28,7 @@ def layout_problems(model: ModelSpec, layout: Layout, work: Workload) -> list[st
     checks = [
         lambda: layout.check_ulysses_inside_nodes(work.gpus_per_node, ranks="GPUs"),
         lambda: check_ulysses_heads(model.heads, model.kv_heads, layout.ulysses),
+        lambda: check_linear_heads(*model.linear_heads, layout.ulysses) if any(model.linear_layers) else None,
         lambda: layout.check_sequence_length(work.seq_len),
         lambda: check_activation_offload(work.offload, layout.ac),
         lambda: check_expert_parallel(layout.ep, layout.dp_cp, model.experts),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lctrain.flops import flops_per_token
-from lctrain.planner.memory import kv_width
+from lctrain.flops import delta_rule_flops_per_token, flops_per_token
+from lctrain.planner.memory import CHUNK, kv_width
 from lctrain.planner.presets import FP32, Hardware, Layout, ModelSpec, Workload
 from lctrain.rules import groups_inside_nodes, stage_layers
 
@@ -23,7 +23,11 @@ class RingStep:
     the transfer of the next K/V piece (forward) and, in the backward, of the fp32 dK/dV returned to their owner
     plus, with a ring of more than two, the next K/V piece fetched again (a ring of two keeps its one remote piece
     from the forward). A transfer hides behind ``overlap`` steps' compute: one, or on a ring of two, whose one
-    transfer per pass travels in pieces while both steps compute, 2 - 1/RING_PIECES."""
+    transfer per pass travels in pieces while both steps compute, 2 - 1/RING_PIECES.
+
+    A hybrid's gated delta layer runs no ring step: it all-gathers its pieces' summaries and convolution halos over
+    the ring once (``summary_fwd_s``), and all-reduces their gradient in the backward (``summary_bwd_s``: twice the
+    bytes); the layer waits for both (exposed), whose size does not grow with the length."""
 
     link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
     tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
@@ -33,6 +37,8 @@ class RingStep:
     compute_bwd_s: float
     comm_bwd_s: float
     overlap: float = 1.0
+    summary_fwd_s: float = 0.0
+    summary_bwd_s: float = 0.0
 
     @property
     def hidden(self) -> bool:
@@ -84,6 +90,7 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
     kv_elements = piece * kv_width(model, ulysses) / ulysses  # S/R tokens × max(Hkv/U, 1) heads × D
     pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
     flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
+    summary_s = summary_exchange_bytes(model, ring, ulysses, e) / bandwidth
     backward_bytes = FP32 + (e if ring > 2 else 0)  # per K/V element: fp32 dK/dV, and K/V again when R > 2
     overlap = 2 - 1 / RING_PIECES if ring == 2 else 1.0
     # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd) / (W · overlap) (b: the backward's bytes per
@@ -103,7 +110,21 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
         compute_bwd_s=BACKWARD_FLOPS_RATIO * flops_fwd / rate_bwd,
         comm_bwd_s=2 * kv_elements * backward_bytes / bandwidth,
         overlap=overlap,
+        summary_fwd_s=summary_s,
+        summary_bwd_s=2 * summary_s,
     )
+
+
+def summary_exchange_bytes(model: ModelSpec, ring: int, ulysses: int, e: int) -> int:
+    """Bytes one GPU receives in a gated delta layer's forward exchanges over a ring of ``ring``: every other ring
+    rank's two zigzag pieces' summaries, ``[Hv/U, dk, dk + dv]`` fp32 each, and convolution halos,
+    ``[K - 1, channels/U]``; 0 for a model without such layers. The gradient's all-reduce in the backward moves twice
+    as much."""
+    if not any(model.linear_layers):
+        return 0
+    hv, (dk, dv) = model.linear_heads[1], model.linear_head_dims
+    piece = hv // ulysses * dk * (dk + dv) * FP32 + (model.conv_kernel - 1) * model.conv_channels // ulysses * e
+    return (ring - 1) * 2 * piece
 
 
 @dataclass
@@ -140,7 +161,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     e, rows = work.dtype_bytes, work.batch
     layers = max(len(r) for r in stage_layers(model.layers, layout.pp))
     recomputed = sum(layout.checkpointed(i) for i in range(model.layers)) / model.layers
-    per_token = flops_per_token(model.active_params, model.layers, model.hidden, work.seq_len, model.windows)
+    per_token = model_flops_per_token(model, work.seq_len)
     model_flops = rows * work.seq_len * per_token / (layout.pp * layout.cp)
     # a recomputed forward is 1/3 of the FLOPs, and so is the reference model's forward (preference losses)
     forwards = recomputed + (work.reference != "none")
@@ -153,6 +174,11 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
         tokens = work.seq_len // layout.cp
         moved = (layout.ulysses - 1) / layout.ulysses
         per_layer = moved * tokens * e * (2 * model.q_dim + 2 * kv_width(model, layout.ulysses))  # q, k, v, out
+        if any(model.linear_layers):  # a gated delta layer's q, k, v, gates (fp32) and output, averaged over layers
+            (_, hv), dv = model.linear_heads, model.linear_head_dims[1]
+            linear = moved * tokens * ((model.conv_channels + hv * dv) * e + 2 * hv * FP32)
+            share = sum(model.linear_layers) / model.layers
+            per_layer = (1 - share) * per_layer + share * linear
         ulysses = rows * layers * per_layer * (2 + recomputed) / link_bandwidth(hw, work, "alltoall_gbps")
     experts = expert_all_to_all_s(model, layout, hw, work) * rows * layers * (4 + 2 * recomputed)
     fsdp_exposed = 0.0
@@ -175,19 +201,31 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload, ri
     )
 
 
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """``flops_per_token`` of the model (``lctrain.train.meter``'s count): a hybrid's gated delta layers count their
+    recurrence in place of attention."""
+    hv, (dk, dv) = model.linear_heads[1], model.linear_head_dims
+    delta = delta_rule_flops_per_token(hv, dk, dv, CHUNK) if any(model.linear_layers) else 0.0
+    args = (model.active_params, model.layers, model.hidden, seq_len, model.windows, model.linear_layers, delta)
+    return flops_per_token(*args)
+
+
 def ring_layer_s(model: ModelSpec, layout: Layout, ring: RingStep, recomputed: float) -> float:
     """The ring's exposed seconds in one layer for one row, averaged over the model's layers: a layer without a
     window (or with one reaching past a zigzag chunk, S/2R) runs ring − 1 steps whose transfers hide behind their
     compute or not (``RingStep``); a layer whose window W is no larger than a chunk fetches only the W − 1 tokens
     before each of its two chunks from its ring neighbours (and returns their dK/dV), counted whole, as its banded
-    compute is too short to hide them (gpt-oss's 128-token layers, Gemma 3's 1,024-token ones)."""
+    compute is too short to hide them (gpt-oss's 128-token layers, Gemma 3's 1,024-token ones); a gated delta layer
+    waits for its summary exchanges (again when recomputed)."""
     fwd = ring.exposed_fwd_s * (1 + recomputed)
     full = (layout.ring - 1) * (fwd + ring.exposed_bwd_s)
     chunk = ring.tokens_per_rank // 2
     windows = model.windows or (None,) * model.layers
     total = 0.0
-    for window in windows:
-        if window is None or window > chunk:
+    for layer, window in enumerate(windows):
+        if model.is_linear(layer):
+            total += ring.summary_fwd_s * (1 + recomputed) + ring.summary_bwd_s
+        elif window is None or window > chunk:
             total += full
         else:  # 2 (W - 1) of the piece's rows travel, forward (again when recomputed) and backward
             edge = 2 * (window - 1) / ring.tokens_per_rank

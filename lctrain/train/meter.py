@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from lctrain.families import active_parameters, layer_windows
-from lctrain.flops import flops_per_token, mfu
+from lctrain.families import active_parameters, layer_windows, linear_layers
+from lctrain.flops import delta_rule_flops_per_token, flops_per_token, mfu
 
 GIB = 2**30
 # Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.
@@ -42,10 +42,17 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
 
 def model_flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token of a Hugging Face model of ``num_params`` parameters on rows of ``seq_len`` tokens:
-    its active parameters (a mixture of experts counts the routed experts only) and each layer's sliding window."""
+    its active parameters (a mixture of experts counts the routed experts only), each layer's sliding window, and a
+    hybrid's gated delta layers' recurrence in place of their attention."""
     active = active_parameters(config, num_params)
     windows = layer_windows(config)
-    return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows)
+    linear = set(linear_layers(config))
+    if not linear:
+        return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows)
+    kinds = [i in linear for i in range(config.num_hidden_layers)]
+    heads, dims = config.linear_num_value_heads, (config.linear_key_head_dim, config.linear_value_head_dim)
+    delta = delta_rule_flops_per_token(heads, *dims)
+    return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows, kinds, delta)
 
 
 def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
