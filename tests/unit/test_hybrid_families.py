@@ -65,13 +65,3 @@ def test_settings_the_linear_layers_cannot_honour_are_refused(
     with pytest.raises(ValueError) as error:
         prepare_model(cfg, world)
     assert message in str(error.value) and "\n" not in str(error.value)
-
-
-def test_the_planner_refuses_a_hybrid_it_does_not_count() -> None:
-    from lctrain.planner.presets import ModelSpec
-
-    config = hf_model("qwen3_5_text").config.to_dict()
-    with pytest.raises(
-        ValueError, match=r"^tiny: a qwen3_5_text model, whose gated delta .* the planner does not count"
-    ):
-        ModelSpec.from_hf_config(config, name="tiny")
