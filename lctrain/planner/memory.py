@@ -152,6 +152,7 @@ def layer_activation_bytes(
     keeps its ``[tokens, rank]`` middle (``lora_B``'s input); the adapted linear layers' inputs are kept by
     ``lora_A`` as they were by the trained weights.
 
+    The hybrids' attention also keeps its output gate (q_proj's gate half, its sigmoid, the gated output: 4 · q).
     ``linear``: a hybrid's gated delta layer, its mixer's bytes (``linear_mixer_bytes``) in place of attention's
     (and of the q/k norms'); a shared expert keeps the MLP's four tensors of its width, its gate's logit and sigmoid.
     """
@@ -162,6 +163,7 @@ def layer_activation_bytes(
         norms += (q + model.kv_dim) * (FP32 + normalized) + (model.heads + model.kv_heads) * FP32
     kv_pieces = 2 if ring > 1 else 1
     attention = q * e * (3 if ulysses > 1 else 2) + kv_pieces * 2 * kv_width(model, ulysses) * e + model.heads * FP32
+    attention += 4 * q * e * model.attention_gate  # the gate's half of q_proj's output, its sigmoid, the gated output
     if linear:
         attention = linear_mixer_bytes(model, e, ulysses)
     mlp = 0 if mlp_chunked else 4 * (model.token_mlp_width + model.shared_expert) * e

@@ -6,11 +6,10 @@ dp 2 x ring 2 with accumulation, and LoRA on the linear layers' projections on r
 ring 2 case stopped after 2 steps (a checkpoint at step 2: the linear layers' ``A_log``, ``dt_bias`` and convolution
 FSDP-sharded with their AdamW states, each dp rank's loader position) and resumed to ``STEPS``.
 
-One spawn of 4 ranks runs the three cases for ``STEPS`` steps, then the resumed run. Tolerances (fp32), the
-trainer parity tests':
-first step loss within 1e-5 relative and every gradient within 1e-5 absolute + 1e-4 relative; every loss within
-1e-5 relative and every gradient norm within 1e-3 relative; the resumed steps' losses and gradient norms equal the
-uninterrupted run's exactly (on CPU, fp32 and gloo, resuming is bitwise deterministic).
+One spawn of 4 ranks runs the three cases for ``STEPS`` steps, then the resumed run. Tolerances (fp32), the trainer
+parity tests': first step loss within 1e-5 relative and every gradient within 1e-5 absolute + 1e-4 relative; every
+loss within 1e-5 relative and every gradient norm within 1e-3 relative; the resumed steps' losses and gradient norms
+equal the uninterrupted run's exactly (on CPU, fp32 and gloo, resuming is bitwise deterministic).
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ def write_peaked_model(directory: Path) -> None:
     export_hf(model, config, directory, tokenizer=tokenizer)
 
 
-def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256) -> int:
-    """The bytes of every tensor autograd keeps for the backward of decoder layer 1 of ``model`` (a Hugging Face
-    causal LM) on ``tokens`` random tokens, each storage once; parameters and RoPE's cos/sin (shared by all layers)
-    left out."""
+def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256, layer: int = 1) -> int:
+    """The bytes of every tensor autograd keeps for the backward of decoder layer ``layer`` of ``model`` (a Hugging
+    Face causal LM) on ``tokens`` random tokens, each storage once; parameters and RoPE's cos/sin (shared by all
+    layers) left out."""
     positions = torch.arange(tokens)[None]
     x = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)
     with torch.no_grad():
@@ -53,7 +53,7 @@ def layer_saved_bytes(model: torch.nn.Module, tokens: int = 256) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[1](x, position_embeddings=(cos, sin), position_ids=positions)
+        model.model.layers[layer](x, position_embeddings=(cos, sin), position_ids=positions)
     return sum(saved.values())
 
 

@@ -1,8 +1,9 @@
 """``lctrain plan`` on the hybrid linear-attention families (Qwen3-Next, Qwen3.5 dense and MoE): their parameters as
 transformers builds them (tiny models, and Qwen3-Next-80B-A3B from ``Qwen3NextConfig``'s defaults, built on meta),
-LoRA's adapters as peft adds them, the gated delta layers' state and summary exchange independent of the length (only
-the attention layers' K/V grow with it), their FLOPs in place of attention's, the trainer's count and the planner's
-the same, and their heads under Ulysses refused in one line when they do not divide."""
+LoRA's adapters as peft adds them, each kind of layer's activations near what autograd keeps, the gated delta layers'
+state and summary exchange independent of the length (only the attention layers' K/V grow with it), their FLOPs in
+place of attention's (the trainer's count and the planner's the same), and their heads under Ulysses refused in one
+line when they do not divide."""
 
 from __future__ import annotations
 
@@ -82,6 +83,21 @@ def test_lora_adapters_equal_peft(family: str) -> None:
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=list(RECORDS[family].lora_targets)))
     adapters = sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
     assert adapters == sum(Lora(4).layer_adapter_params(spec, layer) for layer in range(spec.layers))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layer_activations_near_what_autograd_saves(family: str) -> None:
+    """Each kind of layer in fp32, patched as lctrain runs it (one rank: the row's two zigzag pieces): what autograd
+    keeps is within 5% of the formula. An estimate, not a byte count: the gated delta rule's tensors are counted per
+    run of transformers' kernel, and which runs a piece makes depends on its documents."""
+    from lctrain.models import patch_attention
+    from tests.helpers.models import layer_saved_bytes
+
+    spec, model = tiny(family)
+    patch_attention(model, ulysses_group=None, ring_group=None)
+    for layer, linear in enumerate(spec.linear_layers):
+        formula = 256 * layer_activation_bytes(spec, 4, 1, linear=linear)
+        assert layer_saved_bytes(model, tokens=256, layer=layer) == pytest.approx(formula, rel=0.05), layer
 
 
 def test_only_the_attention_layers_grow_with_the_length() -> None:
