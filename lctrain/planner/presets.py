@@ -238,6 +238,8 @@ QWEN3_NEXT = {
     "linear_layers": tuple((i + 1) % 4 != 0 for i in range(48)), "linear_heads": (16, 32),
     "linear_head_dims": (128, 128), "conv_kernel": 4, "rope_theta": 1e7,
 }  # fmt: skip
+# Qwen3.5-35B-A3B's language model: the same layers, 40 of them, 256 experts
+QWEN3_5_MOE = {**QWEN3_NEXT, "family": "qwen3_5_moe_text", "linear_layers": QWEN3_NEXT["linear_layers"][:40]}
 # gpt-oss: 128-token windows on every other layer (the first slides), biases on the attention, experts and router
 GPT_OSS = {
     "head_dim": 64, "family": "gpt_oss", "qkv_bias": True, "o_bias": True, "sinks": True, "expert_bias": True,
@@ -268,6 +270,7 @@ NAMED_MODELS = {
         _moe("qwen3-30b-a3b", 2048, 48, 32, 4, 151936, 128, 8, 768, **QWEN3_MOE),
         _moe("qwen3-235b-a22b", 4096, 94, 64, 4, 151936, 128, 8, 1536, **QWEN3_MOE),
         _moe("qwen3-next-80b-a3b", 2048, 48, 16, 2, 151936, 512, 10, 512, **QWEN3_NEXT),
+        _moe("qwen3.5-35b-a3b", 2048, 40, 16, 2, 248320, 256, 8, 512, **QWEN3_5_MOE),
         _moe("mixtral-8x7b", 4096, 32, 32, 8, 32000, 8, 2, 14336, family="mixtral"),
         _moe("mixtral-8x22b", 6144, 56, 48, 8, 32768, 8, 2, 16384, family="mixtral"),
         _moe("gpt-oss-20b", 2880, 24, 64, 8, 201088, 32, 4, 2880, **GPT_OSS, windows=(128, None) * 12),

@@ -518,8 +518,37 @@ QWEN3_NEXT_80B = {
     "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
 }
+# Qwen3.5-35B-A3B (an image-text checkpoint): the sizes of its language model (transformers' Qwen3_5MoeTextConfig
+# defaults but the RoPE base and context), its vision tower left to transformers' defaults
+QWEN3_5_35B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": 248320,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+    },
+    "tie_word_embeddings": False,
+}
 CHECKPOINTS = {
     "/models/Qwen3-Next-80B-A3B-Instruct": QWEN3_NEXT_80B,
+    "/models/Qwen3.5-35B-A3B": QWEN3_5_35B,
     "/models/gpt-oss-20b": GPT_OSS_20B,
     "/models/gpt-oss-120b": GPT_OSS_120B,
     "/models/gemma-3-27b-it": GEMMA3_27B,

@@ -134,7 +134,7 @@ def test_degrees_the_search_tries_and_refuses() -> None:
 # the same way)
 MOE_RECIPES = (
     "qwen3_30b_a3b_128k", "qwen3_30b_a3b_1m", "mixtral_8x7b_32k", "gpt_oss_20b_128k", "gpt_oss_120b_128k",
-    "gemma3_27b_128k", "qwen3_next_80b_a3b_128k",
+    "gemma3_27b_128k", "qwen3_next_80b_a3b_128k", "qwen3_5_35b_a3b_256k",
 )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """``lctrain plan`` on the hybrid linear-attention families (Qwen3-Next, Qwen3.5 dense and MoE): their parameters as
-transformers builds them (tiny models, and Qwen3-Next-80B-A3B from ``Qwen3NextConfig``'s defaults, built on meta),
+transformers builds them (tiny models, and the named sizes from their config classes' defaults, built on meta),
 LoRA's adapters as peft adds them, each kind of layer's activations near what autograd keeps, the gated delta layers'
 state and summary exchange independent of the length (only the attention layers' K/V grow with it), their FLOPs in
 place of attention's (the trainer's count and the planner's the same), and their heads under Ulysses refused in one
@@ -54,21 +54,29 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     assert spec.linear_params == mixer  # the gated delta layer's q/k/v/z/b/a projections, conv, A_log, dt_bias, norm
 
 
-def test_qwen3_next_80b_equals_transformers_defaults() -> None:
-    """The named size equals ``Qwen3NextConfig()`` (whose sizes are Qwen3-Next-80B-A3B's), built on meta, and the
-    planner's reading of that config; 80B parameters, 3B active without the embedding and the LM head."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+# a named size, the transformers config class whose defaults are its sizes, and its published total in billions
+PUBLISHED = {"qwen3-next-80b-a3b": ("Qwen3NextConfig", 80), "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", 35)}
 
-    config = Qwen3NextConfig()
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_named_sizes_equal_transformers_defaults(name: str) -> None:
+    """Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B's language model equal their config class's defaults (built on meta)
+    and the planner's reading of that config; 80B and 35B parameters, 3B active without the embedding and the LM
+    head."""
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    named, (config_class, billions) = NAMED_MODELS[name], PUBLISHED[name]
+    config = getattr(transformers, config_class)()
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    assert QWEN3_NEXT.num_params == sum(p.numel() for p in model.parameters())
-    spec = ModelSpec.from_hf_config(config.to_dict(), name="qwen3-next")
+    assert named.num_params == sum(p.numel() for p in model.parameters())
+    spec = ModelSpec.from_hf_config(config.to_dict(), name=name)
     # the config class's RoPE base is not the checkpoint's; its dense width is unused (every layer has experts)
-    assert dataclasses.replace(spec, name=QWEN3_NEXT.name, rope_theta=1e7, intermediate=512) == QWEN3_NEXT
-    assert sum(QWEN3_NEXT.linear_layers) == 36 and round(QWEN3_NEXT.num_params / 1e9) == 80
-    assert round((QWEN3_NEXT.active_params - QWEN3_NEXT.embed_params - QWEN3_NEXT.head_params) / 1e9) == 3
+    assert dataclasses.replace(spec, rope_theta=1e7, intermediate=512) == named
+    assert sum(named.linear_layers) == 3 * named.layers // 4 and round(named.num_params / 1e9) == billions
+    assert round((named.active_params - named.embed_params - named.head_params) / 1e9) == 3
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
