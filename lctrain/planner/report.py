@@ -23,10 +23,14 @@ def describe(model: ModelSpec, hw: Hardware, work: Workload) -> str:
         experts = (
             f" ({_count(model.active_params)} active: {model.experts_per_token} of {model.experts} experts per token)"
         )
+    layers = f"{model.layers} layers"
+    if any(model.linear_layers):
+        key_heads, value_heads = model.linear_heads
+        layers += f" ({sum(model.linear_layers)} gated delta: {key_heads}/{value_heads} linear heads)"
     if work.reference != "none":
         dtype += ", a reference model's forward" + (" and frozen copy" if work.reference == "copy" else "")
     return (
-        f"{model.name}: {_count(model.num_params)} parameters{experts}, {model.layers} layers, {model.heads}/"
+        f"{model.name}: {_count(model.num_params)} parameters{experts}, {layers}, {model.heads}/"
         f"{model.kv_heads} heads, vocab {model.vocab}; seq_len {work.seq_len:,}, {work.batch} row(s) per dp rank "
         f"per step, {dtype}\n{work.nodes} node(s) x {work.gpus_per_node} {hw.name}: {hw.tflops:g} TFLOP/s peak at "
         f"MFU {work.mfu:g}, {hw.mem_gib:g} GiB ({work.headroom:.0%} kept free), intra-node {hw.intra_gbps:g} "
