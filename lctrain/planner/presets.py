@@ -162,18 +162,22 @@ class ModelSpec:
     def from_hf_config(cls, config: dict, *, name: str, path: str | None = None) -> ModelSpec:
         """From a Hugging Face ``config.json``, read by transformers (its class defaults for absent fields, e.g.
         Qwen3's ``head_dim`` 128). Biases as transformers builds them: Qwen2 always on q/k/v, never on o; Llama and
-        Qwen3 on all four with ``attention_bias``."""
+        Qwen3 on all four with ``attention_bias``. An image-text checkpoint's (Gemma 3, Qwen3.5): its language
+        model's, which lctrain trains alone."""
+        # imported here: the named sizes need neither transformers nor torch (lctrain.models imports both)
+        from transformers import AutoConfig
+
+        from lctrain.families import LANGUAGE_MODELS, expert_width, family_of, layer_windows, num_experts
+
+        if config.get("model_type") in LANGUAGE_MODELS:
+            text = LANGUAGE_MODELS[config["model_type"]].config
+            config = getattr(AutoConfig.for_model(**config), text).to_dict()
         needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         # a mixture of experts' MLP width is its experts' (Qwen3.5 MoE's config has no intermediate_size)
         needed += () if "num_experts" in config or "num_local_experts" in config else ("intermediate_size",)
         missing = [key for key in needed if key not in config]
         if missing:
             raise ValueError(f"{name}: config.json has no {', '.join(missing)}: is it a Llama-style decoder?")
-        # imported here: the named sizes need neither transformers nor torch (lctrain.models imports both)
-        from transformers import AutoConfig
-
-        from lctrain.families import expert_width, family_of, layer_windows, num_experts
-
         record = family_of(config.get("model_type", "llama"), f"--model {name}")
         family = record.model_type
         hf = AutoConfig.for_model(**{**config, "model_type": family})

@@ -54,6 +54,13 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     assert spec.linear_params == mixer  # the gated delta layer's q/k/v/z/b/a projections, conv, A_log, dt_bias, norm
 
 
+def test_an_image_text_checkpoint_is_planned_as_its_language_model() -> None:
+    text, _ = tiny("qwen3_5_moe_text")
+    fields = {key: value for key, value in {**SIZES, **EXPERTS}.items() if key != "intermediate_size"}
+    spec = ModelSpec.from_hf_config({"model_type": "qwen3_5_moe", "text_config": fields}, name=text.name)
+    assert spec == text
+
+
 # a named size, the transformers config class whose defaults are its sizes, and its published total in billions
 PUBLISHED = {"qwen3-next-80b-a3b": ("Qwen3NextConfig", 80), "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", 35)}
 
