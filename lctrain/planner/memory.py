@@ -154,7 +154,8 @@ def layer_activation_bytes(
 
     The hybrids' attention also keeps its output gate (q_proj's gate half, its sigmoid, the gated output: 4 · q).
     ``linear``: a hybrid's gated delta layer, its mixer's bytes (``linear_mixer_bytes``) in place of attention's
-    (and of the q/k norms'); a shared expert keeps the MLP's four tensors of its width, its gate's logit and sigmoid.
+    (and of the q/k norms'); a shared expert keeps the MLP's four tensors of its width, its output (multiplied by its
+    gate's sigmoid), the gate's logit and sigmoid.
     """
     h, q = model.hidden, model.q_dim
     normalized = 0 if lora is not None and not lora.trains("norm") else e  # kept for the norm weight's gradient
@@ -167,7 +168,7 @@ def layer_activation_bytes(
     if linear:
         attention = linear_mixer_bytes(model, e, ulysses)
     mlp = 0 if mlp_chunked else 4 * (model.token_mlp_width + model.shared_expert) * e
-    mlp += 0 if mlp_chunked or not model.shared_expert else e + FP32
+    mlp += 0 if mlp_chunked or not model.shared_expert else h * e + e + FP32
     if model.moe and not mlp_chunked:
         k = model.experts_per_token
         # the router's logits and probabilities, its top-k (fp32 weights, int64 indices) renormalised (their sum)
