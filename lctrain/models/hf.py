@@ -259,8 +259,9 @@ def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSour
 def checkpoint_reading(path: str | Path) -> Reading:
     """How the checkpoint in ``path`` is read, from its config.json: dequantized (``quantization_config``:
     ``layouts.dequantizer``), and for an image-text model type its language model's tensors renamed to the text
-    model's (``families.LANGUAGE_MODELS``)."""
-    fields = json.loads((Path(path) / "config.json").read_text())
+    model's (``families.LANGUAGE_MODELS``). Without a config.json the tensors are read as they are named."""
+    config_file = Path(path) / "config.json"
+    fields = json.loads(config_file.read_text()) if config_file.is_file() else {}
     language_model = LANGUAGE_MODELS.get(fields.get("model_type"))
     return Reading(dequantizer(fields.get("quantization_config")), language_model and language_model.renames)
 
