@@ -13,7 +13,7 @@ combination, without the optimizer step:
 - ``lora``: LoRA (every ``lora_B`` set to 0.05) with the reference = the base with the adapters disabled;
 - ``window``: a Mistral with a 6-token sliding window (counted in positions, through each answer's shared prompt);
 - ``gpt_oss``: gpt-oss (attention sinks, an 8-token window on every other layer, 4 experts, top 2, no router
-  load-balancing loss: the objective refuses it) on ring 2 x Ulysses 2, the sinks folded once per query after the
+  load-balancing loss: lctrain refuses DPO with one) on ring 2 x Ulysses 2, the sinks folded once per query after the
   ring's merge, each answer's shared prompt counted in its softmax and its window;
 - ``unshared``: the same pairs packed with the prompt repeated for each answer, against the shared rows;
 - ``initial``: the reference = the initial policy (a frozen copy): ``sigmoid`` gives ln 2 and zero rewards;
