@@ -12,6 +12,9 @@ combination, without the optimizer step:
 - ``dp2_ring2_accum2``: dp 2 x ring 2 with 2 accumulation micro-batches (4 rows, 8 pairs a step);
 - ``lora``: LoRA (every ``lora_B`` set to 0.05) with the reference = the base with the adapters disabled;
 - ``window``: a Mistral with a 6-token sliding window (counted in positions, through each answer's shared prompt);
+- ``gpt_oss``: gpt-oss (attention sinks, an 8-token window on every other layer, 4 experts, top 2, no router
+  load-balancing loss: lctrain refuses DPO with one) on ring 2 x Ulysses 2, the sinks folded once per query after the
+  ring's merge, each answer's shared prompt counted in its softmax and its window;
 - ``unshared``: the same pairs packed with the prompt repeated for each answer, against the shared rows;
 - ``initial``: the reference = the initial policy (a frozen copy): ``sigmoid`` gives ln 2 and zero rewards;
 - ``pp2_ring2``: pp 2 x ring 2 (1F1B), the reference by path through a forward-only schedule of its own stages;
@@ -51,6 +54,13 @@ from tests.helpers.preference_training import (
 MESH = ["parallel.ring=2", "parallel.ulysses=2"]
 PIPELINE = ["parallel.pp=2", "parallel.ring=2"]
 OBJECTIVE = {"beta": BETA, "label_smoothing": LABEL_SMOOTHING}
+GPT_OSS = (
+    "model.family=gpt_oss",
+    "model.sliding_window=8",
+    "model.num_experts=4",
+    "model.experts_per_token=2",
+    "model.router_aux_loss_coef=0",
+)
 # case -> (parallel, model overrides, rows a step, grad_accum, objective, loss types, adapters, shared)
 CASES = {
     "ring2_ulysses2": (MESH, (), 2, 1, "path", LOSS_TYPES, False, True),
@@ -66,6 +76,7 @@ CASES = {
     ),
     "lora": (MESH, ("model.lora.rank=4",), 2, 1, "initial", (["sigmoid"], ["ipo"], ["orpo"]), True, True),
     "window": (MESH, ("model.family=mistral", "model.sliding_window=6"), 2, 1, "path", (["sigmoid"],), False, True),
+    "gpt_oss": (MESH, GPT_OSS, 2, 1, "path", (["sigmoid"], ["ipo"]), False, True),
     "unshared": (MESH, (), 2, 1, "path", (["sigmoid"], ["ipo"]), False, False),
     "initial": (MESH, (), 2, 1, "initial", (["sigmoid"],), False, True),
     "pp2_ring2": (PIPELINE, (), 2, 1, "path", (["sigmoid"], ["ipo"], ["simpo"], ["sigmoid", "sft"]), False, True),

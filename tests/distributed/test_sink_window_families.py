@@ -12,11 +12,15 @@ does not cover. One spawned gloo group of 4 ranks runs every case (``STEPS`` ste
 - ``gpt_oss`` on ring 4 with accumulation 2 (its documents crossing the pieces);
 - ``gpt_oss`` with LoRA adapters (rank 4) on its attention projections and on its experts (peft's
   ``target_parameters``: ``experts.gate_up_proj``, ``experts.down_proj``, stored ``[E, in, out]``) on ring 2 ×
-  Ulysses 2.
+  Ulysses 2;
+- the ``gpt_oss`` dp 2 × ring 2 case and the ``gemma3_text`` pipeline case each stopped after 2 steps (a
+  checkpoint at step 2: the sharded weights, the optimizer's moments, each dp rank's loader position) and resumed
+  to ``STEPS``.
 
 Tolerances as ``test_trainer_parity.py``: first step's loss within 1e-5 relative and every gradient (the sinks'
 included) within 1e-5 absolute + 1e-4 relative; every step's loss within 1e-5 relative and pre-clipping gradient
-norm within 1e-3 relative.
+norm within 1e-3 relative; the resumed steps' losses and norms equal the uninterrupted run's exactly (tolerance
+0: on CPU, fp32 and gloo, resuming is bitwise deterministic).
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch.distributed as dist
 
+from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
     job_config,
     reference,
-    world_job,
+    resumed_case,
+    train_case,
 )
 
 STEPS = 4
@@ -63,14 +70,15 @@ CASES = {
         1,
     ),
 }
+RESUMED = ("gpt_oss-dp2-ring2-accum", "gemma3_text-pp2-ring2")
 
 
-def job(workdir: str, case: str):  # noqa: ANN201
+def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) -> JobConfig:
     model, parallel, layers, batch_size, grad_accum, _ = CASES[case]
     return job_config(
         workdir,
-        f"{workdir}/run_{case}",
-        steps=STEPS,
+        f"{workdir}/run_{run or case}",
+        steps=steps,
         num_layers=layers,
         batch_size=batch_size,
         grad_accum=grad_accum,
@@ -79,9 +87,16 @@ def job(workdir: str, case: str):  # noqa: ANN201
     )
 
 
+def sink_window_world(workdir: str) -> dict | None:
+    """Every case, then each of ``RESUMED`` again as the run ``resumed_<case>``, stopped at step 2 and resumed."""
+    results = {case: train_case(job(workdir, case)) for case in CASES}
+    results.update({f"resumed_{case}": resumed_case(job, workdir, case, f"resumed_{case}") for case in RESUMED})
+    return results if dist.get_rank() == 0 else None
+
+
 @functools.cache
 def results_for(workdir: str) -> dict:
-    return run_distributed(world_job, 4, {case: job(workdir, case) for case in CASES})[0]
+    return run_distributed(sink_window_world, 4, workdir)[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,3 +108,10 @@ def test_step_and_curve_match_single_process_model(case: str, parity_workdir: st
     )
     assert_first_step_matches(result, expected)
     assert_curve_matches(result, expected, STEPS)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_resume_continues_exactly(case: str, parity_workdir: str) -> None:
+    results = results_for(parity_workdir)
+    (losses, norms, _), (full_losses, full_norms, _) = results[f"resumed_{case}"], results[case]
+    assert losses == full_losses[2:] and norms == full_norms[2:]

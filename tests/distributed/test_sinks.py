@@ -2,7 +2,9 @@
 full sequence with the sink as an extra softmax column (``sink_reference_grads``).
 
 Each case runs one fwd+bwd on every rank; outputs and q/k/v gradients are gathered and unsharded, the sinks'
-gradient (each rank's: its queries, its heads) is summed over the ranks, as a replicated weight's is. Tolerances
+gradient (each rank's: its queries, its heads) is summed over the ranks, as a replicated weight's is. The rows hold
+one document, random documents, or preference pairs sharing their prompt (``doc_prefix``), with and without a
+sliding window (the mask written out by ``visible_mask``: each answer sees its prompt and itself). Tolerances
 (fp32): outputs 1e-5, gradients (the sinks' included) 3e-5 absolute, rtol 0. The sink changes nothing of what the
 ring computes or sends: the kernel calls and the elements exchanged are those of the same case without sinks, so
 windows and documents still skip the blocks they hide.
@@ -76,6 +78,9 @@ CASES = [
     Case(2, 2, "zigzag"),
     Case(2, 2, "zigzag", "random", window=6),
     Case(2, 2, "contiguous", "pairs"),
+    Case(1, 2, "zigzag", "pairs", window=3),  # preference pairs (shared prompts) under windows, in positions
+    Case(2, 2, "zigzag", "pairs", window=5),
+    Case(1, 4, "contiguous", "pairs", window=3),
     Case(1, 4, "zigzag", "random"),
     Case(1, 4, "zigzag", "random", window=3),
     Case(4, 1, "contiguous", "random", window=5),

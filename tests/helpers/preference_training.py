@@ -83,14 +83,15 @@ def run_losses(
     if adapters:
         set_adapters(trainer.model)
     batches = rank_micro_batches(cfg, trainer, rows)
-    reference, cache = trainer.objective.reference, None
+    outer = trainer.objective
+    base = getattr(outer, "inner", outer)  # a mixture of experts' objective wraps it (``RouterBalancedLoss``)
+    reference, cache = base.reference, None
     if precompute:
         cache = ReferenceCache(Path(cfg.train.run_dir) / "reference_logps.pt", "the test's reference")
-        trainer.objective.precompute_reference([batches], cache)
+        base.precompute_reference([batches], cache)
     results = {}
     for types in loss_types:
-        base = trainer.objective
-        trainer.objective = PreferenceLoss(
+        objective = PreferenceLoss(
             dataclasses.replace(cfg.objective, loss_type=list(types)),
             trainer.loader.names,
             group=base.group,
@@ -101,7 +102,11 @@ def run_losses(
             last_stage=base.last_stage,
         )
         if cache is not None:
-            trainer.objective.use_cache(cache)
+            objective.use_cache(cache)
+        if outer is base:
+            trainer.objective = objective
+        else:
+            outer.inner = objective
         step = trainer.forward_backward(batches)
         shares = torch.cat([step.loss.view(1).double(), step.sums])
         dist.all_reduce(shares)
@@ -117,7 +122,6 @@ def run_losses(
         trainer.optimizer.zero_grad(set_to_none=True)
         report = trainer.objective.report(step.counts.tolist(), shares[1:].tolist())
         results[tuple(types)] = (shares[0].item(), report, grads)
-        trainer.objective = base
     return results if dist.get_rank() == 0 else None
 
 

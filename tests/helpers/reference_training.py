@@ -117,13 +117,19 @@ def cases_then_resumed(job: Callable[..., JobConfig], workdir: str, cases: Itera
     steps with a checkpoint at step 2, then on to all its steps from that checkpoint (its results under
     ``"resumed"``). ``job(workdir, case, run=..., steps=...)`` makes a case's config. Rank 0 returns the results."""
     results = {case: train_case(job(workdir, case)) for case in cases}
-    first = job(workdir, resumed, run="resumed", steps=2)
+    results["resumed"] = resumed_case(job, workdir, resumed, "resumed")
+    return results if dist.get_rank() == 0 else None
+
+
+def resumed_case(job: Callable[..., JobConfig], workdir: str, case: str, run: str) -> tuple:
+    """``case`` as the run ``run``: 2 steps with a checkpoint at step 2, then on to all its steps from that
+    checkpoint; ``train_case``'s results of the resumed part (its steps after the second)."""
+    first = job(workdir, case, run=run, steps=2)
     first.checkpoint.every = 2
     train_case(first)
-    again = job(workdir, resumed, run="resumed")
+    again = job(workdir, case, run=run)
     again.checkpoint.resume = "auto"
-    results["resumed"] = train_case(again)
-    return results if dist.get_rank() == 0 else None
+    return train_case(again)
 
 
 def world_job(configs: dict) -> dict | None:

@@ -1,6 +1,8 @@
 """Conversations -> tokens and trained-token masks: exactly the assistant's spans, for a ChatML template with
 ``{% generation %}`` marks (the embedded tokenizer's; its mask and the prefix method agree), the same template
-without the marks (prefixes) and a Llama-3-style header template (prefixes); multi-turn, a system prompt, the same
+without the marks (prefixes), a Llama-3-style header template (prefixes) and a Gemma-3-style template (the system
+prompt written at the start of the first user turn, the assistant's role written ``model``, ``<end_of_turn>`` trained
+and the newline after it not; also over the embedded chat corpus's conversations); multi-turn, a system prompt, the same
 sentence in a user and an assistant turn; ``train_on``; TRL's prompt/completion pairs; bad records and templates.
 
 The expected tokens are built by hand, independently of the template and of the prefix method: the conversation's
@@ -19,6 +21,8 @@ import torch
 from lctrain.data import ChatEncoder, load_tokenizer, parse_conversation
 from lctrain.data.chat import token_mask
 from lctrain.data.chat_turns import TurnSettings
+from lctrain.data.sources import embedded_files
+from lctrain.data.stdlib_chat import stdlib_conversations
 from lctrain.data.tokenizer import CHAT_TEMPLATE
 
 PLAIN_CHATML = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -31,6 +35,18 @@ LLAMA3 = (
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Gemma 3's chat format, written for these tests (the published template also takes list contents and checks that
+# the roles alternate)
+GEMMA3 = (
+    "{{- bos_token -}}"
+    "{%- set system = messages[0]['content'] + '\\n\\n' if messages[0]['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}"
+    "{{- (system if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+GEMMA3_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
 SAME = "The answer is 42."
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -44,7 +60,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):  # noqa: ANN001, ANN201
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    tokenizer.add_tokens(LLAMA3_TOKENS, special_tokens=True)
+    tokenizer.add_tokens([*LLAMA3_TOKENS, *GEMMA3_TOKENS], special_tokens=True)
     return tokenizer
 
 
@@ -62,6 +78,19 @@ def llama3_segments(messages: list[dict], trained_turns: set[int]) -> list[tuple
     for index, message in enumerate(messages):
         header = f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n"
         segments += [(header, False), (message["content"].strip() + "<|eot_id|>", index in trained_turns)]
+    return segments
+
+
+def gemma3_segments(messages: list[dict], trained_turns: set[int]) -> list[tuple[str, bool]]:
+    segments, system = [("<|bos|>", False)], ""
+    for index, message in enumerate(messages):
+        if message["role"] == "system":
+            system = message["content"] + "\n\n"
+            continue
+        role = "model" if message["role"] == "assistant" else message["role"]
+        segments.append((f"<start_of_turn>{role}\n{system}", False))
+        segments += [(message["content"].strip() + "<end_of_turn>", index in trained_turns), ("\n", False)]
+        system = ""
     return segments
 
 
@@ -93,6 +122,7 @@ def assert_document(tokenizer, document, segments) -> None:  # noqa: ANN001
 
 TEMPLATES = {"chatml_marked": (None, chatml_segments), "chatml": (PLAIN_CHATML, chatml_segments)}
 TEMPLATES["llama3"] = (LLAMA3, llama3_segments)
+TEMPLATES["gemma3"] = (GEMMA3, gemma3_segments)
 
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
@@ -107,6 +137,20 @@ def test_labels_are_exactly_the_assistant_spans(tokenizer, template: str, train_
     copies = [i for i in range(len(ids)) if ids[i : i + len(user)] == user]
     assert len(copies) == 2 and not document.trained[copies[0] : copies[0] + len(user)].any()  # the user's copy
     assert document.trained[copies[1] : copies[1] + len(user)].all() == (2 in turns)
+
+
+def test_gemma3_template_trains_the_embedded_chat_corpus_answers(tokenizer) -> None:  # noqa: ANN001
+    """Every conversation of the embedded corpus's first files (with and without a system prompt, one to three
+    turns) is one document under the Gemma-3-style template, each answer and its ``<end_of_turn>`` trained."""
+    records = [json.loads(r["record"]) for r in stdlib_conversations(embedded_files(True, "train")[:8])]
+    assert {len(r["messages"]) % 2 for r in records} == {0, 1}  # with and without a system prompt
+    encoder = ChatEncoder(tokenizer, template=GEMMA3, turns=TurnSettings(divergent="error"))
+    documents = encoder.encode([parse_conversation(r, f"corpus:{i}") for i, r in enumerate(records)])
+    for record, document in zip(records, documents, strict=True):
+        messages = record["messages"]
+        assistant = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+        ids, mask, _ = expected(tokenizer, gemma3_segments(messages, assistant))
+        assert document.tokens.tolist() == ids and document.trained.tolist() == mask
 
 
 def test_generation_marks_and_prefixes_agree(tokenizer) -> None:  # noqa: ANN001
