@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from lctrain.parallel.dims import ParallelDims
 from lctrain.parallel.mesh import JobMesh
+from lctrain.testing import start_method
 
 GROUPS = ("ring", "ulysses", "cp", "dp_cp")
 TIMEOUT_S = 10
@@ -61,7 +62,7 @@ def test_every_mesh_group_times_out_after_train_timeout(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=4, join=True)
+    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=4, join=True, start_method=start_method())
     results = json.loads((tmp_path / "results.json").read_text())
     for name in GROUPS:
         message, seconds = results[name]
