@@ -2,13 +2,14 @@
 
 A ring rank holds pieces of the sequence: one (``contiguous``: piece r of R) or two (``zigzag``: chunks r and
 2R-1-r of 2R), the layout attention uses (``lctrain.attention.layout``), so zigzag's balance holds for attention
-and the linear layers alike. Two exchanges per layer, both all-gathers over the group, each a size independent of
-the sequence length:
+and the linear layers alike. Two exchanges per layer, both all-gathers over the group, neither growing with the
+sequence length (``plan.py`` says what each rank sends):
 
-1. the last ``K - 1`` pre-convolution tokens of every piece (``[pieces, B, K - 1, C]``): each piece takes its halo
-   from the piece before it in global order;
-2. every piece's summary ``[A | B]`` (``[pieces, B, Hv, dk, dk + dv]``, fp32, ``delta_rule.py``): every rank composes
-   the chain in global order and runs its pieces from their true entering states, all ranks at once.
+1. the pre-convolution tokens other ranks read (``[B, M, C]`` a rank): the ``K - 1`` before each piece, and those a
+   document continuing a prefix across a jump reads at its start (``conv.py``);
+2. the affine maps that define the composition's nodes (``[slots, B, Hv, dk, dk + dv]``, fp32, ``delta_rule.py``):
+   each piece's leaving state, and the state leaving a prefix jumped back to from another piece. Every rank composes
+   them in global order and runs its pieces from their true entering states, all ranks at once.
 
 Gradients flow through both exchanges by autograd: the backward of the all-gather sums every rank's gradient of the
 gathered tensor and keeps this rank's part (an all-reduce: gloo has no reduce-scatter), so the transposes of the
@@ -17,15 +18,14 @@ composition run in reverse order on every rank, exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.transport import group_coordinates
-from lctrain.linear_attention.conv import causal_conv
-from lctrain.linear_attention.delta_rule import compose, finish_piece, piece_segments, summarize_piece
+from lctrain.linear_attention.conv import causal_conv_pieces
+from lctrain.linear_attention.delta_rule import delta_rule_pieces
+from lctrain.linear_attention.plan import Documents, row_plan
 
 
 class _Gather(torch.autograd.Function):
@@ -66,14 +66,14 @@ def gather(x: Tensor, group: dist.ProcessGroup | None, after: Tensor | None = No
     return _Gather.apply(x, group, x.new_zeros(()) if after is None else after)
 
 
-def ring_pieces(rank: int, size: int, layout: str, length: int) -> list[tuple[int, int]]:
+def ring_pieces(rank: int, size: int, layout: str, length: int) -> tuple[tuple[int, int], ...]:
     """The global ``[start, stop)`` runs ring rank ``rank`` of ``size`` holds of a sequence of ``length`` tokens,
     in its local order."""
     if layout == "zigzag":
         chunk = length // (2 * size)
-        return [(rank * chunk, (rank + 1) * chunk), ((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)]
+        return ((rank * chunk, (rank + 1) * chunk), ((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk))
     piece = length // size
-    return [(rank * piece, (rank + 1) * piece)]
+    return ((rank * piece, (rank + 1) * piece),)
 
 
 def delta_rule_context(
@@ -86,44 +86,21 @@ def delta_rule_context(
     *,
     group: dist.ProcessGroup | None,
     layout: str,
-    doc_starts: Sequence[int],
+    documents: Documents,
 ) -> Tensor:
     """A gated delta layer's convolution and recurrence on this ring rank's pieces.
 
     q, k ``[B, L, Hk, dk]``, v ``[B, L, Hv, dv]`` (before the convolution), g, beta ``[B, L, Hv]``: this rank's
     tokens in the layout's order; conv_weight ``[C, K]`` for the channels ``[q | k | v]`` flattened;
-    ``doc_starts``: the global document starts (0 first) -> ``[B, L, Hv, dv]``.
+    ``documents``: the global row's documents and their prefixes -> ``[B, L, Hv, dv]``.
     """
     rank, size = group_coordinates(group)
-    batch, length = q.shape[:2]
-    pieces = ring_pieces(rank, size, layout, length * size)
-    halo_length = conv_weight.shape[1] - 1
-    if pieces[0][1] - pieces[0][0] < halo_length:
-        raise ValueError(
-            f"each ring rank's pieces ({pieces[0][1] - pieces[0][0]} tokens) are shorter than the linear layers' "
-            f"convolution halo (linear_conv_kernel_dim - 1 = {halo_length}): use a longer data.seq_len"
-        )
+    every = tuple(ring_pieces(r, size, layout, q.shape[1] * size) for r in range(size))
+    plan = row_plan(documents, every, rank, conv_weight.shape[1], q.device)
     x = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)
-    local = [sum(b - a for a, b in pieces[:i]) for i in range(len(pieces))]
-    tails = torch.stack([x[:, at + b - a - halo_length : at + b - a] for (a, b), at in zip(pieces, local)])
-    every = [ring_pieces(r, size, layout, length * size) for r in range(size)]
-    before = {stop: (r, i) for r, runs in enumerate(every) for i, (_, stop) in enumerate(runs)}
-    all_tails = gather(tails, group)
-    starts = torch.tensor(list(doc_starts), device=x.device)
-    mixed = []
-    for (a, b), at in zip(pieces, local):
-        halo = all_tails[before[a]] if a > 0 else x.new_zeros(batch, halo_length, x.shape[2])
-        mixed.append(causal_conv(x[:, at : at + b - a], halo, conv_weight, a, starts))
+    mixed, tokens = causal_conv_pieces(x, conv_weight, plan, lambda t: gather(t, group))
     shapes = [t.shape for t in (q, k, v)]
-    parts = torch.cat(mixed, dim=1).split([shape[2] * shape[3] for shape in shapes], dim=-1)
+    parts = mixed.split([shape[2] * shape[3] for shape in shapes], dim=-1)
     q, k, v = (part.reshape(shape) for part, shape in zip(parts, shapes))
-    segments = [piece_segments(a, b, at, doc_starts) for (a, b), at in zip(pieces, local)]
-    runs = [summarize_piece(q, k, v, g, beta, s) for s in segments]
-    summaries = gather(torch.stack([run.summary for run in runs]), group, after=all_tails)
-    order = sorted((start, r, i) for r, runs_of in enumerate(every) for i, (start, _) in enumerate(runs_of))
-    entering = dict(zip(((r, i) for _, r, i in order), compose([summaries[r, i] for _, r, i in order])))
-    out = torch.cat(
-        [finish_piece(q, k, v, g, beta, s, run, entering[rank, i]) for i, (s, run) in enumerate(zip(segments, runs))],
-        dim=1,
-    )
-    return out if group is None else _Join.apply(out, summaries)
+    out, maps = delta_rule_pieces(q, k, v, g, beta, plan, lambda t: gather(t, group, after=tokens))
+    return out if group is None else _Join.apply(out, maps)

@@ -1,21 +1,20 @@
-"""The gated delta rule on pieces of a sequence, exact: a piece's summary, the summaries composed, each piece run
-from its true entering state.
+"""The gated delta rule on pieces of a sequence, exact: each piece's segments run, the exported maps composed in
+global order, each segment finished from its true entering state.
 
 Per head, the state ``S`` is ``[dk, dv]`` and each token ``t`` updates it as transformers' reference does:
 ``S_t = M_t S_{t-1} + beta_t k_t v_t^T`` with ``M_t = exp(g_t) (I - beta_t k_t k_t^T)`` (``[dk, dk]``), and reads
-``o_t = S_t^T q_t``. Over a piece of tokens the state leaving is therefore affine in the state entering:
+``o_t = S_t^T q_t``. Over a run of tokens the state leaving is therefore affine in the state entering:
 ``S_out = A S_in + B``, with ``A = M_T ... M_1`` (``[dk, dk]``) and ``B`` the state leaving from a zero state
-(``[dk, dv]``), whatever the piece's length. The delta rule updates the state's columns independently (column j
-sees only column j of the values), so one kernel run on values ``[0 | v]`` from the state ``[I | 0]`` leaves
-``[A | B]``.
+(``[dk, dv]``), whatever the run's length. The delta rule updates the state's columns independently (column j sees
+only column j of the values), so one kernel run on values ``[0 | v]`` from the state ``[a | b]`` leaves
+``[A a | A b + B]``: the map from a node ``X`` (the state ``a X + b`` entering) to the state leaving.
 
-A document start restarts the state (a zero transition): a piece is cut into segments at the document starts it
-holds; only its first segment, when no document starts at the piece's first token, continues the state entering
-the piece. Its summary is that segment's ``(A, B)`` when it is the piece's only segment, else ``(0, B)`` of its
-last segment, run from zero. ``compose`` chains the summaries in global order (fp32); ``finish_piece`` then gives
-each continuing segment its outputs from its true entering state: the same run's outputs are ``[A_t^T q_t | o_t]``
-(the state after token t read by q_t), so a piece's outputs from ``S`` are ``o_t + S^T A_t^T q_t`` without a second
-run; a continuing segment followed by others in its piece (whose summary is not its) is run once from ``S``.
+The segments of a piece (``plan.py``) whose entering state is known without the composition (zero, or the state
+leaving such a segment) run once, finished. Those affine in a node ``X`` run once on ``[0 | v]`` from their map
+(``[I | 0]`` at the node): besides the map leaving, the outputs are ``[a^T A_t^T q_t | o_t from b]`` (the state
+after token t read by q_t), so the outputs from ``X`` are ``o_t + X^T a^T A_t^T q_t`` without a second run. A
+segment whose map nothing exported needs (``deferred``) runs once from its true entering state after the
+composition instead. ``compose`` gives each node from the exported maps in global order (fp32).
 
 The kernel is transformers' pure-torch chunked gated delta rule (the Qwen3-Next and Qwen3.5 reference), with the
 queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by autograd.
@@ -23,33 +22,14 @@ queries' and keys' L2 norm inside it as the models call it. Everything is differ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens ``[start, stop)`` of a rank's local sequence, in one document; ``continues``: the state entering it is
-    the state leaving the previous piece in global order (no document starts at its first token)."""
-
-    start: int
-    stop: int
-    continues: bool
-
-
-def piece_segments(start: int, stop: int, local_start: int, doc_starts: Sequence[int]) -> list[Segment]:
-    """The segments of the piece holding global tokens ``[start, stop)`` at local offset ``local_start``, cut at
-    ``doc_starts`` (the global document starts, sorted; token 0 always starts one)."""
-    cuts = sorted({start, *(s for s in doc_starts if start < s < stop)})
-    continues = start != 0 and start not in doc_starts
-    return [
-        Segment(local_start + a - start, local_start + b - start, continues and a == start)
-        for a, b in zip(cuts, [*cuts[1:], stop])
-    ]
+from lctrain.linear_attention.plan import Node, PiecePlan, RowPlan, Segment
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -66,69 +46,88 @@ def _take(segment: Segment, *tensors: Tensor) -> list[Tensor]:
 
 @dataclass
 class PieceRun:
-    """A piece's first pass: its summary ``[A | B]`` (``[B, Hv, dk, dk + dv]``, fp32), the outputs of the segments
-    that start from zero (final), by segment index, and for a piece whose one segment continues the entering state,
-    that run's outputs ``[A_t^T q_t | o_t from zero]`` (``[B, L, Hv, dk + dv]``, fp32): its outputs from the entering
-    state ``S`` are ``o_t + S^T A_t^T q_t``, with no second run."""
+    """A piece's first pass, by segment index: ``outputs`` of the known segments (final), ``reads``
+    (``[B, L_s, Hv, dk + dv]`` fp32) of the segments run on their maps, and ``leaving``: the known state
+    (``[B, Hv, dk, dv]``) or the map ``[a | b]`` (``[B, Hv, dk, dk + dv]``) leaving each segment run."""
 
-    summary: Tensor
-    outputs: dict[int, Tensor]
-    reads: Tensor | None = None
+    outputs: dict[int, Tensor] = field(default_factory=dict)
+    reads: dict[int, Tensor] = field(default_factory=dict)
+    leaving: dict[int, Tensor] = field(default_factory=dict)
 
 
-def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Sequence[Segment]) -> PieceRun:
-    """The piece's summary and its final outputs (see the module docstring); tensors as ``_kernel``'s, the whole
-    local sequence, ``segments`` those of one piece."""
-    batch, heads, dk, dv = v.shape[0], v.shape[2], q.shape[3], v.shape[3]
-    outputs, last_state = {}, None
-    for index, segment in enumerate(segments):
-        if segment.continues:
+def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, piece: PiecePlan) -> PieceRun:
+    """Run the piece's segments that need no composition's result (see the module docstring); tensors as
+    ``_kernel``'s, the whole local sequence."""
+    run, dk = PieceRun(), q.shape[3]
+    for index, segment in enumerate(piece.segments):
+        kind, ref = segment.source
+        if segment.deferred:
             continue
-        out, last_state = _kernel(*_take(segment, q, k, v, g, beta), None)
-        outputs[index] = out
-    if segments[-1].continues:  # the only segment: [A | B] and the outputs' two parts in one run, in fp32
-        qs, ks, vs, gs, bs = _take(segments[-1], q.float(), k, v, g, beta)
-        eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(batch, heads, dk, dk)
-        state = torch.cat([eye, eye.new_zeros(batch, heads, dk, dv)], dim=-1)
+        if segment.symbol is None:
+            state = run.leaving[ref] if kind == "segment" else None
+            run.outputs[index], run.leaving[index] = _kernel(*_take(segment, q, k, v, g, beta), state)
+            continue
+        qs, ks, vs, gs, bs = _take(segment, q.float(), k, v, g, beta)
+        if kind == "segment":
+            state = run.leaving[ref]
+        else:  # the map [I | 0] at the node
+            eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(v.shape[0], v.shape[2], dk, dk)
+            state = torch.cat([eye, eye.new_zeros(*eye.shape[:3], v.shape[3])], dim=-1)
         values = torch.cat([vs.new_zeros(*vs.shape[:3], dk), vs], dim=-1)
-        reads, summary = _kernel(qs, ks, values, gs, bs, state)
-        return PieceRun(summary, outputs, reads)
-    summary = torch.cat([last_state.new_zeros(batch, heads, dk, dk), last_state], dim=-1)
-    return PieceRun(summary, outputs)
+        run.reads[index], run.leaving[index] = _kernel(qs, ks, values, gs, bs, state)
+    return run
 
 
-def compose(summaries: Sequence[Tensor]) -> list[Tensor]:
-    """The state entering each piece, given the summaries ``[A | B]`` of every piece of the sequence in global order
-    (fp32, ``[B, Hv, dk, dk + dv]``): zero for the first, ``A_i S_i + B_i`` for the next."""
-    dk = summaries[0].shape[2]
-    states = [summaries[0].new_zeros(*summaries[0].shape[:2], dk, summaries[0].shape[3] - dk)]
-    for summary in summaries[:-1]:
-        states.append(summary[..., :dk] @ states[-1] + summary[..., dk:])
+def exported_maps(runs: Sequence[PieceRun], plan: RowPlan, like: Tensor) -> Tensor:
+    """This rank's exported maps ``[slots, B, Hv, dk, dk + dv]`` (fp32; a known state as ``[0 | S]``, padding zero):
+    ``runs`` of ``plan.pieces``, ``like`` a map's shape and device (``[B, Hv, dk, dk + dv]``)."""
+    dk, maps = like.shape[2], []
+    for piece, run in zip(plan.pieces, runs):
+        for _, index in piece.exports:
+            state = run.leaving[index]
+            maps.append(
+                state
+                if piece.segments[index].symbol is not None
+                else torch.cat([state.new_zeros(*state.shape[:2], dk, dk), state], dim=-1)
+            )
+    maps += [like.new_zeros(like.shape)] * (plan.slots - len(maps))
+    return torch.stack(maps)
+
+
+def compose(maps: Sequence[Tensor], links: Sequence[tuple[Node, Node | None]]) -> dict[Node, Tensor]:
+    """Every node's state ``[B, Hv, dk, dv]`` from the maps ``[a | b]`` (fp32 ``[B, Hv, dk, dk + dv]``) that define
+    them, given in global order with (node, the node the map is of: None for a known state ``b``)."""
+    states: dict[Node, Tensor] = {}
+    for summary, (node, symbol) in zip(maps, links):
+        dk = summary.shape[2]
+        states[node] = summary[..., dk:] if symbol is None else summary[..., :dk] @ states[symbol] + summary[..., dk:]
     return states
 
 
 def finish_piece(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Sequence[Segment],
-    run: PieceRun,
-    entering: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, piece: PiecePlan, run: PieceRun, states: dict
 ) -> Tensor:
-    """The piece's outputs ``[B, L_piece, Hv, dv]`` in q's dtype: its continuing segment's from ``entering`` (the
-    state the composition gives it: read through ``run.reads``, or run from it when the piece holds other segments
-    too), its other segments' from ``run``."""
-    outs, dk = [], q.shape[3]
-    for index, segment in enumerate(segments):
-        if segment.continues and run.reads is not None:
-            reads = run.reads
-            outs.append((reads[..., dk:] + torch.einsum("blhk,bhkv->blhv", reads[..., :dk], entering)).to(q.dtype))
-        elif segment.continues:
-            outs.append(_kernel(*_take(segment, q, k, v, g, beta), entering)[0])
-        else:
+    """The piece's outputs ``[B, L_piece, Hv, dv]`` in q's dtype: each segment's from its true entering state, given
+    the nodes' ``states`` (``compose``)."""
+    outs, actual, dk = [], {}, q.shape[3]
+
+    def leaving(index: int) -> Tensor:  # the true state leaving a segment run before the composition
+        if index not in actual:
+            state, symbol = run.leaving[index], piece.segments[index].symbol
+            actual[index] = state if symbol is None else state[..., :dk] @ states[symbol] + state[..., dk:]
+        return actual[index]
+
+    for index, segment in enumerate(piece.segments):
+        if segment.symbol is None:
             outs.append(run.outputs[index])
+        elif not segment.deferred:
+            reads, entering = run.reads[index], states[segment.symbol]
+            outs.append((reads[..., dk:] + torch.einsum("blhk,bhkv->blhv", reads[..., :dk], entering)).to(q.dtype))
+        else:
+            kind, ref = segment.source
+            state = leaving(ref) if kind == "segment" else states[segment.source]
+            out, actual[index] = _kernel(*_take(segment, q, k, v, g, beta), state)
+            outs.append(out)
     return torch.cat(outs, dim=1)
 
 
@@ -138,21 +137,16 @@ def delta_rule_pieces(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
-    pieces: Sequence[tuple[int, int]],
-    doc_starts: Sequence[int],
-) -> Tensor:
-    """The gated delta rule over a whole sequence held as ``pieces`` (global ``[start, stop)`` runs, in local order,
-    covering every token once), each summarised, composed and finished: equal to the unsplit recurrence with the
-    state restarted at each of ``doc_starts``. q, k ``[B, S, Hk, dk]``, v ``[B, S, Hv, dv]``, g, beta
-    ``[B, S, Hv]`` in local order -> ``[B, S, Hv, dv]``. The single-process form of what ``context.py`` does over
-    ranks."""
-    local, segments = 0, []
-    for start, stop in pieces:
-        segments.append(piece_segments(start, stop, local, doc_starts))
-        local += stop - start
-    runs = [summarize_piece(q, k, v, g, beta, s) for s in segments]
-    order = sorted(range(len(pieces)), key=lambda i: pieces[i][0])
-    entering = dict(zip(order, compose([runs[i].summary for i in order])))
-    return torch.cat(
-        [finish_piece(q, k, v, g, beta, s, r, entering[i]) for i, (s, r) in enumerate(zip(segments, runs))], dim=1
-    )
+    plan: RowPlan,
+    gather: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule on this rank's pieces of ``plan``: q, k ``[B, L, Hk, dk]``, v ``[B, L, Hv, dv]``, g,
+    beta ``[B, L, Hv]`` in local order -> (``[B, L, Hv, dv]``, the gathered maps ``[P, slots, ...]``). ``gather``
+    stacks every rank's exported maps in rank order (``lambda t: t[None]`` on one rank holding every piece); each
+    document runs as if alone after its prefix (``plan.py``)."""
+    runs = [summarize_piece(q, k, v, g, beta, piece) for piece in plan.pieces]
+    like = v.new_empty(v.shape[0], v.shape[2], q.shape[3], q.shape[3] + v.shape[3], dtype=torch.float32)
+    maps = gather(exported_maps(runs, plan, like))
+    states = compose([maps[r, s] for r, s, _, _ in plan.links], [(node, symbol) for _, _, node, symbol in plan.links])
+    out = torch.cat([finish_piece(q, k, v, g, beta, p, run, states) for p, run in zip(plan.pieces, runs)], dim=1)
+    return out, maps

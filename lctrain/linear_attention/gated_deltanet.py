@@ -6,7 +6,8 @@ mesh's groups): the module's own projections, gate norm and output projection ru
 convolution and the recurrence run on the ring rank's pieces (``context.py``). Under Ulysses the layer's heads are
 split like attention's: the projected q/k/v and the gates travel sequence -> heads with lctrain's Ulysses all-to-all,
 each rank convolves and runs its head group's channels over the whole ring piece, and the output travels back.
-Training only: no cache, no padding mask; documents come as ``cu_seq_lens_q`` (global boundaries), as attention's.
+Training only: no cache, no padding mask; documents come as ``cu_seq_lens_q`` (global boundaries) and their shared
+prefixes as ``doc_prefix`` (preference pairs), as attention's: a document with a prefix runs as if directly after it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from lctrain.attention.transport import group_coordinates
 from lctrain.attention.ulysses import heads_to_seq, seq_to_heads
 from lctrain.linear_attention.context import delta_rule_context
+from lctrain.linear_attention.plan import Documents
 from lctrain.rules import check_linear_heads
 
 
@@ -70,11 +72,6 @@ def gated_deltanet_forward(
     """The module's forward on this rank's shard: hidden_states ``[B, S/(R·U), E]`` -> ``[B, S/(R·U), E]``."""
     if cache is not None or attention_mask is not None:
         raise ValueError("lctrain's linear-attention layers train on whole rows: no cache and no padding mask")
-    if doc_prefix is not None:
-        raise ValueError(
-            "rows whose documents share a prefix (preference pairs) are not supported by the linear-attention "
-            "layers: train these models without pairs sharing their prompt"
-        )
     part, parts = group_coordinates(ulysses_group)
     check_linear_heads(module.num_k_heads, module.num_v_heads, parts)
     q, k, v, z, b, a = _project(module, hidden_states)
@@ -82,7 +79,9 @@ def gated_deltanet_forward(
     gates = torch.stack([g, b.sigmoid().float()], dim=-1)  # [B, L, Hv, 2]
     if parts > 1:
         q, k, v, gates = (seq_to_heads(t, ulysses_group) for t in (q, k, v, gates))
-    doc_starts = [0] if cu_seq_lens_q is None else cu_seq_lens_q[:-1].tolist()
+    length = q.shape[1] * group_coordinates(ring_group)[1]
+    bounds = [0, length] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    documents = Documents.of(bounds, None if doc_prefix is None else doc_prefix.tolist())
     out = delta_rule_context(
         q,
         k,
@@ -92,7 +91,7 @@ def gated_deltanet_forward(
         _conv_weight(module, part, parts),
         group=ring_group,
         layout=layout,
-        doc_starts=doc_starts,
+        documents=documents,
     )
     if parts > 1:
         out = heads_to_seq(out, ulysses_group)
