@@ -128,8 +128,8 @@ def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, v
 
 
 def check_linear_layers(cfg: JobConfig, config: PretrainedConfig, source: str) -> None:
-    """A hybrid model's gated delta layers: their heads split over the Ulysses ranks, each ring rank's chunks at
-    least the convolution's halo, and no rows whose documents share a prefix (the preference objective's)."""
+    """A hybrid model's gated delta layers: their heads split over the Ulysses ranks and each ring rank's chunks at
+    least the convolution's halo."""
     dims = cfg.parallel.dims()
     check_linear_heads(config.linear_num_key_heads, config.linear_num_value_heads, dims.ulysses)
     chunks = 2 * dims.ring if cfg.parallel.layout == "zigzag" else dims.ring
@@ -138,11 +138,6 @@ def check_linear_layers(cfg: JobConfig, config: PretrainedConfig, source: str) -
         raise ValueError(
             f"data.seq_len={cfg.data.seq_len} cut into {chunks} ring pieces leaves fewer tokens than the linear "
             f"layers' convolution halo ({halo}) of {source}: use a longer data.seq_len or a smaller parallel.ring"
-        )
-    if cfg.objective.name == "dpo":
-        raise ValueError(
-            f"objective.name=dpo with {source}: its linear-attention layers do not run the preference pairs' shared "
-            f"prompt; train it with objective.name=lm"
         )
 
 

@@ -1,7 +1,7 @@
 """transformers' gated delta layers (Qwen3-Next's and Qwen3.5's) run by ``gated_deltanet_forward`` on spawned gloo
 groups (ring 2, Ulysses 2, ring 2 x Ulysses 2, ring 4; zigzag and contiguous; packed documents crossing pieces,
-starting exactly at a piece's first token, one token long) against the same module run by transformers on each
-document alone in one process.
+starting exactly at a piece's first token, one token long; preference pairs sharing their prompt, ``doc_prefix``)
+against the same module run by transformers on each document alone in one process, a pair's answer after its prompt.
 
 One process group per world size runs every case. Tolerances (fp32): outputs within 2e-5 absolute + 1e-4 relative,
 gradients (of the input and of every parameter, summed over the ranks) within 5e-5 absolute + 1e-4 relative.
@@ -27,6 +27,10 @@ from lctrain.testing import run_distributed
 
 LENGTH = 48
 DOCUMENTS = [0, 5, 12, 13, 30, 47, LENGTH]  # a start at ring 2 zigzag's second chunk; one-token documents
+# pairs [prompt | chosen | rejected] (the answers' prefix the prompt) and a plain document: on ring 4 zigzag (chunks
+# of 6) each rejected answer starts in another chunk and rank than its prompt ends in; a prompt of 2 tokens (shorter
+# than the convolution's halo), a prompt ending at a chunk's end, one-token answers
+PAIRS = ([0, 9, 14, 20, 21, 23, 26, 27, 36, 37, LENGTH], [-1, 0, 0, -1, -1, 4, 4, -1, 7, 7])
 MODULES = {"qwen3_next": Qwen3NextGatedDeltaNet, "qwen3_5_text": Qwen3_5GatedDeltaNet}
 
 
@@ -37,6 +41,7 @@ class Case:
     ulysses: int
     layout: str
     packed: bool
+    pairs: bool = False
 
 
 CASES = {
@@ -45,11 +50,15 @@ CASES = {
         Case("qwen3_5_text", 2, 1, "zigzag", True),
         Case("qwen3_next", 2, 1, "contiguous", True),
         Case("qwen3_next", 1, 2, "zigzag", True),
+        Case("qwen3_next", 2, 1, "zigzag", True, pairs=True),
     ],
     4: [
         Case("qwen3_5_text", 2, 2, "zigzag", True),
         Case("qwen3_next", 2, 2, "zigzag", True),
         Case("qwen3_5_text", 4, 1, "zigzag", True),
+        Case("qwen3_5_text", 4, 1, "zigzag", True, pairs=True),
+        Case("qwen3_5_text", 4, 1, "contiguous", True, pairs=True),
+        Case("qwen3_5_text", 2, 2, "zigzag", True, pairs=True),
     ],
 }
 
@@ -80,13 +89,25 @@ def _data(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, LENGTH, 32, generator=gen), torch.randn(2, LENGTH, 32, generator=gen)
 
 
+def _documents(case: Case) -> tuple[list[int], list[int]]:
+    if case.pairs:
+        return PAIRS
+    bounds = DOCUMENTS if case.packed else [0, LENGTH]
+    return bounds, [-1] * (len(bounds) - 1)
+
+
 def reference(case: Case) -> list[torch.Tensor]:
-    """transformers' module on each document alone: output, input gradient, parameter gradients."""
+    """transformers' module on each document alone (after its prefix): output, input gradient, parameter
+    gradients."""
     module = _module(case.family)
     hidden, cotangent = _data(case)
     hidden.requires_grad_()
-    bounds = DOCUMENTS if case.packed else [0, LENGTH]
-    out = torch.cat([module(hidden[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    bounds, prefixes = _documents(case)
+    outs = []
+    for (a, b), p in zip(zip(bounds, bounds[1:]), prefixes):
+        tokens = hidden[:, a:b] if p < 0 else torch.cat([hidden[:, bounds[p] : bounds[p + 1]], hidden[:, a:b]], dim=1)
+        outs.append(module(tokens)[:, -(b - a) :])
+    out = torch.cat(outs, dim=1)
     (out * cotangent).sum().backward()
     return [out.detach(), hidden.grad, *(p.grad for p in module.parameters())]
 
@@ -100,8 +121,8 @@ def run_case(case: Case) -> list[torch.Tensor]:
     )
     hidden, cotangent = _data(case)
     hidden = place.shard(hidden, dim=1).clone().requires_grad_()
-    bounds = torch.tensor(DOCUMENTS) if case.packed else None
-    out = module(hidden, cu_seq_lens_q=bounds)
+    bounds, prefixes = (torch.tensor(t) for t in _documents(case))
+    out = module(hidden, cu_seq_lens_q=bounds, doc_prefix=prefixes if case.pairs else None)
     (out * place.shard(cotangent, dim=1)).sum().backward()
     world = dist.get_world_size()
     gathered = []

@@ -15,6 +15,10 @@ combination, without the optimizer step:
 - ``gpt_oss``: gpt-oss (attention sinks, an 8-token window on every other layer, 4 experts, top 2, no router
   load-balancing loss: lctrain refuses DPO with one) on ring 2 x Ulysses 2, the sinks folded once per query after the
   ring's merge, each answer's shared prompt counted in its softmax and its window;
+- ``hybrid_ring2_ulysses2`` and ``hybrid_ring4``: the hybrids (``qwen3_5_text``, and ``qwen3_next`` with 4 experts,
+  top 2, no router loss; three gated delta layers, then a full-attention layer) on ring 2 x Ulysses 2 and ring 4: each
+  answer's gated delta state and convolution continue its shared prompt, the rejected answer's from the prompt's end
+  (across the chosen answer, other pieces and ranks), as on the single-process model;
 - ``unshared``: the same pairs packed with the prompt repeated for each answer, against the shared rows;
 - ``initial``: the reference = the initial policy (a frozen copy): ``sigmoid`` gives ln 2 and zero rewards;
 - ``pp2_ring2``: pp 2 x ring 2 (1F1B), the reference by path through a forward-only schedule of its own stages;
@@ -61,6 +65,16 @@ GPT_OSS = (
     "model.experts_per_token=2",
     "model.router_aux_loss_coef=0",
 )
+HYBRIDS = {
+    "qwen3_5_text": ("model.family=qwen3_5_text", "model.num_layers=4"),
+    "qwen3_next": (
+        "model.family=qwen3_next",
+        "model.num_layers=4",
+        "model.num_experts=4",
+        "model.experts_per_token=2",
+        "model.router_aux_loss_coef=0",
+    ),
+}
 # case -> (parallel, model overrides, rows a step, grad_accum, objective, loss types, adapters, shared)
 CASES = {
     "ring2_ulysses2": (MESH, (), 2, 1, "path", LOSS_TYPES, False, True),
@@ -77,6 +91,18 @@ CASES = {
     "lora": (MESH, ("model.lora.rank=4",), 2, 1, "initial", (["sigmoid"], ["ipo"], ["orpo"]), True, True),
     "window": (MESH, ("model.family=mistral", "model.sliding_window=6"), 2, 1, "path", (["sigmoid"],), False, True),
     "gpt_oss": (MESH, GPT_OSS, 2, 1, "path", (["sigmoid"], ["ipo"]), False, True),
+    # not ipo: its squared loss makes this random hybrid's gradients reach 20, where fp32 rounding exceeds 1e-5
+    "hybrid_ring2_ulysses2": (MESH, HYBRIDS["qwen3_5_text"], 2, 1, "path", (["sigmoid"], ["simpo"]), False, True),
+    "hybrid_ring4": (
+        ["parallel.ring=4"],
+        HYBRIDS["qwen3_next"],
+        2,
+        1,
+        "path",
+        (["sigmoid"], ["sigmoid", "sft"]),
+        False,
+        True,
+    ),
     "unshared": (MESH, (), 2, 1, "path", (["sigmoid"], ["ipo"]), False, False),
     "initial": (MESH, (), 2, 1, "initial", (["sigmoid"],), False, True),
     "pp2_ring2": (PIPELINE, (), 2, 1, "path", (["sigmoid"], ["ipo"], ["simpo"], ["sigmoid", "sft"]), False, True),
