@@ -145,7 +145,7 @@ def _pieces(docs: Documents, every: Sequence[Sequence[tuple[int, int]]]) -> list
         for i, (start, stop) in enumerate(runs):
             g = index[rank, i]
             cuts = _segments(docs, start, stop, g)
-            exports = [(("enter", g + 1), len(cuts) - 1)] if g + 1 < len(spans) else []
+            exports = [(("enter", g + 1), len(cuts) - 1)]  # the last piece's too, unused: it runs like the others
             exports += [
                 (("prefix", p), next(j for j, c in enumerate(cuts) if c[1] == docs.bounds[p + 1]))
                 for p, (h, elsewhere) in sorted(home.items())
@@ -233,7 +233,9 @@ def row_plan(
         maps = [(node, p.segments[j].symbol) for p in pieces for node, j in p.exports]
         links += [(r, slot, node, symbol) for slot, (node, symbol) in enumerate(maps)]
     starts = {("enter", p.index): p.start for pieces in planned for p in pieces}
-    links.sort(key=lambda link: starts[link[2]] if link[2][0] == "enter" else docs.bounds[link[2][1] + 1])
+    links.sort(
+        key=lambda link: starts.get(link[2], docs.bounds[-1]) if link[2][0] == "enter" else docs.bounds[link[2][1] + 1]
+    )
     conv = _conv(docs, every, rank, taps)
     conv = ConvPlan(*(t.to(device) for t in vars(conv).values()))
     return RowPlan(tuple(planned[rank]), slots, tuple(links), conv)

@@ -153,6 +153,7 @@ def test_a_rejected_answer_starts_from_its_prompt_not_from_the_chosen_one() -> N
         (("enter", 1), None),
         (("enter", 2), None),
         (("enter", 3), ("enter", 2)),
+        (("enter", 4), None),  # the last piece's, unused
     ]
 
 
