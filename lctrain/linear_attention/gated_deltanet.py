@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lctrain.attention.checks import check_cu_seqlens, check_doc_prefix
 from lctrain.attention.transport import group_coordinates
 from lctrain.attention.ulysses import heads_to_seq, seq_to_heads
 from lctrain.linear_attention.context import delta_rule_context
@@ -74,14 +75,14 @@ def gated_deltanet_forward(
         raise ValueError("lctrain's linear-attention layers train on whole rows: no cache and no padding mask")
     part, parts = group_coordinates(ulysses_group)
     check_linear_heads(module.num_k_heads, module.num_v_heads, parts)
+    length = hidden_states.shape[1] * parts * group_coordinates(ring_group)[1]
+    bounds = check_cu_seqlens(cu_seq_lens_q, length)
+    documents = Documents.of(bounds or [0, length], check_doc_prefix(doc_prefix, bounds))
     q, k, v, z, b, a = _project(module, hidden_states)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     gates = torch.stack([g, b.sigmoid().float()], dim=-1)  # [B, L, Hv, 2]
     if parts > 1:
         q, k, v, gates = (seq_to_heads(t, ulysses_group) for t in (q, k, v, gates))
-    length = q.shape[1] * group_coordinates(ring_group)[1]
-    bounds = [0, length] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    documents = Documents.of(bounds, None if doc_prefix is None else doc_prefix.tolist())
     out = delta_rule_context(
         q,
         k,
