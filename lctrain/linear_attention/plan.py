@@ -105,12 +105,14 @@ class RowPlan:
     conv: ConvPlan
 
 
-def _segments(docs: Documents, start: int, stop: int, index: int) -> list[tuple[int, int, Source]]:
-    """The piece's cuts: (global start, global stop, source) of each segment."""
-    restarts = {docs.bounds[d]: d for d in range(len(docs.prefixes)) if not docs.continues(d)}
-    ends = {docs.bounds[docs.prefixes[d] + 1] for d in range(len(docs.prefixes)) if docs.jumps(d)}
+def _segments(
+    docs: Documents, restarts: dict[int, int], ends: set[int], start: int, stop: int, index: int
+) -> list[tuple[int, int, Source]]:
+    """Piece ``index``'s cuts, at ``restarts`` (the starts of the documents that do not continue the row, to the
+    document) and ``ends`` (of the prefixes jumped back to): (global start, global stop, source) of each segment."""
     cuts = sorted({start, *(c for c in (*restarts, *ends) if start < c < stop)})
     segments: list[tuple[int, int, Source]] = []
+    ending = {b: i for i, b in enumerate([*cuts[1:], stop])}  # the segment ending at each cut
     for i, (a, b) in enumerate(zip(cuts, [*cuts[1:], stop])):
         if a in restarts:
             prefix = docs.prefixes[restarts[a]]
@@ -118,7 +120,7 @@ def _segments(docs: Documents, start: int, stop: int, index: int) -> list[tuple[
             if prefix < 0:
                 source: Source = ("zero", 0)
             elif start < end <= a:  # the prefix ends in this piece: the segment that ends it
-                source = ("segment", next(j for j, s in enumerate(segments) if s[1] == end))
+                source = ("segment", ending[end])
             else:
                 source = ("prefix", prefix)
         else:
@@ -138,13 +140,15 @@ def _pieces(docs: Documents, every: Sequence[Sequence[tuple[int, int]]]) -> list
             p, start = docs.prefixes[d], docs.bounds[d]
             g = next(g for g, (a, b) in enumerate(spans) if a < docs.bounds[p + 1] <= b)
             home[p] = (g, home.get(p, (g, False))[1] or not spans[g][0] <= start < spans[g][1])
+    restarts = {docs.bounds[d]: d for d in range(len(docs.prefixes)) if not docs.continues(d)}
+    ends = {docs.bounds[p + 1] for p in home}
     planned = []
     for rank, runs in enumerate(every):
         planned.append([])
         at = 0
         for i, (start, stop) in enumerate(runs):
             g = index[rank, i]
-            cuts = _segments(docs, start, stop, g)
+            cuts = _segments(docs, restarts, ends, start, stop, g)
             exports = [(("enter", g + 1), len(cuts) - 1)]  # the last piece's too, unused: it runs like the others
             exports += [
                 (("prefix", p), next(j for j, c in enumerate(cuts) if c[1] == docs.bounds[p + 1]))
@@ -167,57 +171,62 @@ def _pieces(docs: Documents, every: Sequence[Sequence[tuple[int, int]]]) -> list
     return planned
 
 
-def _predecessors(docs: Documents, taps: int) -> Tensor:
-    """``[taps - 1, S]``: the row position tap ``back`` (row ``back - 1``) of each token reads, -1 for none: ``back``
-    tokens before it in its document, or across a jump in its prefix's last tokens."""
-    bounds = torch.tensor(docs.bounds)
-    starts, prefix = bounds[:-1], torch.tensor(docs.prefixes)
-    t = torch.arange(docs.bounds[-1])
-    doc = torch.searchsorted(starts, t, right=True) - 1
-    offset, p = t - starts[doc], prefix[doc]
-    p_start, p_end = starts[p.clamp(min=0)], bounds[p.clamp(min=0) + 1]
-    rows = []
-    for back in range(1, taps):
-        jumped = p_end + offset - back
-        across = torch.where((p >= 0) & (jumped >= p_start), jumped, -1)
-        rows.append(torch.where(offset >= back, t - back, across))
-    return torch.stack(rows)
+def _jump_reads(docs: Documents, taps: int) -> Tensor:
+    """``[n, 3]``: the reads of the documents that jump back to their prefix, across the jump: (reader's row
+    position, tap ``back``, the prefix's token it reads), for each of the first ``taps - 1`` tokens and each tap
+    reaching before the document's start and not before the prefix's."""
+    reads = []
+    for d in range(len(docs.prefixes)):
+        if docs.jumps(d):
+            start, p = docs.bounds[d], docs.prefixes[d]
+            for offset in range(min(taps - 1, docs.bounds[d + 1] - start)):
+                for back in range(offset + 1, taps):
+                    if docs.bounds[p + 1] + offset - back >= docs.bounds[p]:
+                        reads.append((start + offset, back, docs.bounds[p + 1] + offset - back))
+    return torch.tensor(reads, dtype=torch.long).reshape(-1, 3)
 
 
 def _conv(docs: Documents, every: Sequence[Sequence[tuple[int, int]]], rank: int, taps: int) -> ConvPlan:
     """This rank's ``ConvPlan``: every rank's reads are found, so that each sends what the others read."""
-    length, size = docs.bounds[-1], len(every)
-    predecessors = _predecessors(docs, taps)
-    held = [torch.cat([torch.arange(a, b) for a, b in runs]) for runs in every]
-    owner, local = torch.empty(length, dtype=torch.long), torch.empty(length, dtype=torch.long)
-    for r, positions in enumerate(held):
-        owner[positions], local[positions] = r, torch.arange(len(positions))
-    backs = torch.arange(1, taps)[:, None]
-    reads = []  # per rank: (halo positions [pieces, K - 1], keep, extras' (local token, back, position))
-    for r, positions in enumerate(held):
-        before = predecessors[:, positions]
-        keep = before == positions - backs
-        extra = torch.nonzero((before >= 0) & ~keep)
-        halo = torch.stack([torch.arange(a - taps + 1, a) for a, _ in every[r]])
-        reads.append((halo, keep, extra[:, 1], extra[:, 0] + 1, before[extra[:, 0], extra[:, 1]]))
-    wanted = [torch.cat([halo[halo >= 0], far]) for halo, _, _, _, far in reads]
-    remote = torch.unique(torch.cat([w[owner[w] != r] for r, w in enumerate(wanted)]))
-    sends = [remote[owner[remote] == r] for r in range(size)]
-    slots = max([1, *(len(s) for s in sends)])
-    slot = torch.full((length,), -1)
-    for s in sends:
-        slot[s] = torch.arange(len(s))
-    mine = len(held[rank])
+    size, spans = len(every), []  # (start, stop, rank, local offset) of every piece
+    for r, runs in enumerate(every):
+        offsets = [sum(b - a for a, b in runs[:i]) for i in range(len(runs))]
+        spans += [(a, b, r, at) for (a, b), at in zip(runs, offsets)]
+
+    def locate(positions: Tensor) -> tuple[Tensor, Tensor]:  # the rank holding each row position, and where
+        owner, local = torch.zeros_like(positions), torch.zeros_like(positions)
+        for a, b, r, at in spans:
+            inside = (positions >= a) & (positions < b)
+            owner[inside], local[inside] = r, at + positions[inside] - a
+        return owner, local
+
+    jumps = _jump_reads(docs, taps)
+    halos = [torch.stack([torch.arange(a - taps + 1, a) for a, _ in runs]) for runs in every]
+    readers = locate(jumps[:, 0])[0]
+    wanted = [torch.cat([halo[halo >= 0], jumps[readers == r, 2]]) for r, halo in enumerate(halos)]
+    remote = torch.unique(torch.cat([w[locate(w)[0] != r] for r, w in enumerate(wanted)]))
+    sends = [remote[locate(remote)[0] == r] for r in range(size)]
+    slots, count = max([1, *(len(s) for s in sends)]), sum(b - a for a, b in every[rank])
 
     def bank(positions: Tensor) -> Tensor:
         safe = positions.clamp(min=0)
-        far = mine + owner[safe] * slots + slot[safe]
-        index = torch.where(owner[safe] == rank, local[safe], far)
-        return torch.where(positions >= 0, index, mine + size * slots)
+        owner, local = locate(safe)
+        slot = torch.zeros_like(safe)
+        for r, sent in enumerate(sends):
+            slot[owner == r] = torch.searchsorted(sent, safe[owner == r])
+        index = torch.where(owner == rank, local, count + owner * slots + slot)
+        return torch.where(positions >= 0, index, count + size * slots)
 
-    halo, keep, at, back, far = reads[rank]
-    send = torch.cat([local[sends[rank]], torch.full((slots - len(sends[rank]),), -1)])
-    return ConvPlan(send, keep, bank(halo), at, taps - 1 - back, bank(far))
+    # tap ``back`` of a token reads the row's token ``back`` before it where that lies in its document, or in the
+    # prefix it continues directly (the row's order): from ``reach``, the first row position its document reads
+    bounds = torch.tensor(docs.bounds)
+    reach = torch.tensor([docs.bounds[p if docs.continues(d) else d] for d, p in enumerate(docs.prefixes)])
+    positions = torch.cat([torch.arange(a, b) for a, b in every[rank]])
+    first = reach[torch.searchsorted(bounds[:-1], positions, right=True) - 1]
+    keep = positions - torch.arange(1, taps)[:, None] >= first
+    send = torch.cat([locate(sends[rank])[1], torch.full((slots - len(sends[rank]),), -1)])
+    mine = jumps[readers == rank]
+    return ConvPlan(send, keep, bank(halos[rank]), locate(mine[:, 0])[1], taps - 1 - mine[:, 1], bank(mine[:, 2]))
 
 
 @functools.lru_cache(maxsize=16)

@@ -190,3 +190,22 @@ def test_convolution_on_pieces_sees_no_other_document(case: str) -> None:
     expected_grads = torch.autograd.grad((_local(expected, pieces) * cotangent).sum(), (x, weight))
     for grad, reference in zip(grads, expected_grads):
         torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_linear_layer_refuses_a_bad_doc_prefix_in_one_line() -> None:
+    """The attention functions' checks, run by the gated delta layer before any exchange."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from lctrain.linear_attention.gated_deltanet import patch_linear_attention
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_hidden_layers=1, layer_types=["linear_attention"],
+    )  # fmt: skip
+    module = Qwen3_5GatedDeltaNet(config, 0)
+    patch_linear_attention([module], ring_group=None, ulysses_group=None, layout="zigzag")
+    bounds = torch.tensor([0, 10, 20, LENGTH])
+    with pytest.raises(ValueError, match=r"^doc_prefix\[1\]=2: a document's prefix must be an earlier document") as e:
+        module(torch.randn(1, LENGTH, 32), cu_seq_lens_q=bounds, doc_prefix=torch.tensor([-1, 2, -1]))
+    assert "\n" not in str(e.value)
