@@ -324,6 +324,9 @@ class Hardware:
     alltoall_gbps: float | None = None  # the Ulysses all-to-all (bytes leaving a GPU per s); None: intra_gbps
     attention_tflops: float | None = None  # the attention kernel's achieved forward rate; None: tflops x mfu
     attention_backward_tflops: float | None = None  # its backward (counted as 2.5x the forward's FLOPs); None: same
+    # a hybrid's gated delta summary exchange over a ring inside a node / across nodes; None: intra_gbps / inter_gbps
+    summary_intra_gbps: float | None = None
+    summary_inter_gbps: float | None = None
     measured: tuple[str, ...] = ()  # the fields a probe measured
     dtype: str | None = None  # the compute dtype a probe measured in (bf16 or fp32); None: a preset
 
@@ -352,6 +355,8 @@ MEASURABLE = (
     "alltoall_gbps",
     "attention_tflops",
     "attention_backward_tflops",
+    "summary_intra_gbps",
+    "summary_inter_gbps",
 )
 
 
