@@ -324,7 +324,8 @@ def write_hardware(record: dict[str, Any], path: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     p = model_parser(
         "probe",
-        "Measure this job's links (inside and between nodes, the Ulysses all-to-all) and the attention kernel at the "
+        "Measure this job's links (inside and between nodes, the Ulysses all-to-all, a hybrid's gated delta summary "
+        "exchange) and the attention kernel at the "
         "model's head shape; write the hardware file `python -m lctrain plan --hardware FILE` reads. Launch it like a "
         "training job (torchrun on every node).",
     )
