@@ -519,6 +519,15 @@ QWEN3_NEXT_80B = {
     "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
 }
+# the Qwen3.5 family's attention head and gated delta layers (35B-A3B and 4B alike)
+QWEN3_5_LINEAR = {
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
 # Qwen3.5-35B-A3B (an image-text checkpoint): the sizes of its language model (transformers' Qwen3_5MoeTextConfig
 # defaults but the RoPE base and context), its vision tower left to transformers' defaults
 QWEN3_5_35B = {
@@ -530,12 +539,7 @@ QWEN3_5_35B = {
         "num_hidden_layers": 40,
         "num_attention_heads": 16,
         "num_key_value_heads": 2,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
+        **QWEN3_5_LINEAR,
         "num_experts": 256,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,
@@ -560,12 +564,7 @@ QWEN3_5_4B = {
         "num_hidden_layers": 32,
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
+        **QWEN3_5_LINEAR,
         "vocab_size": 248320,
         "rope_parameters": {
             "rope_type": "default",
