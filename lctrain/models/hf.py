@@ -187,6 +187,11 @@ def router_aux_coef(config: PretrainedConfig) -> float:
     return float(config.router_aux_loss_coef)
 
 
+# RoPE parameters that say which dimensions rotate, not how positions scale (Qwen3-Next and Qwen3.5 rotate a quarter of
+# each head, Qwen3.5 in interleaved sections): kept when model.rope_scaling replaces the type
+ROPE_GEOMETRY = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
 def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
     """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set) to the
     transformers config, in place: its ``rope_parameters`` are what the model computes RoPE from and what the
@@ -207,8 +212,9 @@ def _rope_settings(rope: dict, cfg: ModelConfig) -> dict:
     if cfg.rope_theta is not None:
         rope["rope_theta"] = cfg.rope_theta
     scaling = cfg.rope_scaling
-    if scaling.type is not None:
-        rope = {"rope_theta": rope["rope_theta"], "rope_type": scaling.type, "factor": scaling.factor}
+    if scaling.type is not None:  # the new type's parameters replace the old's; which dimensions rotate stays
+        kept = {key: rope[key] for key in ROPE_GEOMETRY if key in rope}
+        rope = {"rope_theta": rope["rope_theta"], **kept, "rope_type": scaling.type, "factor": scaling.factor}
         if scaling.original_max_position_embeddings is not None:
             rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
         if scaling.type == "llama3":
