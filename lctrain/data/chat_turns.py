@@ -36,7 +36,7 @@ from lctrain.data.config import DIVERGENT_TURNS, UNREACHABLE_TURNS
 
 # the counts a plan reports beside its texts: a conversation rendered per turn, a turn left out
 DIVERGENT, UNREACHABLE = "divergent", "unreachable"
-_PLACEHOLDER = "\x00"  # a turn's content that no real content starts with: where the template writes the turn
+_PLACEHOLDER = "\x00"  # a turn's field that no real text starts with: where the template writes the turn
 _SHOWN = 24  # characters of context shown around a difference in an error
 
 Render = Callable[[list[dict[str, Any]], bool], str]
@@ -101,16 +101,26 @@ def inference_turn(render: Render, messages: Sequence[dict[str, Any]], index: in
     last = render([*history, messages[index]], False)
     if last.startswith(prompt):
         return InferenceTurn(index, prompt, last[len(prompt) :].rstrip())
-    # The template writes the history differently when the turn ends the conversation: the turn starts where the
-    # same messages with a placeholder content part from it.
-    start = _shared(last, render([*history, {**messages[index], "content": _PLACEHOLDER}], False))
-    opened = prompt[_shared(prompt, render(history, False)) :]  # what the generation prompt adds
-    if not last[:start].endswith(opened):
+    # The template writes the history differently when the turn ends the conversation (a system prompt moved into
+    # the last user message, a tool call's reasoning dropped once an answer follows it). The turn's own text starts
+    # where the same messages with placeholder fields part from it (``fields``); the turn itself at the last
+    # text the generation prompt adds (``opened``) before that, after where the history departs from its rendering
+    # before the generation prompt (``departs``): the template's header, then what the model writes.
+    fields = _shared(last, render([*history, _placeholders(messages[index])], False))
+    plain_history = render(history, False)
+    opened = prompt[_shared(prompt, plain_history) :]  # what the generation prompt adds
+    start = last.rfind(opened, _shared(last, plain_history), fields)
+    if start < 0:
         raise UnreachableTurn(
             f"its generation prompt ends {_short(prompt, len(prompt) - _SHOWN, len(prompt))} but the template "
-            f"writes the turn after {_short(last, start - _SHOWN, start)}"
+            f"writes the turn after {_short(last, fields - _SHOWN, fields)}"
         )
-    return InferenceTurn(index, prompt, last[start:].rstrip())
+    return InferenceTurn(index, prompt, last[start + len(opened) :].rstrip())
+
+
+def _placeholders(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with each non-empty text field but its role (content, reasoning) replaced by ``_PLACEHOLDER``."""
+    return {key: _PLACEHOLDER if key != "role" and isinstance(v, str) and v else v for key, v in message.items()}
 
 
 @dataclass(frozen=True)
