@@ -180,11 +180,11 @@ HARMONY_TEMPLATE = (
 HARMONY_TOKENS = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
 
 
-def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4) -> Path:
+def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4, thinking: bool = False) -> Path:
     """Write ``conversations`` jsonl chat records of one to three user / assistant exchanges, each answer with its
-    reasoning (``<think>\\n...\\n</think>\\n\\n`` before it), a few tokens a turn, to ``path``; returns ``path``.
-    Through ``REASONING_TEMPLATE`` a conversation of k exchanges is k documents of at most ~60 tokens; the first has
-    two."""
+    reasoning (``<think>\\n...\\n</think>\\n\\n`` before it; with ``thinking``, in the message's ``thinking`` field,
+    where gpt-oss's templates read it), a few tokens a turn, to ``path``; returns ``path``. Through
+    ``REASONING_TEMPLATE`` a conversation of k exchanges is k documents of at most ~60 tokens; the first has two."""
     text = Path(textwrap.__file__).read_text()
     rng = random.Random(seed)
 
@@ -197,6 +197,10 @@ def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4)
             messages = []
             for _ in range(2 if index == 0 else rng.randint(1, 3)):
                 messages.append({"role": "user", "content": excerpt()})
-                messages.append({"role": "assistant", "content": f"<think>\n{excerpt()}\n</think>\n\n{excerpt()}"})
+                why, answer = excerpt(), excerpt()
+                if thinking:
+                    messages.append({"role": "assistant", "content": answer, "thinking": why})
+                else:
+                    messages.append({"role": "assistant", "content": f"<think>\n{why}\n</think>\n\n{answer}"})
             f.write(json.dumps({"messages": messages}) + "\n")
     return path

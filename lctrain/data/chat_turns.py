@@ -7,13 +7,16 @@ second adds after the first, trailing whitespace left out (ChatML's newline afte
 write every turn of the whole conversation exactly so, and then the whole rendering is the one document, each turn
 trained on its completion's characters (cost linear in the conversation's length). Some do not:
 
-- reasoning templates (Qwen3) drop the reasoning of the turns before the last user message, so the whole rendering
-  holds an earlier turn without what the model wrote;
-- some append text after the last message when no generation prompt is asked for (Phi-3.5's EOS), so an earlier
-  turn's completion is not what follows it in the whole rendering;
-- some move text into the last user message (Mistral's system prompt), so no prefix of the whole rendering is an
-  earlier turn's prompt. The completion is then found where the template writes the turn: after what the same
-  messages render with the turn's content left out.
+- reasoning templates (Qwen3; gpt-oss's analysis channel) drop the reasoning of earlier turns, so the whole
+  rendering holds an earlier turn without what the model wrote;
+- some end the last message otherwise (Phi-3.5 appends its EOS when no generation prompt is asked for, gpt-oss ends
+  it with ``<|return|>`` and the history's with ``<|end|>``), so an earlier turn's completion is not what follows it
+  in the whole rendering;
+- some write the history otherwise once the turn is added (Mistral moves the system prompt into the last user
+  message, gpt-oss drops a tool call's reasoning once an answer follows it), so the turn's rendering does not start
+  with its prompt. The completion is then found where the template writes the turn: from the last text that the
+  generation prompt adds before where the same messages with the turn's text fields replaced by a placeholder part
+  from it.
 
 Such a conversation is *divergent*: ``divergent_turns`` decides, ``expand`` (one document per divergent turn,
 ``prompt + completion``, that turn trained; the turns that agree stay trained in the whole rendering), ``last_turn``
