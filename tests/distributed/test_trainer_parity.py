@@ -40,7 +40,8 @@ Six jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/refe
   inference, its analysis and ``<|return|>`` trained), ring 2 × ulysses 2, 2 rows a step.
 
 Both family jobs read a tokenizer with the templates' markers as special tokens (the default one, extended), as the
-families' own tokenizers have them.
+families' own tokenizers have them: each answer's end (``<end_of_turn>``, ``<|return|>``) is one token, trained once
+per answer (checked on the rows they train on).
 
 The first row of the conversations holds no trained token in its first and last quarter: ring rank 0's shard of it
 has only masked labels (checked here), so that rank's loss sum is 0 and the step's is still exact. Compared with
@@ -187,8 +188,8 @@ CHAT_JOBS = {  # case -> (parallel overrides, data.batch_size, train.grad_accum,
     "gemma3_text": (MESH, 1, 1, GEMMA3),
     "gpt_oss": (MESH, 2, 1, GPT_OSS),
 }
-# each family job's end of an answer, trained
-END_OF_ANSWER = {"gemma3_text": "<end_of_turn>", "gpt_oss": "<|return|>"}
+# each family job's (text that opens each answer, the template's end of an answer): the end is trained once an answer
+ANSWERS = {"gemma3_text": ("<start_of_turn>model", "<end_of_turn>"), "gpt_oss": ("<|return|>", "<|return|>")}
 
 
 def chat_job(workdir: str, case: str) -> JobConfig:
@@ -271,14 +272,22 @@ def test_expanded_conversations_reach_the_trained_rows(results: dict, parity_wor
     assert loader.skipped()["data"]["divergent"] > 0
 
 
-@pytest.mark.parametrize("case", list(END_OF_ANSWER))
+@pytest.mark.parametrize("case", list(ANSWERS))
 def test_family_templates_train_their_end_of_answer_token(results: dict, parity_workdir: str, case: str) -> None:
-    """The rows the family job trains on end each answer with its template's marker, one token, trained."""
+    """In the rows the family job trains on, the template's end of an answer is one token, trained once per answer:
+    after each ``<start_of_turn>model`` (Gemma 3; the user turns' ``<end_of_turn>`` untrained), every ``<|return|>``
+    (gpt-oss)."""
     data = chat_job(parity_workdir, case).data
-    end = load_tokenizer(data.tokenizer).convert_tokens_to_ids(END_OF_ANSWER[case])
-    rows = list(itertools.islice(PackedLoader(data), CHAT_STEPS * CHAT_JOBS[case][1]))
-    ends = sum(int((row["input_ids"] == end).sum()) for row in rows)
-    assert ends > 0 and ends == sum(int((row["labels"] == end).sum()) for row in rows)  # every one trained
+    tokenizer = load_tokenizer(data.tokenizer)
+    opening, end = (tokenizer.encode(text, add_special_tokens=False) for text in ANSWERS[case])
+    assert len(end) == 1
+    batches = list(itertools.islice(PackedLoader(data), CHAT_STEPS))
+    ids = torch.cat([batch["input_ids"] for batch in batches])
+    answers = int((ids.unfold(1, len(opening), 1) == torch.tensor(opening)).all(-1).sum())
+    trained = int(sum((batch["labels"] == end[0]).sum() for batch in batches))
+    assert answers > 0 and trained == answers
+    if case == "gemma3_text":
+        assert (ids == end[0]).sum() > trained  # the user turns' ends are not trained
 
 
 @pytest.mark.parametrize("case", list(CHAT_JOBS))
