@@ -105,14 +105,15 @@ def inference_turn(render: Render, messages: Sequence[dict[str, Any]], index: in
     if last.startswith(prompt):
         return InferenceTurn(index, prompt, last[len(prompt) :].rstrip())
     # The template writes the history differently when the turn ends the conversation (a system prompt moved into
-    # the last user message, a tool call's reasoning dropped once an answer follows it). The turn's own text starts
-    # where the same messages with placeholder fields part from it (``fields``); the turn itself at the last
-    # text the generation prompt adds (``opened``) before that, after where the history departs from its rendering
-    # before the generation prompt (``departs``): the template's header, then what the model writes.
+    # the last user message, a tool call's reasoning dropped once an answer follows it). The turn's fields start
+    # where the same messages with placeholder fields part from it (``fields``); the turn itself starts at the last
+    # text the generation prompt adds (``opened``) before that point and after where ``last`` departs from the
+    # history rendered alone (``departs``): the generation prompt's text, then what the model writes.
     fields = _shared(last, render([*history, _placeholders(messages[index])], False))
-    plain_history = render(history, False)
-    opened = prompt[_shared(prompt, plain_history) :]  # what the generation prompt adds
-    start = last.rfind(opened, _shared(last, plain_history), fields)
+    alone = render(history, False)
+    opened = prompt[_shared(prompt, alone) :]  # what the generation prompt adds
+    departs = _shared(last, alone)
+    start = last.rfind(opened, departs, fields)
     if start < 0:
         raise UnreachableTurn(
             f"its generation prompt ends {_short(prompt, len(prompt) - _SHOWN, len(prompt))} but the template "
