@@ -39,6 +39,14 @@ from lctrain.train.trainer import Trainer
 
 SEQ_LEN = 64
 MAX_GRAD_NORM = 0.5  # below most steps' gradient norms: clipping is active
+# a tiny gpt-oss: windows of 8 on every other layer, 4 experts, top 2, the router's load-balancing loss
+GPT_OSS = (
+    "model.family=gpt_oss",
+    "model.sliding_window=8",
+    "model.num_experts=4",
+    "model.experts_per_token=2",
+    "model.router_aux_loss_coef=0.1",
+)
 
 
 def job_config(
