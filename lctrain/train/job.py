@@ -71,9 +71,8 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     if model.stages:
         schedule = pipeline_schedule(model, job, rows, training=True)
 
-    policy_forward = functools.cache(
-        lambda: forward_only(model, job, rows, hidden_states)
-    )  # the reference of LoRA, the router's counts
+    # one forward-only run of the policy, shared by the LoRA reference and the router's global counts
+    policy_forward = functools.cache(lambda: forward_only(model, job, rows, hidden_states))
     objective = build_objective(
         cfg.objective,
         loader.names,
