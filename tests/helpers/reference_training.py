@@ -31,8 +31,9 @@ from lctrain.build import tokenizer_path
 from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
-from lctrain.models.hf import hf_name, router_aux_coef
+from lctrain.models.hf import hf_name
 from lctrain.models.lora import adapter_source, apply_lora
+from lctrain.models.moe import router_aux_coef
 from lctrain.train.job import build_training_job
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
