@@ -295,7 +295,9 @@ def mesh_label(side: str, ranks: int) -> str:
 
 def scaling_section(bench: Bench) -> list[str]:
     args = bench.args
-    args.safe_gib = min(args.safe_gib, (memory.available() - 2 * GIB) / GIB)  # what is free now
+    args.safe_gib = min(
+        args.safe_gib, (memory.proc_bytes("MemAvailable", "/proc/meminfo") - 2 * GIB) / GIB
+    )  # what is free now
     for ranks in sorted(args.scaling_ranks):
         seqs = [ranks * n for n in args.per_rank if ranks * n <= args.max_scaling_seq]
         bench.points += scaling_points(bench, "lctrain", ranks, seqs)

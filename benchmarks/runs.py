@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -43,16 +44,15 @@ class Measured:
         from benchmarks.sides import build_side
         from lctrain.config import load_config
         from lctrain.runtime import init_distributed, resolve_device
-        from lctrain.train.meter import StepMemory
 
         if threads := next(iter(specs.values())).get("threads"):
             torch.set_num_threads(threads)
         configs = {name: load_config(spec["job"]) for name, spec in specs.items()}
         cfg, self.marker = next(iter(configs.values())), marker
         self.device = resolve_device(cfg.train.device)
-        with StepMemory(self.device, collect=True) as start:  # in use before the sides: the runtime, earlier runs'
-            pass
-        self.base = start.before
+        gc.collect()  # what is in use before the sides are built: the runtime (CPU resident set), leftovers
+        cuda = self.device.type == "cuda"
+        self.base = torch.cuda.memory_allocated(self.device) if cuda else memory.proc_bytes("VmRSS")
         if any(spec["side"] == "lctrain" for spec in specs.values()):  # a process group of one, as `lctrain train`
             init_distributed(self.device, timeout_s=1800, host_collectives=cfg.parallel.cpu_offload)
         self.sides = {name: build_side(configs[name], spec) for name, spec in specs.items()}
