@@ -165,9 +165,8 @@ def serve(specs: Specs, marker: Path, conn: Connection) -> None:
 
 
 class Run:
-    """The sides of ``specs`` in one fresh (spawned) process, driven step by step; a context manager (the process ends
-    on exit). ``timeout_s``: for building the sides and for each step; ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF``
-    (None: lctrain's default unless the user set one). ``ready``: ``ok`` false when a side could not be built."""
+    """The sides of ``specs`` in one fresh (spawned) process, driven step by step until the context ends; ``timeout_s``
+    for building the sides and for each step; ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's)."""
 
     def __init__(self, specs: Specs, *, timeout_s: float, allocator: str | None = None):
         self.timeout_s, self.failure = timeout_s, None
@@ -283,10 +282,8 @@ def run_group(
 def run_steps(
     specs: Specs, ranks: int, warmup: Steps, steps: Steps, *, budget: int | None = None, timeout_s: float = 1800
 ) -> dict[str, dict[str, Any]]:
-    """The sides of ``specs`` in rounds: ``warmup``, then the measured ``steps`` (seq, seed), on ``ranks`` processes
-    (one: a ``Run``, NCCL on CUDA, ``timeout_s`` for each step; more: a ``run_group`` on CPU). Per side: ``ready``
-    (``Measured.describe`` of rank 0, or why it failed), ``steps`` (each step's figures, the largest over the ranks:
-    ``timing.slowest``; a step stopped past ``budget`` ends them, ``ok`` false) and ``per_rank`` (each rank's)."""
+    """``in_rounds`` on ``ranks`` processes (one: a ``Run``; more: a ``run_group`` on CPU). Per side: ``ready`` (rank
+    0's), ``steps`` (``timing.slowest``; a step stopped past ``budget`` ends them, ``ok`` false) and ``per_rank``."""
     if ranks == 1:
         with Run(specs, timeout_s=timeout_s) as run:
             per_rank, stopped = [in_rounds(run, list(specs), warmup, steps, budget)], None
