@@ -10,6 +10,7 @@ import time; it refuses fp32 inputs, hence the dtype in the choice.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Sequence
@@ -21,9 +22,24 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 FLA_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
 def fla_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether fla's kernel runs tensors of ``dtype`` on ``device``: CUDA, bf16 or fp16, fla installed."""
-    return device.type == "cuda" and dtype in FLA_DTYPES and importlib.util.find_spec("fla") is not None
+    return device.type == "cuda" and dtype in FLA_DTYPES and fla_installed()
+
+
+def check_torch_path(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse fp32 on CUDA with fla installed: transformers' torch kernel then hands its calls to fla itself, which
+    takes bf16 or fp16 only."""
+    if device.type == "cuda" and fla_installed():
+        raise ValueError(
+            f"the gated delta layers cannot run in {dtype} on CUDA with flash-linear-attention installed (transformers "
+            "hands them to fla, which takes bf16 or fp16): set parallel.param_dtype=bfloat16 or uninstall it"
+        )
 
 
 def describe_linear_kernel(device: torch.device | None, dtype: torch.dtype | None) -> str:
@@ -32,6 +48,7 @@ def describe_linear_kernel(device: torch.device | None, dtype: torch.dtype | Non
         return "chosen per call (fla's chunk_gated_delta_rule on CUDA in bf16/fp16 when installed, else transformers')"
     if fla_usable(device, dtype):
         return "fla's chunk_gated_delta_rule (flash-linear-attention, documents in one call by cu_seqlens)"
+    check_torch_path(device, dtype)
     if device.type != "cuda":
         why = f"fla runs on CUDA only, not {device.type}"
     elif dtype not in FLA_DTYPES:
@@ -71,6 +88,7 @@ def gated_delta(
     if fla_usable(k.device, k.dtype):
         out, final = _fla_call(q, k, v, g, beta, state, None)
         return out.to(q.dtype), final.float()
+    check_torch_path(k.device, k.dtype)
     return torch_chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )

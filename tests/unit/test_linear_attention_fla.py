@@ -5,6 +5,7 @@ log line."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 
 from lctrain.linear_attention import kernel
 from lctrain.linear_attention.delta_rule import delta_rule_pieces, piece_segments
+from lctrain.models.patch import patch_attention
 from tests.helpers import fake_fla
+from tests.helpers.checkpoints import hf_model
 
 LENGTH = 40
 
@@ -64,11 +67,24 @@ def test_fla_path_equals_the_torch_path(seed: int, monkeypatch: pytest.MonkeyPat
 
 def test_kernel_choice_and_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(kernel, "fla_installed", lambda: False)
     assert "not cpu" in kernel.describe_linear_kernel(cpu, torch.bfloat16)
     assert "not torch.float32" in kernel.describe_linear_kernel(cuda, torch.float32)
-    monkeypatch.setattr(kernel.importlib.util, "find_spec", lambda name: None)
     assert not kernel.fla_usable(cuda, torch.bfloat16)
     assert "not installed" in kernel.describe_linear_kernel(cuda, torch.bfloat16)
-    monkeypatch.setattr(kernel.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(kernel, "fla_installed", lambda: True)
     assert kernel.fla_usable(cuda, torch.bfloat16) and not kernel.fla_usable(cpu, torch.bfloat16)
     assert kernel.describe_linear_kernel(cuda, torch.float16).startswith("fla's chunk_gated_delta_rule")
+    assert "not cpu" in kernel.describe_linear_kernel(cpu, torch.float32)
+    with pytest.raises(ValueError, match="cannot run in torch.float32 on CUDA .* set parallel.param_dtype=bfloat16"):
+        kernel.describe_linear_kernel(cuda, torch.float32)
+
+
+def test_patch_attention_logs_the_linear_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    model = hf_model("qwen3_5_text")
+    with caplog.at_level(logging.INFO, logger="lctrain"):
+        patch_attention(model, ulysses_group=None, ring_group=None, device=torch.device("cpu"), dtype=torch.float32)
+    assert (
+        "linear-attention layers: 1 gated delta layers, transformers' torch chunked kernel "
+        "(fla runs on CUDA only, not cpu)" in caplog.text
+    )
