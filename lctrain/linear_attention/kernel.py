@@ -5,7 +5,7 @@ On CUDA in bf16 or fp16, with flash-linear-attention installed (the ``cuda`` ext
 a piece's documents are one call; elsewhere (CPU, fp32, fla absent) transformers' pure-torch chunked kernel, one call
 per document. Both compute ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
 ``o_t = S_t^T q_t / sqrt(dk)`` with q and k L2-normed, the state in fp32. fla is imported when first used, never at
-import time; it refuses fp32 inputs, hence the dtype in the choice.
+import time; lctrain gives it bf16 or fp16 only (versions before 0.5 refuse fp32).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def fla_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def check_torch_path(device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse fp32 on CUDA with fla installed: transformers' torch kernel then hands its calls to fla itself, which
-    takes bf16 or fp16 only."""
+    """Refuse the torch path on CUDA with fla installed: transformers' torch kernel then hands its calls to fla
+    itself, with lctrain's fp32 tensors and mixed dtypes as they are."""
     if device.type == "cuda" and fla_installed():
         raise ValueError(
-            f"the gated delta layers cannot run in {dtype} on CUDA with flash-linear-attention installed (transformers "
-            "hands them to fla, which takes bf16 or fp16): set parallel.param_dtype=bfloat16 or uninstall it"
+            f"the gated delta layers run in {dtype} on CUDA only through transformers' torch kernel, which hands its "
+            "calls to flash-linear-attention when installed: set parallel.param_dtype=bfloat16 or uninstall it"
         )
 
 
@@ -52,7 +52,7 @@ def describe_linear_kernel(device: torch.device | None, dtype: torch.dtype | Non
     if device.type != "cuda":
         why = f"fla runs on CUDA only, not {device.type}"
     elif dtype not in FLA_DTYPES:
-        why = f"fla takes bf16 or fp16, not {dtype}"
+        why = f"lctrain runs fla in bf16 or fp16, not {dtype}"
     else:
         why = "flash-linear-attention is not installed (pip install 'lctrain[cuda]')"
     return f"transformers' torch chunked kernel ({why})"

@@ -76,7 +76,9 @@ def test_kernel_choice_and_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernel.fla_usable(cuda, torch.bfloat16) and not kernel.fla_usable(cpu, torch.bfloat16)
     assert kernel.describe_linear_kernel(cuda, torch.float16).startswith("fla's chunk_gated_delta_rule")
     assert "not cpu" in kernel.describe_linear_kernel(cpu, torch.float32)
-    with pytest.raises(ValueError, match="cannot run in torch.float32 on CUDA .* set parallel.param_dtype=bfloat16"):
+    with pytest.raises(
+        ValueError, match="run in torch.float32 on CUDA only through .* set parallel.param_dtype=bfloat16"
+    ):
         kernel.describe_linear_kernel(cuda, torch.float32)
 
 
