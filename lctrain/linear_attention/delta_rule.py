@@ -17,8 +17,10 @@ each continuing segment its outputs from its true entering state: the same run's
 (the state after token t read by q_t), so a piece's outputs from ``S`` are ``o_t + S^T A_t^T q_t`` without a second
 run; a continuing segment followed by others in its piece (whose summary is not its) is run once from ``S``.
 
-The kernel is transformers' pure-torch chunked gated delta rule (the Qwen3-Next and Qwen3.5 reference), with the
-queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by autograd.
+The kernel (``kernel.py``) is fla's chunked gated delta rule on CUDA in bf16/fp16 when installed (a piece's documents
+that start from zero in one call, by their offsets), else transformers' pure-torch one (the Qwen3-Next and Qwen3.5
+reference), with the queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by
+autograd.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+from lctrain.linear_attention.kernel import gated_delta, gated_delta_documents
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,6 @@ def piece_segments(start: int, stop: int, local_start: int, doc_starts: Sequence
     ]
 
 
-def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """transformers' chunked gated delta rule: q, k ``[B, L, Hk, dk]``, v ``[B, L, Hv, dv']``, g, beta
-    ``[B, L, Hv]``, state ``[B, Hv, dk, dv']`` or None (zero) -> (out ``[B, L, Hv, dv']``, state leaving, fp32)."""
-    return torch_chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
-
-
 def _take(segment: Segment, *tensors: Tensor) -> list[Tensor]:
     return [t[:, segment.start : segment.stop] for t in tensors]
 
@@ -77,21 +72,21 @@ class PieceRun:
 
 
 def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Sequence[Segment]) -> PieceRun:
-    """The piece's summary and its final outputs (see the module docstring); tensors as ``_kernel``'s, the whole
-    local sequence, ``segments`` those of one piece."""
+    """The piece's summary and its final outputs (see the module docstring); tensors as ``kernel.gated_delta``'s,
+    the whole local sequence, ``segments`` those of one piece."""
     batch, heads, dk, dv = v.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    from_zero = [index for index, segment in enumerate(segments) if not segment.continues]
     outputs, last_state = {}, None
-    for index, segment in enumerate(segments):
-        if segment.continues:
-            continue
-        out, last_state = _kernel(*_take(segment, q, k, v, g, beta), None)
-        outputs[index] = out
+    if from_zero:
+        bounds = [(segments[i].start, segments[i].stop) for i in from_zero]
+        outs, last_state = gated_delta_documents(q, k, v, g, beta, bounds)
+        outputs = dict(zip(from_zero, outs))
     if segments[-1].continues:  # the only segment: [A | B] and the outputs' two parts in one run, in fp32
         qs, ks, vs, gs, bs = _take(segments[-1], q.float(), k, v, g, beta)
         eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(batch, heads, dk, dk)
         state = torch.cat([eye, eye.new_zeros(batch, heads, dk, dv)], dim=-1)
         values = torch.cat([vs.new_zeros(*vs.shape[:3], dk), vs], dim=-1)
-        reads, summary = _kernel(qs, ks, values, gs, bs, state)
+        reads, summary = gated_delta(qs, ks, values, gs, bs, state)
         return PieceRun(summary, outputs, reads)
     summary = torch.cat([last_state.new_zeros(batch, heads, dk, dk), last_state], dim=-1)
     return PieceRun(summary, outputs)
@@ -126,7 +121,7 @@ def finish_piece(
             reads = run.reads
             outs.append((reads[..., dk:] + torch.einsum("blhk,bhkv->blhv", reads[..., :dk], entering)).to(q.dtype))
         elif segment.continues:
-            outs.append(_kernel(*_take(segment, q, k, v, g, beta), entering)[0])
+            outs.append(gated_delta(*_take(segment, q, k, v, g, beta), entering)[0])
         else:
             outs.append(run.outputs[index])
     return torch.cat(outs, dim=1)
