@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks import rings
-from benchmarks.memory import MALLOC_MMAP_THRESHOLD
+from benchmarks import memory, rings
 from benchmarks.report import MIB, arguments, command, listed, machine_line, table
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
@@ -38,16 +37,12 @@ def inputs(cfg: argparse.Namespace, seq: int) -> tuple[Tensor, ...]:
     return rings.random_inputs(seq, cfg.heads, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype], batch=cfg.batch)
 
 
-Case = tuple[Callable[[], None], dict[str, float]]  # an implementation on this rank: its fwd+bwd, its checks
+Case = tuple[Callable[[], Any], dict[str, float]]  # an implementation on this rank: its fwd+bwd, its checks
 
 
-def autograd_step(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], None]:
+def autograd_step(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], Any]:
     """Forward + backward of ``attend``; the gradients are dropped at the end so no state carries over."""
-
-    def step() -> None:
-        torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
-
-    return step
+    return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
 
 
 def outputs_and_grads(attend: Attend, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> tuple[Tensor, ...]:
@@ -72,71 +67,59 @@ def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Cal
     return lambda *args, **kwargs: op(*map(cast, args), **{name: cast(a) for name, a in kwargs.items()})
 
 
+def sharded(attend: Callable[..., Tensor], layout: str) -> Callable[[tuple[Tensor, ...]], Case]:
+    """``attend(q, k, v, group)`` over the default group on this rank's ``layout`` shards."""
+    return lambda full: (
+        autograd_step(lambda q, k, v: attend(q, k, v, dist.group.WORLD), *rings.rank_shards(full, layout)),
+        {},
+    )
+
+
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
     """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
     kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
     if dist.get_rank() != 0:
         return (lambda: None), {}
-    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
-    return autograd_step(ring_attention, q, k, v, dout), {}
-
-
-def ring_case(full: tuple[Tensor, ...], layout: str) -> Case:
-    q, k, v, dout = rings.rank_shards(full, layout)
-    group = dist.group.WORLD
-    return autograd_step(lambda q, k, v: ring_attention(q, k, v, group, layout=layout), q, k, v, dout), {}
+    return autograd_step(ring_attention, *(t.clone().requires_grad_(i < 3) for i, t in enumerate(full))), {}
 
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
     """PyTorch context parallel's ring (``rings.torch_ring``), its CPU ops cast like lctrain's blocks."""
-    group = dist.group.WORLD
-    forward_op = cpu_compute_op(rings.CPU_FORWARD, "forward")
-    backward_op = cpu_compute_op(rings.CPU_BACKWARD, "backward")
-    passes = rings.torch_ring(*rings.rank_shards(full, "zigzag"), group, forward_op=forward_op, backward_op=backward_op)
-
-    ours = outputs_and_grads(lambda q, k, v: ring_attention(q, k, v, group), *rings.rank_shards(full, "zigzag"))
-    checks = compare(ours, (passes.forward(), *passes.backward()))
-
-    def step() -> None:
-        passes.forward()
-        passes.backward()
-
-    return step, checks
-
-
-def ulysses_case(full: tuple[Tensor, ...]) -> Case:
-    q, k, v, dout = rings.rank_shards(full, "contiguous")
-    group = dist.group.WORLD
-    return autograd_step(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout), {}
+    ops = {
+        f"{name}_op": cpu_compute_op(op, name)
+        for name, op in (("forward", rings.CPU_FORWARD), ("backward", rings.CPU_BACKWARD))
+    }
+    passes = rings.torch_ring(*rings.rank_shards(full, "zigzag"), dist.group.WORLD, **ops)
+    ours = outputs_and_grads(
+        lambda q, k, v: ring_attention(q, k, v, dist.group.WORLD), *rings.rank_shards(full, "zigzag")
+    )
+    return (lambda: (passes.forward(), passes.backward())), compare(ours, (passes.forward(), *passes.backward()))
 
 
 def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
-    """DeepSpeed-Ulysses ``DistributedAttention`` on ``[B, S/P, H, D]`` (batch dim 0: scatter heads, gather seq)."""
+    """DeepSpeed-Ulysses ``DistributedAttention`` on ``[B, S/P, H, D]`` (batch dim 0: scatter heads, gather seq),
+    its local attention on ``[B, S, H/P, D]`` the fused CPU op, as T1."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
     with contextlib.redirect_stdout(sys.stderr):  # it announces the CPU op it builds; keep stdout markdown
         deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing torch process group
-    group = dist.group.WORLD
-
-    # the local attention on [B, S, H/P, D]: the fused CPU op, as T1
-    attention = DistributedAttention(ring_attention, group, scatter_idx=2, gather_idx=1)
+    attention = DistributedAttention(ring_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
     q, k, v, dout = rings.rank_shards(full, "contiguous")
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attention(q, k, v, 0)
 
-    ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, group), q, k, v, dout)
-    theirs = outputs_and_grads(attend, q, k, v, dout)
-    return autograd_step(attend, q, k, v, dout), compare(ours, theirs)
+    ours = outputs_and_grads(lambda q, k, v: ulysses_attention(q, k, v, dist.group.WORLD), q, k, v, dout)
+    return autograd_step(attend, q, k, v, dout), compare(ours, outputs_and_grads(attend, q, k, v, dout))
 
 
 CASES: dict[str, Callable[[tuple[Tensor, ...]], Case]] = {
     "single": single_process_case,
-    "ring_zigzag": lambda full: ring_case(full, "zigzag"),
-    "ring_contiguous": lambda full: ring_case(full, "contiguous"),
+    "ring_zigzag": sharded(functools.partial(ring_attention, layout="zigzag"), "zigzag"),
+    "ring_contiguous": sharded(functools.partial(ring_attention, layout="contiguous"), "contiguous"),
     "torch_ring": torch_ring_case,
-    "ulysses": ulysses_case,
+    "ulysses": sharded(ulysses_attention, "contiguous"),
     "deepspeed": deepspeed_case,
 }
 
@@ -145,6 +128,7 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
     """Build the named implementations on the same global inputs, then measure them in rounds (``timing.rounds``,
     each round's figures the slowest rank's): per case its ``rounds`` (seconds and peak memory growth) and
     ``checks`` (the largest over ranks)."""
+    memory.follow_malloc_env()
     cases = {name: CASES[name](inputs(cfg, cfg.seq)) for name in names}
     steps = {name: lambda _, case=case: case[0]() for name, case in cases.items()}
     measured = gathered_slowest(rounds(steps, cfg.warmup, cfg.iters, memory=True, barrier=True))
@@ -156,15 +140,12 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
 def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, int]:
     """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
     growth of a second one."""
+    memory.follow_malloc_env()
     q, k, v, dout = rings.rank_shards(inputs(cfg, seq_per_rank * dist.get_world_size()), "zigzag")
-
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return usp_attention(q, k, v, ulysses_group=None, ring_group=dist.group.WORLD)
-
+    attend = functools.partial(usp_attention, ulysses_group=None, ring_group=dist.group.WORLD)
     sent, original = [0], dist.batch_isend_irecv
 
-    def counted(ops: list[dist.P2POp]) -> list[dist.Work]:
-        """``dist.batch_isend_irecv``, adding up the bytes of every ``isend``."""
+    def counted(ops: list[dist.P2POp]) -> list[dist.Work]:  # dist.batch_isend_irecv, adding up what it sends
         sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
         return original(ops)
 
@@ -180,8 +161,7 @@ def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, 
 
 
 def time_ms(case: dict[str, Any], key: str = "wall") -> float:
-    """Median over rounds of the slowest rank's time (``cpu``: the busiest rank's CPU time, its process, all threads:
-    on a machine shared with other jobs it moves less than the wall time), in milliseconds."""
+    """Median over rounds of the slowest rank's time (``cpu``: the busiest rank's CPU time), in milliseconds."""
     return 1e3 * median(case["rounds"], key)
 
 
@@ -212,10 +192,11 @@ def block_passes(inputs: list[Tensor], dtype: torch.dtype, layout: str, causal: 
     return {"forward": forward["thread"], "backward": backward["thread"]}
 
 
-def kernel_pass_times(cfg: argparse.Namespace, reps: int) -> list[list[str]]:
+def report_kernel(cfg: argparse.Namespace, reps: int) -> None:
     """CPU time (this thread, min of ``reps``) of ``block_passes`` on the blocks of a zigzag ring of two (the causal
     diagonal S/2 × S/2 and the off-diagonal S/2 × S/4), for each compute dtype and input layout: what
     ``kernels.cpu_bf16_dtypes`` and the contiguous copy are chosen from."""
+    torch.set_num_threads(1)
     piece, rows, generator = cfg.seq // 2, [], torch.Generator().manual_seed(0)
     ways = [(d, layout) for d in (torch.float32, torch.bfloat16) for layout in ("contiguous", "transposed view")]
     for q_len, k_len, causal in ((piece, piece, True), (piece, piece // 2, False)):
@@ -228,12 +209,6 @@ def kernel_pass_times(cfg: argparse.Namespace, reps: int) -> list[list[str]]:
         for (dtype, layout), seconds in fastest.items():
             times = [f"{t * 1e3:.0f} ({t / b:.2f}×)" for t, b in zip(seconds, base)]
             rows.append([block, str(dtype).removeprefix("torch."), layout, *times])
-    return rows
-
-
-def report_kernel(cfg: argparse.Namespace, reps: int) -> None:
-    torch.set_num_threads(1)
-    rows = kernel_pass_times(cfg, reps)
     dtypes = kernels.cpu_bf16_dtypes()
     print(f"\n## 4. The CPU op per pass (blocks of a zigzag ring of 2 at S={cfg.seq}, one thread)\n")
     print(table(["block", "compute dtype", "input layout", "forward ms (vs fp32 contiguous)", "backward ms"], rows))
@@ -244,9 +219,8 @@ def report_kernel(cfg: argparse.Namespace, reps: int) -> None:
 
 
 def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
-    t1 = results["single"]
-    base = time_ms(t1)
-    rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(t1):.1f}", "—"]]
+    base = time_ms(results["single"])
+    rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(results['single']):.1f}", "—"]]
     for name, label in (("ring_zigzag", "zigzag (TP)"), ("ring_contiguous", "contiguous")):
         tp, peak = time_ms(results[name]), peak_mib(results[name])
         rows.append(
@@ -281,15 +255,15 @@ def report_baselines(cfg: argparse.Namespace, results: dict[str, dict[str, Any]]
 
 
 def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int, list[dict[str, int]]]) -> None:
-    element = DTYPES[cfg.dtype].itemsize
-    accumulator = accumulation_dtype(DTYPES[cfg.dtype])
-    d_model = cfg.kv_heads * cfg.head_dim
-    rows = []
+    accumulator, d_model, rows = accumulation_dtype(DTYPES[cfg.dtype]), cfg.kv_heads * cfg.head_dim, []
     for ranks, per_rank in results.items():
         peak = max(r["peak_bytes"] for r in per_rank) / MIB
         traffic = ["—"] * 4
         if ranks > 1:
-            rates = (2 * element * d_model, 2 * accumulator.itemsize * d_model)  # K and V rows, dK and dV rows
+            rates = (
+                2 * DTYPES[cfg.dtype].itemsize * d_model,
+                2 * accumulator.itemsize * d_model,
+            )  # K and V rows, dK and dV rows
             planned = [t.bytes(*rates) for t in rings.ring_traffic(ranks, seq_per_rank)]
             measured = [(r["forward_sent"], r["backward_sent"]) for r in per_rank]
             ok = " ✓" if measured == planned else " ✗"
@@ -322,7 +296,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = memory.MALLOC_MMAP_THRESHOLD
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)

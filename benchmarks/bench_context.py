@@ -119,22 +119,25 @@ class Bench:
         return job_from_args(args, *changes)
 
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
-        """One probe (``layers``: the job's depth by default), or the same one run before."""
-        args = self.args
-        if layers is not None and layers == self.depth:
-            layers = None
+        """One probe (``layers``: the job's depth by default), or the same one run before: its steps' times, their
+        largest peak and step peak (``runs.run_steps``: over its ranks the largest), with the run's description; or
+        the first failure."""
+        args, layers = self.args, None if layers is not None and layers == self.depth else layers
         key = (side, seq, layers, offload, steps)
         if key in self.done:
             return self.done[key]
         spec = {"side": side, "job": self.job(side, seq, layers, offload)}
         ranks = args.ring * args.ulysses if side == "lctrain" else 1
-        warmup_seq = min(args.warmup_seq, seq)
         what = f"{side}, {ranks} rank(s), S={seq}" + (f", {layers} layers" if layers else "")
         what += ", activation offload" if offload else ""
         print(f"probe: {what} ...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
+        started, warmup = time.perf_counter(), [(min(args.warmup_seq, seq), 1)]
         with memory.malloc_env(for_memory=args.device == "cpu"):
-            result = self.run(spec, ranks, warmup_seq, seq, steps)
+            run = run_steps({"p": spec}, ranks, warmup, [(seq, 0)] * steps, budget=self.budget,
+                            timeout_s=args.probe_timeout)["p"]  # fmt: skip
+        failed = next((r for r in [run["ready"], *run["steps"]] if not r["ok"]), None)
+        result = failed or {**run["ready"], "step_s": [r["step_s"] for r in run["steps"]]}
+        result |= {} if failed else {key: max(r[key] for r in run["steps"]) for key in ("peak", "step_peak")}
         result["wall_s"] = time.perf_counter() - started
         probe = Probe(seq, fits(result, self.budget), result)
         if result["ok"] and not probe.fits:
@@ -146,19 +149,6 @@ class Bench:
         self.log.append({"probe": what, "spec": spec, "fits": probe.fits, "result": result})
         self.done[key] = probe
         return probe
-
-    def run(self, spec: dict[str, Any], ranks: int, warmup_seq: int, seq: int, steps: int) -> dict[str, Any]:
-        """A probe's figures (``runs.run_steps``: over its ranks the largest): its steps' times, their largest peak and
-        step peak, with the run's description; or the first failure."""
-        budget, timeout_s = self.budget, self.args.probe_timeout
-        side = run_steps({"p": spec}, ranks, [(warmup_seq, 1)], [(seq, 0)] * steps, budget=budget, timeout_s=timeout_s)
-        side = side["p"]
-        failed = next((r for r in [side["ready"], *side["steps"]] if not r["ok"]), None)
-        if failed is not None:
-            return failed
-        results = side["steps"]
-        peaks = {key: max(r[key] for r in results) for key in ("peak", "step_peak")}
-        return {**side["ready"], "step_s": [r["step_s"] for r in results], **peaks}
 
 
 def memory_cell(value: float) -> str:
@@ -305,7 +295,9 @@ def mesh_label(side: str, ranks: int) -> str:
 
 def scaling_section(bench: Bench) -> list[str]:
     args = bench.args
-    args.safe_gib = min(args.safe_gib, (memory.available() - 2 * GIB) / GIB)  # what is free now
+    args.safe_gib = min(
+        args.safe_gib, (memory.proc_bytes("MemAvailable", "/proc/meminfo") - 2 * GIB) / GIB
+    )  # what is free now
     for ranks in sorted(args.scaling_ranks):
         seqs = [ranks * n for n in args.per_rank if ranks * n <= args.max_scaling_seq]
         bench.points += scaling_points(bench, "lctrain", ranks, seqs)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
+from benchmarks.sides import lm_step
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
 from lctrain.testing import run_distributed
@@ -37,12 +38,6 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def step(model: torch.nn.Module, input_ids: torch.Tensor, _round: int = 0) -> None:
-    """One forward and backward, the gradients then dropped."""
-    model(input_ids=input_ids, labels=input_ids).loss.backward()
-    model.zero_grad(set_to_none=True)
-
-
 def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
     """The table of the single part, and each side's step times in seconds."""
     device = torch.device(args.device)
@@ -59,7 +54,7 @@ def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
         apply_expert_parallel(model, None, kernel)
         sides[f"lctrain {kernel}" + (" (chosen here)" if kernel == chosen else "")] = model
     input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    steps = {name: functools.partial(step, model, input_ids) for name, model in sides.items()}
+    steps = {name: functools.partial(lm_step, model, input_ids) for name, model in sides.items()}
     measured = rounds(steps, args.warmup, args.steps, alternate=False, device=device)
     base = median(measured["transformers grouped_mm"], "wall")
     rows = [[name, f"{median(r, 'wall') * 1e3:.0f}", f"{median(r, 'wall') / base:.2f}"] for name, r in measured.items()]
@@ -67,10 +62,10 @@ def single(args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
     return table(["experts implementation", "fwd+bwd ms (median)", "vs transformers' default"], rows), times
 
 
-def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
+def ep_rank(args: argparse.Namespace) -> str:
     """On each of the 4 ranks: the model with its experts spread over 1, 2 and 4 ranks, side by side, their steps
-    taken in turn; per ep the median step time and the step's memory growth (the slowest and the largest rank's) and
-    the expert weights held here."""
+    taken in turn; the table of the median step time and the step's memory growth (the slowest and the largest
+    rank's) and the expert weights held here, per ep."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, models, held = dist.get_world_size(), {}, {}
@@ -81,19 +76,12 @@ def ep_rank(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         weights = [p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
         held[ep] = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in weights)
     input_ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
-    steps = {ep: functools.partial(step, model, input_ids) for ep, model in models.items()}
+    steps = {ep: functools.partial(lm_step, model, input_ids) for ep, model in models.items()}
     measured = gathered_slowest(rounds(steps, args.warmup, args.steps, alternate=False, memory=True, barrier=True))
-    growth = {ep: max(r["growth"] for r in measured[ep]) for ep in EP_DEGREES}
-    return {ep: {"step_s": median(measured[ep], "wall"), "experts_bytes": held[ep], "growth_bytes": growth[ep]}
-            for ep in EP_DEGREES}  # fmt: skip
-
-
-def expert_parallel(args: argparse.Namespace) -> str:
-    ranks = run_distributed(ep_rank, 4, args)
-    rows, base = [], ranks[0][EP_DEGREES[0]]["step_s"]
-    for ep, figures in ranks[0].items():  # every rank's figures are the slowest rank's
-        step_s, weights, growth = figures["step_s"], figures["experts_bytes"] / MIB, figures["growth_bytes"] / MIB
-        rows.append([str(ep), f"{step_s * 1e3:.0f}", f"{step_s / base:.2f}", f"{weights:.1f}", f"{growth:.0f}"])
+    rows, base = [], median(measured[EP_DEGREES[0]], "wall")
+    for ep in EP_DEGREES:
+        step_s, growth = median(measured[ep], "wall"), max(r["growth"] for r in measured[ep]) / MIB
+        rows.append([str(ep), f"{step_s * 1e3:.0f}", f"{step_s / base:.2f}", f"{held[ep] / MIB:.1f}", f"{growth:.0f}"])
     header = ["ep", "step ms (slowest rank)", "vs ep 1", "expert weights per rank MiB", "step's peak growth MiB"]
     return table(header, rows)
 
@@ -121,7 +109,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"command": command(), "device": args.device, "times": times}))
     if args.part in ("ep", "all"):
-        print("4 ranks, one row each:\n" + expert_parallel(args))
+        print("4 ranks, one row each:\n" + run_distributed(ep_rank, 4, args)[0])
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
+from benchmarks.report import arguments
 from benchmarks.timing import median_seconds
 from lctrain.attention import SequencePlace
 from lctrain.linear_attention.gated_deltanet import patch_linear_attention
@@ -62,14 +63,12 @@ def rank_seconds(args: argparse.Namespace, length: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, head_dim=64, iters=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--key-heads", type=int, default=4)
     parser.add_argument("--value-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(

@@ -29,15 +29,6 @@ LONG_TURNS = 200
 LONG_SEQ_LEN = 131072
 
 
-def train_step_seconds(tokens: int, steps: int, device: str) -> float:
-    """Median seconds of one training step of the plain Hugging Face loop (``sides.HFSide``: forward, backward,
-    AdamW, fp32) of a tiny Llama on ``tokens`` tokens on ``device``, after one warm-up step (``runs.run_steps``)."""
-    model = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "model.num_heads=4"]
-    job = tiny_job(*model, "model.num_kv_heads=4", f"train.device={device}", "checkpoint.resume=none")
-    every = [(tokens, index) for index in range(steps + 1)]
-    return median(run_steps({"hf": {"side": "hf", "job": job}}, 1, every[:1], every[1:])["hf"]["steps"], "step_s")
-
-
 def write_long_conversations(path: Path, count: int, seed: int = 0) -> None:
     """``count`` jsonl conversations of ``LONG_TURNS`` turns (user and assistant in turn), each 125,743 tokens of the
     embedded tokenizer: excerpts of 2,750 characters of the standard library's ``inspect.py``."""
@@ -60,8 +51,7 @@ def loader_rates(config: DataConfig, place: SequencePlace, rows: int) -> tuple[f
     batches = iter(PackedLoader(config, place=place))
     next(batches)
     with clock() as seconds:
-        for _ in islice(batches, rows):
-            pass
+        sum(1 for _ in islice(batches, rows))
     return rows / seconds["wall"], rows * config.seq_len / seconds["wall"]
 
 
@@ -84,13 +74,10 @@ def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: 
     every = [(1024, index) for index in range(max(3, args.default_job_steps))]
     steps = run_steps({"job": job}, 4, every[:2], every[2:])["job"]["steps"]  # the first steps warm up
     step = median(steps, "step_s")
-    job_rows, job_tokens = 1 / step, 1024 / step
-    lines = [
-        f"default job (recipe=tiny_cpu, 4 processes): median step {step:.3f} s over {len(steps)} steps = "
-        f"{job_rows:.2f} rows/s, {job_tokens:,.0f} tokens/s",
-        "",
-        f"{'conversations':58} {'rows/s':>9} {'tokens/s':>11} {'x the job':>10}",
-    ]
+    job_tokens = 1024 / step
+    lines = [f"default job (recipe=tiny_cpu, 4 processes): median step {step:.3f} s over {len(steps)} steps = "
+             f"{1 / step:.2f} rows/s, {job_tokens:,.0f} tokens/s", "",
+             f"{'conversations':58} {'rows/s':>9} {'tokens/s':>11} {'x the job':>10}"]  # fmt: skip
     short = DataConfig(seq_len=1024, format="chat", tokenizer=str(tokenizer_dir))
     with tempfile.TemporaryDirectory() as scratch:
         plain = Path(scratch) / "chatml_without_marks.jinja"
@@ -142,7 +129,13 @@ def main() -> None:
 
     place = SequencePlace(ring_size=args.ring, ulysses_size=args.ulysses)
     loader_seconds = 1 / loader_rates(DataConfig(seq_len=args.seq_len), place, -(-args.tokens // args.seq_len))[0]
-    step_seconds = train_step_seconds(local, args.train_steps, args.device)
+    # one step of the plain Hugging Face loop (sides.HFSide, fp32) of a tiny Llama on one rank's tokens
+    model = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "model.num_heads=4"]
+    job = tiny_job(*model, "model.num_kv_heads=4", f"train.device={args.device}", "checkpoint.resume=none")
+    every = [(local, index) for index in range(args.train_steps + 1)]
+    step_seconds = median(
+        run_steps({"hf": {"side": "hf", "job": job}}, 1, every[:1], every[1:])["hf"]["steps"], "step_s"
+    )
     loader_rate, step_rate = local / loader_seconds, local / step_seconds
     print(f"command: {command()}")
     gpu = f", train step on {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""

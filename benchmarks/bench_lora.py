@@ -5,7 +5,6 @@ and step time, split into the forward + backward and the optimizer step (clippin
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from benchmarks import memory
 from benchmarks.jobs import bench_job, shape_overrides
@@ -28,25 +27,6 @@ def jobs(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"full": base, "lora": [*base, *lora]}
 
 
-def measure_time(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[str, Any]:
-    """Both jobs in one group, their steps in turn, each timed in two parts: the medians of the slowest rank."""
-    sides = {side: {"side": "lctrain", "job": job, "part": "parts"} for side, job in specs.items()}
-    steps = [(args.seq, index) for index in range(args.warmup + args.steps)]
-    with memory.malloc_env(for_memory=False):
-        result = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
-    times: dict[str, Any] = {"trained": {side: result[side]["ready"]["model"]["trained"] for side in SIDES}}
-    parts = ("forward_backward_s", "optimizer_s")
-    return times | {f"{side}_{part}": median(result[side]["steps"], part) for side in SIDES for part in parts}
-
-
-def measure_memory(args: argparse.Namespace, specs: dict[str, list[str]]) -> dict[str, int]:
-    """Each job in a group of its own: the largest peak over the ranks of a step after a warm-up one."""
-    with memory.malloc_env(for_memory=True):
-        steps = {side: run_steps({side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)],
-                                 [(args.seq, 0)])[side]["steps"] for side in SIDES}  # fmt: skip
-    return {side: steps[side][0]["peak"] for side in SIDES}
-
-
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5)
     parser.add_argument("--ranks", type=int, choices=sorted(MESHES), default=2)
@@ -58,9 +38,16 @@ def main() -> None:
     parser.add_argument("--trainable", default="", help="model.lora.trainable, comma-separated (default: none)")
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
-    specs = jobs(args)
-    times = measure_time(args, specs)
-    peaks = measure_memory(args, specs)
+    specs, steps = jobs(args), [(args.seq, index) for index in range(args.warmup + args.steps)]
+    with memory.malloc_env(for_memory=False):  # both jobs in one group, their steps in turn, each in two parts
+        sides = {side: {"side": "lctrain", "job": job, "part": "parts"} for side, job in specs.items()}
+        timed = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
+    with memory.malloc_env(for_memory=True):  # each job in a group of its own: a step after a warm-up one
+        peaks = {side: run_steps({side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)],
+                                 [(args.seq, 0)])[side]["steps"][0]["peak"] for side in SIDES}  # fmt: skip
+    times = {
+        side: [median(timed[side]["steps"], part) for part in ("forward_backward_s", "optimizer_s")] for side in SIDES
+    }
     ring, ulysses = MESHES[args.ranks]
     trained = f" + {args.trainable}" if args.trainable else ""
     print(f"\n{args.ranks} rank(s) (ring {ring} × Ulysses {ulysses}), width {args.hidden}, MLP {args.intermediate}, "
@@ -68,14 +55,12 @@ def main() -> None:
           "steps\n")  # fmt: skip
     rows = []
     for side in SIDES:
-        fwd_bwd, opt = times[f"{side}_forward_backward_s"], times[f"{side}_optimizer_s"]
-        cells = ["full fine-tuning" if side == "full" else "LoRA", f"{times['trained'][side]:,}"]
-        cells += [f"{peaks[side] / MIB:,.0f} MiB", f"{fwd_bwd:.3f} s", f"{opt * 1e3:.1f} ms", f"{fwd_bwd + opt:.3f} s"]
-        rows.append(cells)
+        (fwd_bwd, opt), count = times[side], timed[side]["ready"]["model"]["trained"]
+        cells = ["full fine-tuning" if side == "full" else "LoRA", f"{count:,}", f"{peaks[side] / MIB:,.0f} MiB"]
+        rows.append([*cells, f"{fwd_bwd:.3f} s", f"{opt * 1e3:.1f} ms", f"{fwd_bwd + opt:.3f} s"])
     header = ["", "trained parameters", "peak memory per rank", "forward + backward", "optimizer step", "step"]
     print(table(header, rows))
-    extra = times["lora_forward_backward_s"] - times["full_forward_backward_s"]
-    saved = times["full_optimizer_s"] - times["lora_optimizer_s"]
+    extra, saved = times["lora"][0] - times["full"][0], times["full"][1] - times["lora"][1]
     verdict = "within" if extra <= saved else "NOT within"
     print(f"\nthe adapters' forward + backward cost {extra * 1e3:+.1f} ms against full fine-tuning's; the optimizer "
           f"step saves {saved * 1e3:.1f} ms: {verdict} the bar")  # fmt: skip

@@ -24,15 +24,6 @@ def job_overrides(args: argparse.Namespace, microbatches: int, pipeline: list[st
     return bench_job("cpu", "parallel.ring=1", "parallel.ulysses=1", *shape_overrides(shape), *rows, *pipeline)
 
 
-def time_steps(args: argparse.Namespace, microbatches: int, pipeline: list[str]) -> tuple[float, list[float]]:
-    """The median wall time of ``forward_backward`` over one batch of all the rows (the slower rank's), and each
-    rank's median CPU time in it."""
-    spec = {"side": "lctrain", "job": job_overrides(args, microbatches, pipeline), "batch": microbatches}
-    steps = [(args.seq, 0)] * (args.warmup + args.steps)
-    result = run_steps({"pp": spec | {"part": "forward_backward"}}, 2, steps[: args.warmup], steps[args.warmup :])["pp"]
-    return median(result["steps"], "step_s"), [median(rank, "cpu_s") for rank in result["per_rank"]]
-
-
 def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str]:
     """Split points that give each stage about the same work, the last stage's LM head and loss counting as
     ``head_layers`` decoder layers (the last stage keeps at least one layer)."""
@@ -41,13 +32,6 @@ def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str
     rest = num_layers - last
     sizes = [rest // (stages - 1) + (index < rest % (stages - 1)) for index in range(stages - 1)] + [last]
     return [f"model.layers.{sum(sizes[:index])}" for index in range(1, stages)]
-
-
-def head_layers(args: argparse.Namespace) -> float:
-    """The LM head's parameters in units of one decoder layer's (a rough measure of its forward + backward work)."""
-    cfg = load_config(job_overrides(args, 1, []))
-    model = build_empty_model(model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer))))
-    return model.lm_head.weight.numel() / sum(p.numel() for p in model.model.layers[0].parameters())
 
 
 def main() -> None:
@@ -62,8 +46,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
-    pp = 2
-    head = head_layers(args)
+    pp, cfg = 2, load_config(job_overrides(args, 1, []))
+    model = build_empty_model(model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer))))
+    # the LM head's parameters in units of one decoder layer's (a rough measure of its forward + backward work)
+    head = model.lm_head.weight.numel() / sum(p.numel() for p in model.model.layers[0].parameters())
     print(f"`{command()}`\n\n{machine_line()}\n")
     print(f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts as "
           f"{head:.1f} layers for the split.\n")  # fmt: skip
@@ -73,8 +59,11 @@ def main() -> None:
         split = balanced_split(args.layers, head, pp * v)
         pipeline = [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={v}"]
         pipeline.append(f"parallel.pp_split_points=[{','.join(split)}]")
-        for m in args.microbatches:
-            measured, busy = time_steps(args, m, pipeline)
+        for m in args.microbatches:  # forward_backward over one batch of all the rows: the slower rank's wall time
+            spec = {"side": "lctrain", "job": job_overrides(args, m, pipeline), "batch": m, "part": "forward_backward"}
+            steps = [(args.seq, 0)] * (args.warmup + args.steps)
+            result = run_steps({"pp": spec}, pp, steps[: args.warmup], steps[args.warmup :])["pp"]
+            measured, busy = median(result["steps"], "step_s"), [median(rank, "cpu_s") for rank in result["per_rank"]]
             textbook = (pp - 1) / (v * m + pp - 1)
             cells = [schedule, " ".join(point.rsplit(".", 1)[1] for point in split), str(m), f"{measured * 1e3:.0f}"]
             cells += [" / ".join(f"{cpu * 1e3:.0f}" for cpu in busy), f"{1 - max(busy) / measured:.2f}"]

@@ -38,16 +38,14 @@ def pair_spec(args: argparse.Namespace, prompt: int, shared: bool, *changes: str
 
 
 def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -> dict[str, dict[str, float]]:
-    """Each side's median step time of the slowest rank and of the busiest rank's CPU time, largest step growth,
-    activations and peak over the ranks (``runs.run_steps``: ``ranks`` spawned gloo processes, or one fresh process,
-    its group of one on the job's device, NCCL on CUDA). ``specs``: per side ``job``, ``prompt``, ``completion``,
-    ``shared``, and ``precompute`` (the reference's log-probs precomputed)."""
+    """Each side's median step time and CPU time, largest step growth, activations and peak over the ranks
+    (``runs.run_steps``); ``specs``: per side ``pair_spec`` and ``precompute`` (the reference's log-probs)."""
     every = [(0, index) for index in range(warmup + steps)]  # a pair's row is as long as its job's data.seq_len
     sides = {}
     for name, spec in specs.items():
         pair = {key: spec[key] for key in ("prompt", "completion", "shared")}
-        sides[name] = {"side": "lctrain", "job": spec["job"], "rows": "pairs", "pair": pair, "part": "forward_backward"}
-        sides[name]["precompute"] = every if spec.get("precompute") else None
+        sides[name] = {"side": "lctrain", "job": spec["job"], "rows": "pairs", "pair": pair, "part": "forward_backward",
+                       "precompute": every if spec.get("precompute") else None}  # fmt: skip
     with memory.malloc_env(for_memory=True):
         result = run_steps(sides, ranks, every[:warmup], every[warmup:])
     figures = {}
@@ -55,8 +53,8 @@ def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -
         if not side["ready"]["ok"] or not all(step["ok"] for step in side["steps"]):
             raise RuntimeError(f"{name}: {next(r for r in [side['ready'], *side['steps']] if not r['ok'])['error']}")
         figures[name] = {"time": median(side["steps"], "step_s"), "cpu": median(side["steps"], "cpu_s")}
-        figures[name] |= {key: max(step[key] for step in side["steps"]) for key in ("step_peak", "kept", "peak")}
-        figures[name]["growth"] = figures[name].pop("step_peak")
+        figures[name] |= {key: max(step[key] for step in side["steps"]) for key in ("kept", "peak")}
+        figures[name]["growth"] = max(step["step_peak"] for step in side["steps"])
     return figures
 
 

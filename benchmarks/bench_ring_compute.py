@@ -22,8 +22,7 @@ from lctrain.attention.transport import Transfer
 
 def sdpa_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
     q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    out.backward(dout.transpose(1, 2))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout.transpose(1, 2))
 
 
 def resolved(q: torch.Tensor, k: torch.Tensor, choice: str) -> AttentionKernel:
@@ -57,10 +56,8 @@ def rank_work(
 ) -> Callable[[], None]:
     """Returns a closure running ring rank ``rank``'s passes (forward then backward) of a zigzag ring."""
     kernel, scale = resolved(q, k, choice), default_scale(q.shape[-1])
-    pieces = [
-        [shard_sequence(t, dim=1, ring_rank=r, ring_size=ring).contiguous() for t in (q, k, v, dout)]
-        for r in range(ring)
-    ]
+    pieces = [[shard_sequence(t, dim=1, ring_rank=r, ring_size=ring).contiguous() for t in (q, k, v, dout)]
+              for r in range(ring)]  # fmt: skip
     q_own, k_own, v_own, dout_own = pieces[rank]
     plan = plan_ring(rank, ring, q_own.shape[1], causal=True, layout="zigzag")
     peers = LocalPeers(rank, plan, [(piece[1], piece[2]) for piece in pieces])

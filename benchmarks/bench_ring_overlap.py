@@ -32,11 +32,10 @@ def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
 
     from lctrain.attention.kernels import AttentionKernel
 
-    def forward(q, k, v, *, causal, scale, window_left=None):  # noqa: ANN001, ANN202
-        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
-        return torch.zeros(q.shape), lse
+    def forward(q, k, v, **_):  # noqa: ANN001, ANN202
+        return torch.zeros(q.shape), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    def backward(dout, q, k, v, out, lse, *, causal, scale, window_left=None):  # noqa: ANN001, ANN202
+    def backward(dout, q, k, v, out, lse, **_):  # noqa: ANN001, ANN202
         return torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
 
     return AttentionKernel("no_compute", forward, backward)
@@ -52,21 +51,18 @@ def no_compute(passes: rings.Passes) -> rings.Passes:
     return rings.Passes(forward, passes.backward)
 
 
-def timed_pass(rate: str | None, passes: Any, _round: int = 0) -> dict[str, float]:
-    """With the link limited to ``rate``, one forward + backward, every rank starting together: its forward,
-    backward and total seconds."""
-    set_limit(rate)
-    with clock() as forward:
-        passes.forward()
-    with clock() as backward:
-        passes.backward()
-    return {"forward": forward["wall"], "backward": backward["wall"], "total": forward["wall"] + backward["wall"]}
-
-
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
-    """Each side (its link rate, its passes) timed once per round, in turn (``timing.rounds``), so that a change in
-    the machine's load hits them alike; per side the median over ``iters`` rounds after ``warmup`` of the slowest
-    rank's ``timed_pass``."""
+    """Each side (its link rate, its passes) timed once per round, in turn (``timing.rounds``): per side the median
+    of the slowest rank's forward, backward and total seconds."""
+
+    def timed_pass(rate: str | None, passes: Any, _round: int) -> dict[str, float]:
+        set_limit(rate)  # and every rank starts together
+        with clock() as forward:
+            passes.forward()
+        with clock() as backward:
+            passes.backward()
+        return {"forward": forward["wall"], "backward": backward["wall"], "total": forward["wall"] + backward["wall"]}
+
     steps = {name: functools.partial(timed_pass, *side) for name, side in sides.items()}
     measured = gathered_slowest(rounds(steps, warmup, iters, alternate=False, timed=False))
     return {side: {n: median(r, n) for n in ("forward", "backward", "total")} for side, r in measured.items()}
@@ -101,26 +97,22 @@ def set_limit(rate: str | None) -> None:
 
 
 def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """On each rank of the default process group: every point of ``spec``; rank 0 writes the probe's hardware
-    files. Every rank returns the results (each round's figures the slowest rank's)."""
+    """On each rank of the default process group: every point of ``spec`` (each round's figures the slowest rank's);
+    rank 0 writes the probe's hardware files."""
     import torch
     import torch.distributed as dist
 
     from lctrain.planner.probe import ProbeOptions, measure, write_hardware
 
-    group, out = dist.group.WORLD, Path(spec["out"])
-    warmup, iters = spec["warmup"], spec["iters"]
-    results: list[dict[str, Any]] = []
+    group, out, results = dist.group.WORLD, Path(spec["out"]), []
     for shape in spec["shapes"]:
         heads, kv_heads = SHAPES[shape]
         shapes = (heads, kv_heads, HEAD_DIM, torch.bfloat16)
-        inputs = {
-            t: rings.rank_shards(rings.random_inputs(t * dist.get_world_size(), *shapes, seed=t))
-            for t in spec["tokens"]
-        }
+        full = {t: rings.random_inputs(t * dist.get_world_size(), *shapes, seed=t) for t in spec["tokens"]}
+        inputs = {t: rings.rank_shards(tensors) for t, tensors in full.items()}
         for rate in spec["rates"]:
             set_limit(rate)
-            record = measure(ProbeOptions(heads, kv_heads, HEAD_DIM, iters=iters), torch.device("cpu"))
+            record = measure(ProbeOptions(heads, kv_heads, HEAD_DIM, iters=spec["iters"]), torch.device("cpu"))
             hardware = out / f"hardware-{shape}-{rate}.json"
             if dist.get_rank() == 0:
                 write_hardware(record, hardware)
@@ -129,7 +121,7 @@ def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 sides = {"compute": (None, ours), "torch_free": (None, theirs), "comm": (rate, no_compute(ours))}
                 sides |= {"ring": (rate, ours), "torch": (rate, theirs)}
                 point = {"shape": shape, "rate": rate, "tokens": tokens, "hardware": str(hardware)}
-                point |= time_sides(sides, warmup, iters)
+                point |= time_sides(sides, spec["warmup"], spec["iters"])
                 set_limit(None)
                 point["waits_free"] = ring_waits(ours, out / f"timeline-{shape}-none-{tokens}")
                 set_limit(rate)
@@ -187,20 +179,11 @@ def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool,
 
 def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, int]]:
     """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host), from
-    the ring plan (``rings.ring_traffic``): K/V in bf16 in the forward; in the backward, while each step computes,
-    the next step's K/V and the previous step's dK/dV (fp32), as ``ring.py`` schedules them."""
-    row = kv_heads * HEAD_DIM * 2  # K and V elements per row
-    traffic = rings.ring_traffic(ranks, tokens)
-    forward = [max(t.kv[s] for t in traffic) * row * 2 for s in range(1, len(traffic[0].kv))]
-    backward = []
-    for index in range(len(traffic[0].kv)):  # the backward's order: the last step first, the own piece last
-        loads = []
-        for t in traffic:
-            kv, dkv = t.kv[::-1], t.dkv[::-1]
-            fetch = kv[index + 1] * row * 2 if index + 1 < len(kv) else 0
-            loads.append(fetch + (dkv[index - 1] * row * 4 if index else 0))
-        backward.append(max(loads))
-    return {"forward": (max(forward), sum(forward)), "backward": (max(backward), sum(backward))}
+    the ring plan (``rings.Traffic.step_bytes``): K/V in bf16, dK/dV in fp32, as ``ring.py`` schedules them."""
+    row = kv_heads * HEAD_DIM * 2 * 2  # K and V, bf16
+    per_rank = [t.step_bytes(row, 2 * row) for t in rings.ring_traffic(ranks, tokens)]
+    busiest = [[max(step) for step in zip(*(sent[index] for sent in per_rank))] for index in (0, 1)]
+    return {name: (max(steps), sum(steps)) for name, steps in zip(("forward", "backward"), busiest)}
 
 
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
@@ -352,10 +335,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_ring_overlap_") as scratch:
         for ranks in args.ranks:
             tokens = [t for t in args.tokens if ranks < 4 or t <= args.max_tokens_p4]
-            work = Path(scratch) / f"p{ranks}"
-            work.mkdir()
-            spec = {"shapes": args.shapes, "rates": rates, "tokens": tokens, "out": str(work)}
-            spec |= {"warmup": args.warmup, "iters": args.iters}
+            (work := Path(scratch) / f"p{ranks}").mkdir()
+            spec = {"shapes": args.shapes, "rates": rates, "tokens": tokens, "out": str(work), "warmup": args.warmup}
+            spec["iters"] = args.iters
             results[ranks] = run_ranks(ranks, spec, work, namespaces=namespaces, timeout_s=args.timeout)
             print(f"- P={ranks}: {time.perf_counter() - started:.0f} s so far", flush=True)
         summaries = report(results, namespaces)

@@ -12,6 +12,8 @@ import functools
 import torch
 
 from benchmarks.report import arguments, command, commit, machine_line, table
+from benchmarks.rings import random_inputs
+from benchmarks.sides import lm_step
 from benchmarks.timing import median, median_seconds, rounds
 from lctrain.attention import usp_attention
 from lctrain.models.patch import patch_attention
@@ -22,19 +24,13 @@ VOCAB = 1024
 
 def attention_pass(tensors: list[torch.Tensor], sinks: torch.Tensor | None, window: int | None) -> None:
     """Forward + backward of ``usp_attention`` (no groups: one rank's piece), with ``sinks`` or without."""
-    q, k, v, dout = tensors
-    out = usp_attention(q, k, v, causal=True, layout="contiguous", window=window, sinks=sinks)
-    out.backward(dout)
+    usp_attention(*tensors[:3], causal=True, layout="contiguous", window=window, sinks=sinks).backward(tensors[3])
 
 
 def sinks_share(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(0)
-    heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
-    tensors = [
-        torch.randn(1, args.tokens, h, args.head_dim, generator=gen).to(device, dtype).requires_grad_(i < 3)
-        for i, h in enumerate(heads)
-    ]
-    sinks = torch.randn(args.heads, generator=gen).to(device, dtype).requires_grad_()
+    full = random_inputs(args.tokens, args.heads, args.kv_heads, args.head_dim, torch.float32)
+    tensors = [t.to(device, dtype).requires_grad_(i < 3) for i, t in enumerate(full)]
+    sinks = torch.randn(args.heads, generator=torch.Generator().manual_seed(1)).to(device, dtype).requires_grad_()
     print(f"attention: {args.tokens} tokens, window {args.window}, forward+backward, median of {args.iters}")
     times = {
         name: median_seconds(functools.partial(attention_pass, tensors, s, args.window), args.iters, device=device)
@@ -43,12 +39,6 @@ def sinks_share(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     for name, seconds in times.items():
         print(f"| {name} | {seconds * 1e3:.1f} ms |")
     print(f"| the sinks' share | {times['with sinks'] / times['without sinks'] - 1:+.1%} |\n")
-
-
-def model_step(model: torch.nn.Module, input_ids: torch.Tensor, _round: int = 0) -> None:
-    """One forward and backward of the language-model loss, the gradients then dropped."""
-    model(input_ids=input_ids, labels=input_ids).loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def against_transformers(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
@@ -67,7 +57,7 @@ def against_transformers(args: argparse.Namespace, device: torch.device, dtype: 
     apply_expert_parallel(ours, None, expert_kernel(device, dtype))
     input_ids = torch.randint(0, VOCAB, (1, args.model_tokens), generator=torch.Generator().manual_seed(0))
     sides = {"transformers (eager)": hf, "lctrain": ours}
-    steps = {name: functools.partial(model_step, model, input_ids.to(device)) for name, model in sides.items()}
+    steps = {name: functools.partial(lm_step, model, input_ids.to(device)) for name, model in sides.items()}
     measured = rounds(steps, 1, args.iters, device=device)
     base = median(measured["transformers (eager)"], "wall")
     print(f"tiny gpt-oss, 2 layers, hidden 256, {args.model_tokens} tokens, forward+backward, median of {args.iters}")
@@ -76,12 +66,11 @@ def against_transformers(args: argparse.Namespace, device: torch.device, dtype: 
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0], heads=8, kv_heads=2, head_dim=64, iters=5)
+    parser = arguments(__doc__.split("\n\n")[0], heads=8, kv_heads=2, head_dim=64, iters=5, device="cpu")
     parser.add_argument("--tokens", type=int, default=4096, help="the attention part's tokens")
     parser.add_argument("--model-tokens", type=int, default=2048, help="the model part's tokens")
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass
 class Case:
     """One run and, once it ran, its ``result``: ``ready``, ``first`` (its first step), ``steps`` (the measured
-    ones), ``memory`` (the steps its memory figures come from), ``profile``."""
+    ones), ``memory`` (the steps of its memory figures), ``profile``."""
 
     label: str
     side: str
@@ -67,8 +67,7 @@ class Case:
     result: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def error(self) -> str | None:
-        """The first failure's error; None when every step finished."""
+    def error(self) -> str | None:  # the first failure's; None when every step finished
         every = [self.result["ready"], *self.result["steps"], *self.result["memory"]]
         return next((r["error"] for r in every if not r["ok"]), None)
 
@@ -94,17 +93,17 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
 
 
 def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: int, profiles: bool) -> list[dict]:
-    """Run ``cases`` side by side, one step each in turn, the order reversed every step (``timing.rounds``); returns
-    each one's ``ready``, ``first`` and measured ``steps`` and, with ``profiles``, the profiled step it asks for
-    (``--profile``, FSDP2's share)."""
+    """Run ``cases`` side by side, one step each in turn (``timing.rounds``): each one's ``ready``, ``first`` and
+    measured ``steps`` and, with ``profiles``, the profiled step it asks for (``--profile``, FSDP2's share)."""
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         runs = []
         for case in cases:
-            spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None}
-            spec["doc_len"] = args.doc_len if args.rows == "packed" else None
-            run = Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator)
-            runs.append(stack.enter_context(run))
+            spec = {"side": case.side, "job": case.job, "threads": args.threads if args.device == "cpu" else None,
+                    "doc_len": args.doc_len if args.rows == "packed" else None}  # fmt: skip
+            runs.append(
+                stack.enter_context(Run({case.side: spec}, timeout_s=args.run_timeout, allocator=case.allocator))
+            )
             outcomes.append({"ready": runs[-1].describe(case.side)})
 
         def step(index: int, seed: int) -> dict[str, Any]:
@@ -149,11 +148,9 @@ def measure(points: list[list[Case]], args: argparse.Namespace) -> None:
 def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Step and CPU time, tokens/s, MFU (and the document MFU for packed rows), memory of one finished case."""
     ready, steps, memory = case.result["ready"], case.result["steps"], case.result["memory"]
-    model = ready["model"]
-    step = median(steps, "step_s")
-    tokens_per_s = case.seq / step
+    step, model = median(steps, "step_s"), ready["model"]
+    tokens_per_s, sizes = case.seq / step, (model["params"], model["layers"], model["hidden"])
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ready["peak_flops"]
-    sizes = (model["params"], model["layers"], model["hidden"])
     document = document_flops_per_token(*sizes, document_lengths(case.seq, args.doc_len))
     reserved = [r["reserved"] for r in memory if r["reserved"] is not None]
     return {"step": step, "cpu": median(steps, "cpu_s"), "tokens_per_s": tokens_per_s,

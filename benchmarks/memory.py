@@ -1,10 +1,10 @@
-"""The memory figures of a process beyond a step's (``lctrain.train.meter.StepMemory``): its resident set, its
-proportional set size, what the machine has left; the glibc setting CPU measurements run under; a watchdog."""
+"""What CPU memory measurements share beyond a step's figures (``lctrain.train.meter``): the glibc setting they run
+under, and a watchdog that ends a step past its budget."""
 
 from __future__ import annotations
 
 import contextlib
-import gc
+import ctypes
 import json
 import os
 import threading
@@ -24,25 +24,6 @@ def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
     return proc_bytes(key, path)
 
 
-def reset_peak() -> int:
-    """Collect garbage, reset the resident-set high-water mark (VmHWM) to the current RSS and return that RSS."""
-    from lctrain.train.meter import reset_resident_peak
-
-    gc.collect()
-    reset_resident_peak()
-    return proc_bytes("VmRSS")
-
-
-def pss() -> int:
-    """This process's proportional set size: its private pages plus its share of pages it maps with others."""
-    return proc_bytes("Pss", "/proc/self/smaps_rollup")
-
-
-def available() -> int:
-    """The memory the machine can give without swapping (``MemAvailable``)."""
-    return proc_bytes("MemAvailable", "/proc/meminfo")
-
-
 @contextlib.contextmanager
 def malloc_env(*, for_memory: bool) -> Iterator[None]:
     """Processes started inside get ``MALLOC_MMAP_THRESHOLD_`` (memory measurements) or glibc's default (timings:
@@ -54,6 +35,13 @@ def malloc_env(*, for_memory: bool) -> Iterator[None]:
     finally:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         os.environ.update({} if saved is None else {"MALLOC_MMAP_THRESHOLD_": saved})
+
+
+def follow_malloc_env() -> None:
+    """In a forked rank (``lctrain.testing.run_distributed``), whose allocator started before ``malloc_env`` set the
+    variable: apply it as a spawned rank's glibc would."""
+    if threshold := os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        ctypes.CDLL(None).mallopt(-3, int(threshold))  # -3: M_MMAP_THRESHOLD
 
 
 class BudgetWatchdog(threading.Thread):
@@ -78,8 +66,3 @@ class BudgetWatchdog(threading.Thread):
     def __exit__(self, *exc: object) -> None:
         self.stopped.set()
         self.join()
-
-
-def aborted_growth(marker_dir: Path) -> int | None:
-    """The largest growth a watchdog wrote under ``marker_dir`` (``rank*.json``), or None if none stopped a step."""
-    return max((json.loads(m.read_text())["growth"] for m in marker_dir.glob("rank*.json")), default=None)

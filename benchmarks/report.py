@@ -5,6 +5,7 @@ reports."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -67,11 +68,9 @@ def defaults_by_device(args: argparse.Namespace, defaults: dict[str, tuple[Any, 
 def commit() -> str:
     """The checkout's commit, short."""
     git = ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"]
-    try:
-        out = subprocess.run(git, capture_output=True, text=True)
-    except OSError:
-        return "unknown commit"
-    return out.stdout.strip() or "unknown commit"
+    with contextlib.suppress(OSError):  # no git
+        return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown commit"
+    return "unknown commit"
 
 
 def percent(value: float | None) -> str:

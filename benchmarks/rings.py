@@ -49,9 +49,18 @@ class Traffic:
     kv: tuple[int, ...]
     dkv: tuple[int, ...]
 
+    def step_bytes(self, kv_row: int, dkv_row: int) -> tuple[list[int], list[int]]:
+        """The bytes sent at each step of the forward and of the backward (its order: the last step first; while a step
+        computes, the next step's K/V and the previous one's dK/dV), a K/V row (K and V) being ``kv_row`` bytes and a
+        dK/dV row ``dkv_row``."""
+        kv, dkv = self.kv[::-1], self.dkv[::-1]
+        backward = [fetched * kv_row + returned * dkv_row for fetched, returned in zip((*kv[1:], 0), (0, *dkv[:-1]))]
+        return [n * kv_row for n in self.kv], backward
+
     def bytes(self, kv_row: int, dkv_row: int) -> tuple[int, int]:
-        """(forward, backward) bytes, a K/V row (K and V) being ``kv_row`` bytes and a dK/dV row ``dkv_row``."""
-        return sum(self.kv) * kv_row, (sum(self.kv) - self.kv[-1]) * kv_row + sum(self.dkv) * dkv_row
+        """(forward, backward) bytes: the sums of ``step_bytes``."""
+        forward, backward = self.step_bytes(kv_row, dkv_row)
+        return sum(forward), sum(backward)
 
 
 def ring_traffic(ranks: int, tokens: int, *, layout: str = "zigzag", **plan: Any) -> list[Traffic]:

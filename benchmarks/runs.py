@@ -4,6 +4,8 @@ CPU time, loss, gradient norm, memory); the figures are described in ``docs/benc
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -33,9 +35,10 @@ def with_run_dirs(specs: Specs, directory: str) -> Specs:
 
 
 class Measured:
-    """The sides of ``specs`` in this process, each step measured."""
+    """The sides of ``specs`` in this process, each step measured; a step past its budget writes ``marker`` (the
+    watchdog's) and ends the process."""
 
-    def __init__(self, specs: Specs):
+    def __init__(self, specs: Specs, marker: Path | None = None):
         import torch
 
         from benchmarks.sides import build_side
@@ -45,10 +48,11 @@ class Measured:
         if threads := next(iter(specs.values())).get("threads"):
             torch.set_num_threads(threads)
         configs = {name: load_config(spec["job"]) for name, spec in specs.items()}
-        cfg = next(iter(configs.values()))
+        cfg, self.marker = next(iter(configs.values())), marker
         self.device = resolve_device(cfg.train.device)
-        # what is in use before the sides are built: the runtime (CPU resident set), earlier runs' leftovers
-        self.base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else memory.reset_peak()
+        gc.collect()  # what is in use before the sides are built: the runtime (CPU resident set), leftovers
+        cuda = self.device.type == "cuda"
+        self.base = torch.cuda.memory_allocated(self.device) if cuda else memory.proc_bytes("VmRSS")
         if any(spec["side"] == "lctrain" for spec in specs.values()):  # a process group of one, as `lctrain train`
             init_distributed(self.device, timeout_s=1800, host_collectives=cfg.parallel.cpu_offload)
         self.sides = {name: build_side(configs[name], spec) for name, spec in specs.items()}
@@ -60,17 +64,16 @@ class Measured:
 
         from lctrain.train.meter import peak_flops
 
-        side, cuda = self.sides[name], self.device.type == "cuda"
-        params = list(side.model.parameters())
-        model = {"params": sum(p.numel() for p in params), "trained": sum(p.numel() for p in params if p.requires_grad)}
-        model |= {"layers": side.hf_config.num_hidden_layers, "hidden": side.hf_config.hidden_size}
-        device_name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
+        side, params = self.sides[name], list(self.sides[name].model.parameters())
+        model = {"params": sum(p.numel() for p in params), "trained": sum(p.numel() for p in params if p.requires_grad),
+                 "layers": side.hf_config.num_hidden_layers, "hidden": side.hf_config.hidden_size}  # fmt: skip
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"ok": True, "error": None, "device_name": device_name, "peak_flops": peak_flops(self.device, None),
                 "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "model": model}  # fmt: skip
 
-    def step(self, name: str, seq: int, seed: int, *, budget: int | None = None, marker: Path | None = None) -> dict:
+    def step(self, name: str, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
         """One step of side ``name`` on rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
-        the watchdog writes ``marker`` and ends the process."""
+        the watchdog stops it."""
         import torch.distributed as dist
 
         from lctrain.train.meter import StepMemory
@@ -80,11 +83,9 @@ class Measured:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # the ranks' steps start together
         with StepMemory(self.device, collect=True) as peak:
-            pss_before = memory.pss() if self.device.type == "cpu" else None
-            watchdog = (
-                contextlib.nullcontext() if budget is None else memory.BudgetWatchdog(peak.before, budget, marker)
-            )
-            with watchdog, clock(self.device) as seconds:
+            pss_before = memory.proc_bytes("Pss", "/proc/self/smaps_rollup") if self.device.type == "cpu" else None
+            watchdog = budget and memory.BudgetWatchdog(peak.before, budget, self.marker)
+            with watchdog or contextlib.nullcontext(), clock(self.device) as seconds:
                 figures = side.step(batch)
         in_use = figures.pop("in_use", None)
         return {"ok": True, "error": None, "seq": seq, "step_s": seconds["wall"], "cpu_s": seconds["cpu"], **figures,
@@ -108,20 +109,17 @@ class Measured:
         fsdp = _outermost([e for e in events if e.device_type == kinds.CPU], "FSDP::")
         result: dict[str, Any] = {"wall_ms": wall_us / 1e3, "fsdp_host_ms": sum(e.cpu_time_total for e in fsdp) / 1e3}
         result["fsdp_host_share"] = result["fsdp_host_ms"] * 1e3 / wall_us
-        if cuda:
-            kernels: dict[str, list[float]] = {}
-            for event in (e for e in events if e.device_type == kinds.CUDA):
-                kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
-            totals = {name: (sum(times), len(times)) for name, times in kernels.items()}
-        else:
-            totals = {a.key: (a.self_cpu_time_total, a.count) for a in prof.key_averages()}
+        kernels: dict[str, list[float]] = {}
+        for event in (e for e in events if e.device_type == kinds.CUDA):
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+        totals = {name: (sum(times), len(times)) for name, times in kernels.items()}
+        totals = totals if cuda else {a.key: (a.self_cpu_time_total, a.count) for a in prof.key_averages()}
         total_us = sum(us for us, _ in totals.values())
         if cuda:
             result |= {"kernel_ms": total_us / 1e3, "fsdp_kernel_ms": sum(e.device_time_total for e in fsdp) / 1e3}
             result["fsdp_kernel_share"] = result["fsdp_kernel_ms"] * 1e3 / total_us if total_us else None
         ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
-        result["top"] = [(name, us / 1e3, count, us / total_us) for name, (us, count) in ranked]
-        return result
+        return result | {"top": [(name, us / 1e3, count, us / total_us) for name, (us, count) in ranked]}
 
 
 def _outermost(events: list, prefix: str) -> list:
@@ -136,26 +134,24 @@ def _outermost(events: list, prefix: str) -> list:
     return outer
 
 
-def serve(specs: Specs, conn: Connection) -> None:
-    """The fresh process of a ``Run``: build the sides, then answer each request on ``conn`` (a step: ``side``,
-    ``seq``, ``seed``, ``budget``, ``marker``; a profiled step: ``profile``: top) until the parent closes its end.
-    An error (an out-of-memory: ``OUT_OF_MEMORY``) is answered and ends the process."""
+def serve(specs: Specs, marker: Path, conn: Connection) -> None:
+    """The fresh process of a ``Run``: build the sides, then answer each request on ``conn`` (the arguments of
+    ``Measured.step``, or with ``top`` of ``Measured.profile``) until the parent closes its end. An error (an
+    out-of-memory: ``OUT_OF_MEMORY``) is answered and ends the process."""
     import torch
     import torch.distributed as dist
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the parent's stdout is its report
-            measured = Measured(specs)
+            measured = Measured(specs, marker)
             conn.send({"ok": True, "error": None, "sides": {name: measured.describe(name) for name in specs}})
             while True:  # until the parent closes its end: EOFError
                 request = conn.recv()
-                name, seq, seed = request["side"], request["seq"], request["seed"]
-                if "profile" not in request:
-                    conn.send(measured.step(name, seq, seed, budget=request["budget"], marker=request["marker"]))
-                    continue
                 try:
-                    conn.send(measured.profile(name, seq, seed, request["profile"]))
+                    conn.send(measured.profile(**request) if "top" in request else measured.step(**request))
                 except Exception as error:  # noqa: BLE001 (a profiler that cannot run must not lose the figures)
+                    if "top" not in request:
+                        raise
                     conn.send({"error": f"{type(error).__name__}: {error}"})
     except EOFError:  # the parent is done
         pass
@@ -169,23 +165,27 @@ def serve(specs: Specs, conn: Connection) -> None:
 
 
 class Run:
-    """The sides of ``specs`` in one fresh (spawned) process, driven step by step; a context manager (the process ends
-    on exit). ``timeout_s``: for building the sides and for each step; ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF``
-    (None: lctrain's default unless the user set one). ``ready``: ``ok`` false when a side could not be built."""
+    """The sides of ``specs`` in one fresh (spawned) process, driven step by step until the context ends; ``timeout_s``
+    for building the sides and for each step; ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's)."""
 
     def __init__(self, specs: Specs, *, timeout_s: float, allocator: str | None = None):
         self.timeout_s, self.failure = timeout_s, None
-        self._dir = tempfile.TemporaryDirectory(prefix="bench_run_")  # its run directories, watchdog markers
+        self._dir = tempfile.TemporaryDirectory(prefix="bench_run_")  # its run directories, the watchdog's marker
+        self._marker = Path(self._dir.name) / "stopped.json"
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         with mock.patch.dict(os.environ, process_env(allocator), clear=True):  # what the process inherits
-            self._proc = context.Process(target=serve, args=(with_run_dirs(specs, self._dir.name), child))
+            self._proc = context.Process(target=serve, args=(with_run_dirs(specs, self._dir.name), self._marker, child))
             self._proc.start()
         child.close()
-        self.ready = self._answer(None)
+        self.ready = self._request(None)
 
-    def _answer(self, marker: Path | None) -> dict[str, Any]:
-        """The next answer, or the failure: a timeout, the watchdog's stop (``marker``) or the process's end."""
+    def _request(self, request: dict[str, Any] | None) -> dict[str, Any]:
+        """Send ``request``, then its answer or the failure: a timeout, the watchdog's stop or the process's end."""
+        if self.failure is not None:
+            return self.failure
+        if request is not None:
+            self._conn.send(request)
         if not self._conn.poll(self.timeout_s):
             self._proc.kill()
             answer = {"ok": False, "error": f"timed out after {self.timeout_s:.0f} s"}
@@ -194,19 +194,13 @@ class Run:
                 answer = self._conn.recv()
             except EOFError:
                 self._proc.join()
-                if marker is not None and marker.is_file():
-                    answer = STOPPED | {"step_peak": json.loads(marker.read_text())["growth"]}
+                if self._marker.is_file():
+                    answer = STOPPED | {"step_peak": json.loads(self._marker.read_text())["growth"]}
                 else:
                     answer = {"ok": False, "error": f"exit status {self._proc.exitcode}"}
         if answer.get("ok") is False:
             self.failure = answer
         return answer
-
-    def _request(self, request: dict[str, Any], marker: Path | None = None) -> dict[str, Any]:
-        if self.failure is not None:
-            return self.failure
-        self._conn.send(request)
-        return self._answer(marker)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Side ``name``'s description (``Measured.describe``), or why the sides could not be built."""
@@ -214,12 +208,11 @@ class Run:
 
     def step(self, name: str, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
         """One measured step of side ``name`` (``Measured.step``); past ``budget`` bytes of step peak it stops."""
-        marker = Path(self._dir.name) / f"step{seed}.json"
-        return self._request({"side": name, "seq": seq, "seed": seed, "budget": budget, "marker": marker}, marker)
+        return self._request({"name": name, "seq": seq, "seed": seed, "budget": budget})
 
     def profile(self, name: str, seq: int, seed: int, top: int) -> dict[str, Any]:
         """One more step of side ``name`` under the profiler (``Measured.profile``)."""
-        return self._request({"profile": top, "side": name, "seq": seq, "seed": seed})
+        return self._request({"name": name, "seq": seq, "seed": seed, "top": top})
 
     def __enter__(self) -> Run:
         return self
@@ -233,26 +226,33 @@ class Run:
         self._dir.cleanup()
 
 
-def group_steps(specs: Specs, warmup: Steps, steps: Steps, budget: int | None, out_dir: str) -> dict:
-    """On each rank of a ``run_group``: build the sides, then take their steps in rounds (``warmup``, then the
-    measured ``steps``), each measured one appended to ``out_dir/rank{r}.jsonl`` (kept when a later step is stopped).
-    Returns ``ready`` (each side's ``Measured.describe``) and each side's measured ``steps``."""
-    import torch.distributed as dist
-
-    measured, every, rank = Measured(specs), [*warmup, *steps], dist.get_rank()
-    log, marker = Path(out_dir) / f"rank{rank}.jsonl", Path(out_dir) / f"rank{rank}.json"
+def in_rounds(run: Measured | Run, names: list[str], warmup: Steps, steps: Steps, budget: int | None,
+              log: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """The steps of sides ``names`` of ``run`` in rounds (``warmup``, then the measured ``steps``, those past
+    ``budget`` stopped), each measured one appended to ``log`` (kept when a later step is stopped): ``ready``
+    (each side's ``describe``) and each side's measured ``steps``."""
+    every = [*warmup, *steps]
 
     def step(name: str, index: int) -> dict[str, Any]:
-        timed = index >= len(warmup)
-        result = measured.step(name, *every[index], budget=budget if timed else None, marker=marker)
-        if timed:
+        result = run.step(name, *every[index], budget=budget if index >= len(warmup) else None)
+        if log is not None and index >= len(warmup):
             with log.open("a") as f:
                 f.write(json.dumps({"side": name, **result}) + "\n")
         return result
 
-    sides = {name: lambda index, name=name: step(name, index) for name in specs}
-    records = rounds(sides, len(warmup), len(steps), timed=False)
-    return {"ready": {name: measured.describe(name) for name in specs}, "steps": records}
+    records = rounds({name: functools.partial(step, name) for name in names}, len(warmup), len(steps), timed=False)
+    return {"ready": {name: run.describe(name) for name in names}, "steps": records}
+
+
+def group_steps(specs: Specs, warmup: Steps, steps: Steps, budget: int | None, out_dir: str) -> dict:
+    """On each rank of a ``run_group``: ``in_rounds`` of the sides built here, logged to ``out_dir/rank{r}.jsonl``."""
+    import torch.distributed as dist
+
+    memory.follow_malloc_env()
+    out = Path(out_dir) / f"rank{dist.get_rank()}"
+    return in_rounds(
+        Measured(specs, out.with_suffix(".json")), list(specs), warmup, steps, budget, out.with_suffix(".jsonl")
+    )
 
 
 def run_group(
@@ -264,34 +264,29 @@ def run_group(
     from lctrain.testing import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_group_") as out_dir:
-        sides = with_run_dirs(specs, out_dir)
         try:
-            return run_distributed(group_steps, ranks, sides, warmup, steps, budget, out_dir), None
+            return run_distributed(
+                group_steps, ranks, with_run_dirs(specs, out_dir), warmup, steps, budget, out_dir
+            ), None
         except Exception:
-            stopped = memory.aborted_growth(Path(out_dir))
-            if stopped is None:
+            stopped = [json.loads(m.read_text())["growth"] for m in Path(out_dir).glob("rank*.json")]
+            if not stopped:
                 raise
             logs = [Path(out_dir) / f"rank{rank}.jsonl" for rank in range(ranks)]
             lines = [[json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else [] for f in logs]
             per_rank = [{name: [r for r in rank if r["side"] == name] for name in specs} for rank in lines]
             done = {name: min(len(rank[name]) for rank in per_rank) for name in specs}
-            return [{"ready": None, "steps": {n: rank[n][: done[n]] for n in specs}} for rank in per_rank], stopped
+            return [{"ready": None, "steps": {n: rank[n][: done[n]] for n in specs}} for rank in per_rank], max(stopped)
 
 
 def run_steps(
     specs: Specs, ranks: int, warmup: Steps, steps: Steps, *, budget: int | None = None, timeout_s: float = 1800
 ) -> dict[str, dict[str, Any]]:
-    """The sides of ``specs`` in rounds: ``warmup``, then the measured ``steps`` (seq, seed), on ``ranks`` processes
-    (one: a ``Run``, NCCL on CUDA, ``timeout_s`` for each step; more: a ``run_group`` on CPU). Per side: ``ready``
-    (``Measured.describe`` of rank 0, or why it failed), ``steps`` (each step's figures, the largest over the ranks:
-    ``timing.slowest``; a step stopped past ``budget`` ends them, ``ok`` false) and ``per_rank`` (each rank's)."""
+    """``in_rounds`` on ``ranks`` processes (one: a ``Run``; more: a ``run_group`` on CPU). Per side: ``ready`` (rank
+    0's), ``steps`` (``timing.slowest``; a step stopped past ``budget`` ends them, ``ok`` false) and ``per_rank``."""
     if ranks == 1:
         with Run(specs, timeout_s=timeout_s) as run:
-            every = [*warmup, *steps]
-            sides = {name: lambda i, name=name: run.step(name, *every[i], budget=budget if i >= len(warmup) else None)
-                     for name in specs}  # fmt: skip
-            records = rounds(sides, len(warmup), len(steps), timed=False)
-            per_rank, stopped = [{"ready": {name: run.describe(name) for name in specs}, "steps": records}], None
+            per_rank, stopped = [in_rounds(run, list(specs), warmup, steps, budget)], None
     else:
         per_rank, stopped = run_group(specs, ranks, warmup, steps, budget=budget)
     result = {}

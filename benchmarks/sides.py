@@ -29,16 +29,13 @@ def random_rows(vocab_size: int, batch: int, seq: int, seed: int) -> Tensor:
 
 
 def document_lengths(seq: int, doc_len: int) -> list[int]:
-    """The documents of a packed row of ``seq`` tokens cut every ``doc_len`` tokens (the last one shorter if
-    ``doc_len`` does not divide ``seq``)."""
+    """The documents of a packed row of ``seq`` tokens cut every ``doc_len`` tokens (the last one may be shorter)."""
     return [min(doc_len, seq - start) for start in range(0, seq, doc_len)]
 
 
 def packed_batch(input_ids: Tensor, doc_len: int | None, shard: Callable[[Tensor], Tensor] = lambda x: x) -> dict:
     """A trainer micro-batch of the full rows ``input_ids`` ``[B, S]``, each packed with documents of ``doc_len``
-    tokens (``document_lengths``; None: one document per row): labels shifted within each document (a document's
-    last token predicts nothing), positions restarting at 0 at each document start, cut to this rank's part by
-    ``shard``."""
+    tokens (None: one), labels shifted and positions restarting within each, cut to this rank's part by ``shard``."""
     batch, seq = input_ids.shape
     lengths = document_lengths(seq, doc_len or seq)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -57,9 +54,8 @@ def random_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], lis
 
 
 class LctrainSide:
-    """``Trainer`` on the default process group; each rank feeds its shard of the rows. ``spec``: the module doc's
-    ``rows``, ``batch``, ``doc_len``, ``pair``, ``part``, and ``precompute``: the (seq, seed) of every step it will
-    take, whose reference log-probs a preference objective precomputes (the reference model then dropped)."""
+    """``Trainer`` on the default process group (``docs/benchmarks.md``); ``spec["precompute"]``: the (seq, seed) of
+    every step it will take, whose reference log-probs a preference objective precomputes."""
 
     def __init__(self, cfg: JobConfig, spec: dict[str, Any]):
         from lctrain.train.job import build_training_job
@@ -72,8 +68,7 @@ class LctrainSide:
             self.batches = iter(self.trainer.loader)
         forward_loss, device = self.trainer.forward_loss, self.trainer.device
 
-        def noted(*args: Any) -> Tensor:
-            """``Trainer.forward_loss`` noting the memory in use when it returns (CUDA: allocated; CPU: resident)."""
+        def noted(*args: Any) -> Tensor:  # noting the memory in use when it returns (CUDA: allocated; CPU: resident)
             result = forward_loss(*args)
             self.in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else proc_bytes("VmRSS")
             return result
@@ -86,8 +81,7 @@ class LctrainSide:
             self.trainer.objective.precompute_reference([[self.batch(*step)] for step in spec["precompute"]], cache)
 
     def batch(self, seq: int, seed: int) -> dict:
-        """The micro-batch of step ``seed``, this rank's part of its rows of ``seq`` tokens (a pair's row: the job's
-        ``data.seq_len``)."""
+        """This rank's part of step ``seed``'s rows of ``seq`` tokens (a pair's row: the job's ``data.seq_len``)."""
         spec, place = self.spec, self.trainer.place
         if spec.get("rows") == "loader":
             return next(self.batches)
@@ -101,8 +95,8 @@ class LctrainSide:
         return packed_batch(rows, spec.get("doc_len"), lambda x: place.shard(x, dim=1).contiguous())
 
     def step(self, batch: dict) -> dict[str, Any]:
-        """One step (``part``) on ``batch``; its loss and gradient norm (None where it has none), read back at the end
-        (the device's work is done); with ``parts`` the seconds of each, ``forward_backward_s`` and ``optimizer_s``."""
+        """One step (``part``) on ``batch``: its loss and gradient norm (None where it has none), read back at the end;
+        with ``parts`` the seconds of each, ``forward_backward_s`` and ``optimizer_s``."""
         trainer, part, self.in_use = self.trainer, self.spec.get("part", "train_step"), None
         if part == "train_step":
             result = trainer.train_step([batch])
@@ -152,6 +146,12 @@ class HFSide:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+
+def lm_step(model: torch.nn.Module, input_ids: Tensor, _round: int = 0) -> None:
+    """One forward and backward of a Hugging Face model's language-model loss, the gradients then dropped."""
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def build_side(cfg: JobConfig, spec: dict[str, Any]) -> LctrainSide | HFSide:

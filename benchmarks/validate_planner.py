@@ -3,7 +3,6 @@ method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
-from benchmarks.report import MIB, command, machine_line, table
+from benchmarks.report import MIB, arguments, command, machine_line, table
 from benchmarks.runs import Measured
 from testbed.corpus import write_corpus
 
@@ -133,10 +132,8 @@ def report(results: list[dict], seconds: float, command_line: str, device: str =
         case = result["case"]
         est = estimate(case, device)
         worst = max(result["ranks"], key=lambda r: r["peak"] - r["baseline"])
-        measured = (worst["peak"] - worst["baseline"]) / MIB
-        baseline = worst["baseline"] / MIB
-        error = (est["total"] - measured) / measured
-        total_error = (est["total"] - measured) / (measured + baseline)
+        measured, baseline = (worst["peak"] - worst["baseline"]) / MIB, worst["baseline"] / MIB
+        error, total_error = (est["total"] - measured) / measured, (est["total"] - measured) / (measured + baseline)
         errors.append(abs(error))
         total_errors.append(abs(total_error))
         terms = " + ".join(f"{est[k]:.1f}" for k in ("states", "gathered", "activations", "recompute", "backward"))
@@ -157,8 +154,7 @@ def main() -> None:
         cases, corpus, out, scratch, device = sys.argv[2:7]
         worker(json.loads(cases), corpus, out, scratch, device)
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: CUDA_CASES on one GPU")
+    parser = arguments(__doc__, device="cpu")  # cuda: CUDA_CASES on one GPU
     parser.add_argument("--quick", action="store_true", help="only the one-process cases")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to run")
     parser.add_argument("--save", metavar="JSON", help="also write the raw measurements here")

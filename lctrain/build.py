@@ -32,10 +32,10 @@ from lctrain.models import (
     random_init_source,
     safetensors_source,
 )
-from lctrain.models.chunked_mlp import apply_chunked_mlp
 from lctrain.models.hf import TensorSource
 from lctrain.models.lora import adapter_source, apply_lora
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from lctrain.parallel.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel, experts_modules
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.mesh import JobMesh

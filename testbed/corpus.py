@@ -127,11 +127,64 @@ REASONING_TEMPLATE = (
 )
 
 
-def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4) -> Path:
+# Gemma 3's chat format, written for these tests (the published template also takes list contents and checks that
+# the roles alternate): the system prompt at the start of the first user turn, the assistant's role written `model`.
+GEMMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set system = messages[0]['content'] + '\\n\\n' if messages[0]['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}"
+    "{{- (system if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+GEMMA3_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+
+# gpt-oss's harmony format, written for these tests (the published template also writes the date, the reasoning
+# effort and tool definitions into its messages): a system message always first; a first message of the system or
+# developer role as the developer's instructions; each message `<|start|>` role `<|message|>` text `<|end|>`. An
+# answer is its reasoning (the message's `thinking`) on the analysis channel, then its content on the final channel:
+# only the conversation's last message, when the assistant's and without a generation prompt (a training example),
+# keeps the reasoning and ends with `<|return|>`; earlier answers are their final channel, ended by `<|end|>`. A tool
+# call (`tool_calls`, one a message) keeps its reasoning until an answer follows it, and ends with `<|call|>`; a tool
+# message answers the last call. The generation prompt is `<|start|>assistant`.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: low<|end|>' -}}"
+    "{%- set ns = namespace(call='') -%}"
+    "{%- set rest = messages -%}"
+    "{%- if messages[0]['role'] in ['system', 'developer'] -%}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0]['content'] + '<|end|>' -}}"
+    "{%- set rest = messages[1:] -%}"
+    "{%- endif -%}"
+    "{%- for m in rest -%}"
+    "{%- set analysis = '<|start|>assistant<|channel|>analysis<|message|>' + (m['thinking'] or '') + '<|end|>' -%}"
+    "{%- if m['role'] == 'user' -%}{{- '<|start|>user<|message|>' + m['content'] + '<|end|>' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{{- '<|start|>functions.' + ns.call + ' to=assistant<|channel|>commentary<|message|>' -}}"
+    "{{- m['content'] + '<|end|>' -}}"
+    "{%- elif m['tool_calls'] is defined -%}"
+    "{%- set ns.call = m['tool_calls'][0]['function']['name'] -%}"
+    "{%- set answers = rest[loop.index:] | selectattr('role', 'eq', 'assistant') -%}"
+    "{%- set answers = answers | rejectattr('tool_calls', 'defined') | list -%}"
+    "{%- if m['thinking'] is defined and not answers -%}{{- analysis -}}{%- endif -%}"
+    "{{- '<|start|>assistant to=functions.' + ns.call + '<|channel|>commentary json<|message|>' -}}"
+    "{{- m['tool_calls'][0]['function']['arguments'] + '<|call|>' -}}"
+    "{%- elif loop.last and not add_generation_prompt -%}"
+    "{%- if m['thinking'] is defined -%}{{- analysis -}}{%- endif -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + '<|return|>' -}}"
+    "{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + '<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}"
+)
+HARMONY_TOKENS = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
+
+
+def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4, thinking: bool = False) -> Path:
     """Write ``conversations`` jsonl chat records of one to three user / assistant exchanges, each answer with its
-    reasoning (``<think>\\n...\\n</think>\\n\\n`` before it), a few tokens a turn, to ``path``; returns ``path``.
-    Through ``REASONING_TEMPLATE`` a conversation of k exchanges is k documents of at most ~60 tokens; the first has
-    two."""
+    reasoning (``<think>\\n...\\n</think>\\n\\n`` before it; with ``thinking``, in the message's ``thinking`` field,
+    where gpt-oss's templates read it), a few tokens a turn, to ``path``; returns ``path``. Through
+    ``REASONING_TEMPLATE`` a conversation of k exchanges is k documents of at most ~60 tokens; the first has two."""
     text = Path(textwrap.__file__).read_text()
     rng = random.Random(seed)
 
@@ -144,6 +197,10 @@ def write_reasoning_chats(path: Path, conversations: int = 40, *, seed: int = 4)
             messages = []
             for _ in range(2 if index == 0 else rng.randint(1, 3)):
                 messages.append({"role": "user", "content": excerpt()})
-                messages.append({"role": "assistant", "content": f"<think>\n{excerpt()}\n</think>\n\n{excerpt()}"})
+                why, answer = excerpt(), excerpt()
+                if thinking:
+                    messages.append({"role": "assistant", "content": answer, "thinking": why})
+                else:
+                    messages.append({"role": "assistant", "content": f"<think>\n{why}\n</think>\n\n{answer}"})
             f.write(json.dumps({"messages": messages}) + "\n")
     return path

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lctrain.rules import check_layout, check_sequence_length
+from lctrain.rules import check_layout, check_sequence_length, sequence_divisor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,6 +53,11 @@ class SequencePlace:
         """This rank's place on a mesh with ``ring`` and ``ulysses`` dims (``lctrain.parallel.mesh.JobMesh``)."""
         ring, ulysses = mesh["ring"], mesh["ulysses"]
         return cls(ring.get_local_rank(), ring.size(), ulysses.get_local_rank(), ulysses.size(), layout)
+
+    @property
+    def sequence_divisor(self) -> int:
+        """What every global sequence length must be a multiple of (``lctrain.rules.sequence_divisor``)."""
+        return sequence_divisor(self.layout, self.ring_size, self.ulysses_size)
 
     def shard(self, x: Tensor, *, dim: int) -> Tensor:
         """This rank's part of ``x`` along ``dim``: ``S`` -> ``S / (R·U)`` elements, in the order of the layout."""

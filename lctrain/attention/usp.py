@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -72,45 +73,16 @@ def usp_attention(
     return attend_head_sharded(q, k, v, ulysses_group, attend)
 
 
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    causal: bool = True,
-    layout: str = "zigzag",
-    scale: float | None = None,
-    cu_seqlens: Tensor | None = None,
-    doc_prefix: Tensor | None = None,
-    window: int | None = None,
-    kernel: str = "auto",
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """``usp_attention`` with ``ring_group=group`` and no Ulysses group: q ``[B, S_local, Hq, D]``, k/v
-    ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]``, sharded with ``shard_sequence(layout=layout)``."""
-    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
-    options = dict(causal=causal, layout=layout, scale=scale, window=window, kernel=kernel, sinks=sinks)
-    return usp_attention(q, k, v, ring_group=group, **documents, **options)
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, **options: Any) -> Tensor:
+    """``usp_attention`` with ``ring_group=group`` and no Ulysses group (``options``: its keywords): q ``[B, S_local,
+    Hq, D]``, k/v ``[B, S_local, Hkv, D]`` -> ``[B, S_local, Hq, D]``, sharded with ``shard_sequence(layout=...)``."""
+    return usp_attention(q, k, v, ring_group=group, **options)
 
 
 def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    cu_seqlens: Tensor | None = None,
-    doc_prefix: Tensor | None = None,
-    window: int | None = None,
-    kernel: str = "auto",
-    sinks: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, **options: Any
 ) -> Tensor:
-    """``usp_attention`` with ``ulysses_group=group`` and no ring group: a sequence split contiguously over
-    ``group``. q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` -> ``[B, S/U, Hq, D]``; needs ``Hq % U == 0`` and
-    ``Hkv % U == 0`` or ``U % Hkv == 0``."""
-    documents = dict(cu_seqlens=cu_seqlens, doc_prefix=doc_prefix)
-    options = dict(causal=causal, layout="contiguous", scale=scale, window=window, kernel=kernel, sinks=sinks)
-    return usp_attention(q, k, v, ulysses_group=group, **documents, **options)
+    """``usp_attention`` with ``ulysses_group=group``, no ring group and the contiguous layout (``options``: its other
+    keywords): a sequence split contiguously over ``group``. q ``[B, S/U, Hq, D]``, k/v ``[B, S/U, Hkv, D]`` ->
+    ``[B, S/U, Hq, D]``; needs ``Hq % U == 0`` and ``Hkv % U == 0`` or ``U % Hkv == 0``."""
+    return usp_attention(q, k, v, ulysses_group=group, layout="contiguous", **options)

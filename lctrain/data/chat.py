@@ -1,8 +1,9 @@
 """Conversations -> token ids and the trained-token mask, through the tokenizer's chat template.
 
-A chat record is ``{"messages": [{"role", "content"}, ...]}`` (roles ``system``, ``user``, ``assistant``, ``tool``;
-content a string; other keys of a message reach the template as they are), or a ``{"prompt", "completion"}`` pair
-as TRL takes it: two lists of messages (the prompt's turns are context only, the completion's are trained) or two
+A chat record is ``{"messages": [{"role", "content"}, ...]}`` (roles ``system``, ``developer`` (OpenAI's name for
+the system prompt: gpt-oss's template takes either), ``user``, ``assistant``, ``tool``; content a string; other keys
+of a message reach the template as they are: ``thinking``, ``tool_calls``, ...), or a ``{"prompt", "completion"}``
+pair as TRL takes it: two lists of messages (the prompt's turns are context only, the completion's are trained) or two
 strings (plain text, no template: ``[BOS] prompt completion [EOS]``, the completion and EOS trained).
 
 Which tokens are trained (``data.train_on``): ``assistant`` (every assistant turn), ``last_assistant`` (the last
@@ -43,7 +44,7 @@ from lctrain.data.packing import Document
 
 logger = logging.getLogger("lctrain")
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 TOKENIZE_CHARACTERS = 4_000_000  # one tokenizer call: enough to share its threads, bounds its lists' memory
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 _FORMAT_HELP = (

@@ -7,13 +7,16 @@ second adds after the first, trailing whitespace left out (ChatML's newline afte
 write every turn of the whole conversation exactly so, and then the whole rendering is the one document, each turn
 trained on its completion's characters (cost linear in the conversation's length). Some do not:
 
-- reasoning templates (Qwen3) drop the reasoning of the turns before the last user message, so the whole rendering
-  holds an earlier turn without what the model wrote;
-- some append text after the last message when no generation prompt is asked for (Phi-3.5's EOS), so an earlier
-  turn's completion is not what follows it in the whole rendering;
-- some move text into the last user message (Mistral's system prompt), so no prefix of the whole rendering is an
-  earlier turn's prompt. The completion is then found where the template writes the turn: after what the same
-  messages render with the turn's content left out.
+- reasoning templates (Qwen3; gpt-oss's analysis channel) drop the reasoning of earlier turns, so the whole
+  rendering holds an earlier turn without what the model wrote;
+- some end the last message otherwise (Phi-3.5 appends its EOS when no generation prompt is asked for, gpt-oss ends
+  it with ``<|return|>`` and the history's with ``<|end|>``), so an earlier turn's completion is not what follows it
+  in the whole rendering;
+- some write the history otherwise once the turn is added (Mistral moves the system prompt into the last user
+  message, gpt-oss drops a tool call's reasoning once an answer follows it), so the turn's rendering does not start
+  with its prompt. The completion is then found where the template writes the turn: from the last text that the
+  generation prompt adds before where the same messages with the turn's text fields replaced by a placeholder part
+  from it.
 
 Such a conversation is *divergent*: ``divergent_turns`` decides, ``expand`` (one document per divergent turn,
 ``prompt + completion``, that turn trained; the turns that agree stay trained in the whole rendering), ``last_turn``
@@ -36,7 +39,7 @@ from lctrain.data.config import DIVERGENT_TURNS, UNREACHABLE_TURNS
 
 # the counts a plan reports beside its texts: a conversation rendered per turn, a turn left out
 DIVERGENT, UNREACHABLE = "divergent", "unreachable"
-_PLACEHOLDER = "\x00"  # a turn's content that no real content starts with: where the template writes the turn
+_PLACEHOLDER = "\x00"  # a turn's field that no real text starts with: where the template writes the turn
 _SHOWN = 24  # characters of context shown around a difference in an error
 
 Render = Callable[[list[dict[str, Any]], bool], str]
@@ -101,16 +104,27 @@ def inference_turn(render: Render, messages: Sequence[dict[str, Any]], index: in
     last = render([*history, messages[index]], False)
     if last.startswith(prompt):
         return InferenceTurn(index, prompt, last[len(prompt) :].rstrip())
-    # The template writes the history differently when the turn ends the conversation: the turn starts where the
-    # same messages with a placeholder content part from it.
-    start = _shared(last, render([*history, {**messages[index], "content": _PLACEHOLDER}], False))
-    opened = prompt[_shared(prompt, render(history, False)) :]  # what the generation prompt adds
-    if not last[:start].endswith(opened):
+    # The template writes the history differently when the turn ends the conversation (a system prompt moved into
+    # the last user message, a tool call's reasoning dropped once an answer follows it). The turn's fields start
+    # where the same messages with placeholder fields part from it (``fields``); the turn itself starts at the last
+    # text the generation prompt adds (``opened``) before that point and after where ``last`` departs from the
+    # history rendered alone (``departs``): the generation prompt's text, then what the model writes.
+    fields = _shared(last, render([*history, _placeholders(messages[index])], False))
+    alone = render(history, False)
+    opened = prompt[_shared(prompt, alone) :]  # what the generation prompt adds
+    departs = _shared(last, alone)
+    start = last.rfind(opened, departs, fields)
+    if start < 0:
         raise UnreachableTurn(
             f"its generation prompt ends {_short(prompt, len(prompt) - _SHOWN, len(prompt))} but the template "
-            f"writes the turn after {_short(last, start - _SHOWN, start)}"
+            f"writes the turn after {_short(last, fields - _SHOWN, fields)}"
         )
-    return InferenceTurn(index, prompt, last[start:].rstrip())
+    return InferenceTurn(index, prompt, last[start + len(opened) :].rstrip())
+
+
+def _placeholders(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with each non-empty text field but its role (content, reasoning) replaced by ``_PLACEHOLDER``."""
+    return {key: _PLACEHOLDER if key != "role" and isinstance(v, str) and v else v for key, v in message.items()}
 
 
 @dataclass(frozen=True)

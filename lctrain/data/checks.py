@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.config import DataConfig, SourceConfig, data_sources, filled_source
 from lctrain.data.kinds import read_chat_template
-from lctrain.data.prepared import open_data_source
+from lctrain.data.opening import open_source
 from lctrain.data.sources import embedded_files, resolve_paths
 
 
@@ -34,7 +34,7 @@ def check_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[s
     formats = []
     unprepared = replace(config, prepared=None)  # validation reads its files
     for index, source in enumerate(train + val):
-        opened = open_data_source(
+        opened = open_source(
             source, config if index < len(train) else unprepared, tokenizer, index=index, template=template
         )
         opened.check()

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.chat import ChatEncoder, parse_conversation
 from lctrain.data.chat_turns import TurnSettings
-from lctrain.data.config import DataConfig, SourceConfig
+from lctrain.data.config import DataConfig
 from lctrain.data.mixture import Encoded
 from lctrain.data.packing import Document, Pair
 from lctrain.data.pairs import PairEncoder, pair_id, parse_pair
@@ -221,35 +221,6 @@ def read_chat_template(config: DataConfig) -> str | None:
     if not path.is_file():
         raise FileNotFoundError(f"data.chat_template={config.chat_template!r}: no such file (a Jinja chat template)")
     return path.read_text()
-
-
-def open_source(
-    source: SourceConfig,
-    config: DataConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    index: int,
-    template: str | None,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-) -> TextSource | ChatSource | PairSource:
-    """``source`` (its format and text field filled: ``lctrain.data.config.filled_source``) opened for dp rank
-    ``dp_rank`` of ``dp_size`` as the class of its kind (``format=auto``: the kind of its first record); its
-    documents are of source ``index``, chat (and conversational pairs) rendered with ``template``
-    (``read_chat_template``)."""
-    documents = DocumentSource(
-        paths=source.paths,
-        dataset=source.dataset,
-        dataset_config=source.dataset_config,
-        split=source.split,
-        text_field=source.text_field,
-        format=source.format,
-        shuffle_buffer=config.shuffle_buffer,
-        seed=config.seed,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-    )
-    return source_of_kind(documents, config, tokenizer, index=index, template=template)
 
 
 def source_of_kind(

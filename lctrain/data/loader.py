@@ -26,8 +26,8 @@ from lctrain.attention import SequencePlace
 from lctrain.data.config import DataConfig, data_sources
 from lctrain.data.kinds import read_chat_template
 from lctrain.data.mixture import COUNTS, Mixture, SourceStream
+from lctrain.data.opening import open_source
 from lctrain.data.packing import PackedRow, Packer
-from lctrain.data.prepared import open_data_source
 from lctrain.data.tokenizer import load_tokenizer
 from lctrain.rules import check_sequence_length
 
@@ -77,7 +77,7 @@ class PackedLoader:
         self.names = [source.name for source in self._configs]
         template = read_chat_template(config)
         self._sources = [
-            open_data_source(
+            open_source(
                 source, config, self.tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size
             )
             for index, source in enumerate(self._configs)

@@ -37,7 +37,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lctrain.data.config import DataConfig, SourceConfig
-from lctrain.data.kinds import open_source, source_of_kind
 from lctrain.data.mixture import COUNTS
 from lctrain.data.packing import Document, Pair
 from lctrain.data.shards import AGAIN, CheckedArray, text_digest
@@ -88,7 +87,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
     return manifest
 
 
-def _check(
+def check_entry(
     entry: dict, source: SourceConfig, config: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str | None
 ) -> None:
     """The job's settings against those the source was prepared with: the first difference in one line."""
@@ -201,26 +200,3 @@ class PreparedSource:
 
     def counted(self, counts: dict[str, int]) -> list[str]:
         return self.kind.counted(counts)
-
-
-def open_data_source(
-    source: SourceConfig,
-    config: DataConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    index: int,
-    template: str | None,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-) -> Any:
-    """``source`` from ``data.prepared`` when the set holds it (by name; checked against the job's settings),
-    else from its files (``lctrain.data.kinds.open_source``)."""
-    if config.prepared:
-        manifest = read_manifest(config.prepared)
-        entry = manifest["sources"].get(source.name)
-        if entry is not None:
-            _check(entry, source, config, tokenizer, template)
-            folder = Path(config.prepared) / entry["folder"]
-            shards = PreparedShards(folder, entry, config, index=index, dp_rank=dp_rank, dp_size=dp_size)
-            return PreparedSource(shards, source_of_kind(shards, config, None, index=index, template=None))
-    return open_source(source, config, tokenizer, index=index, template=template, dp_rank=dp_rank, dp_size=dp_size)

@@ -16,8 +16,10 @@ after token t read by q_t), so the outputs from ``X`` are ``o_t + X^T a^T A_t^T 
 segment whose map nothing exported needs (``deferred``) runs once from its true entering state after the
 composition instead. ``compose`` gives each node from the exported maps in global order (fp32).
 
-The kernel is transformers' pure-torch chunked gated delta rule (the Qwen3-Next and Qwen3.5 reference), with the
-queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by autograd.
+The kernel (``kernel.py``) is fla's chunked gated delta rule on CUDA in bf16/fp16 when installed (a piece's documents
+that start from zero in one call, by their offsets), else transformers' pure-torch one (the Qwen3-Next and Qwen3.5
+reference), with the queries' and keys' L2 norm inside it as the models call it. Everything is differentiable by
+autograd.
 """
 
 from __future__ import annotations
@@ -27,17 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+from lctrain.linear_attention.kernel import gated_delta, gated_delta_documents
 from lctrain.linear_attention.plan import Node, PiecePlan, RowPlan, Segment
-
-
-def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """transformers' chunked gated delta rule: q, k ``[B, L, Hk, dk]``, v ``[B, L, Hv, dv']``, g, beta
-    ``[B, L, Hv]``, state ``[B, Hv, dk, dv']`` or None (zero) -> (out ``[B, L, Hv, dv']``, state leaving, fp32)."""
-    return torch_chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
 
 
 def _take(segment: Segment, *tensors: Tensor) -> list[Tensor]:
@@ -57,24 +51,32 @@ class PieceRun:
 
 def summarize_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, piece: PiecePlan) -> PieceRun:
     """Run the piece's segments that need no composition's result (see the module docstring); tensors as
-    ``_kernel``'s, the whole local sequence."""
-    run, dk = PieceRun(), q.shape[3]
-    for index, segment in enumerate(piece.segments):
+    ``kernel.gated_delta``'s, the whole local sequence. Consecutive segments from zero run as one call's
+    documents."""
+    run, dk, segments = PieceRun(), q.shape[3], piece.segments
+    for index, segment in enumerate(segments):
         kind, ref = segment.source
-        if segment.deferred:
+        if segment.deferred or index in run.leaving:
             continue
-        if segment.symbol is None:
-            state = run.leaving[ref] if kind == "segment" else None
-            run.outputs[index], run.leaving[index] = _kernel(*_take(segment, q, k, v, g, beta), state)
-            continue
-        qs, ks, vs, gs, bs = _take(segment, q.float(), k, v, g, beta)
-        if kind == "segment":
-            state = run.leaving[ref]
-        else:  # the map [I | 0] at the node
-            eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(v.shape[0], v.shape[2], dk, dk)
-            state = torch.cat([eye, eye.new_zeros(*eye.shape[:3], v.shape[3])], dim=-1)
-        values = torch.cat([vs.new_zeros(*vs.shape[:3], dk), vs], dim=-1)
-        run.reads[index], run.leaving[index] = _kernel(qs, ks, values, gs, bs, state)
+        if segment.symbol is None and kind == "zero":
+            group = [index]
+            while group[-1] + 1 < len(segments) and segments[group[-1] + 1].source[0] == "zero":
+                group.append(group[-1] + 1)
+            bounds = [(segments[i].start, segments[i].stop) for i in group]
+            outs, states = gated_delta_documents(q, k, v, g, beta, bounds)
+            run.outputs.update(zip(group, outs))
+            run.leaving.update(zip(group, states))
+        elif segment.symbol is None:
+            run.outputs[index], run.leaving[index] = gated_delta(*_take(segment, q, k, v, g, beta), run.leaving[ref])
+        else:
+            qs, ks, vs, gs, bs = _take(segment, q.float(), k, v, g, beta)
+            if kind == "segment":
+                state = run.leaving[ref]
+            else:  # the map [I | 0] at the node
+                eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(v.shape[0], v.shape[2], dk, dk)
+                state = torch.cat([eye, eye.new_zeros(*eye.shape[:3], v.shape[3])], dim=-1)
+            values = torch.cat([vs.new_zeros(*vs.shape[:3], dk), vs], dim=-1)
+            run.reads[index], run.leaving[index] = gated_delta(qs, ks, values, gs, bs, state)
     return run
 
 
@@ -126,7 +128,7 @@ def finish_piece(
         else:
             kind, ref = segment.source
             state = leaving(ref) if kind == "segment" else states[segment.source]
-            out, actual[index] = _kernel(*_take(segment, q, k, v, g, beta), state)
+            out, actual[index] = gated_delta(*_take(segment, q, k, v, g, beta), state)
             outs.append(out)
     return torch.cat(outs, dim=1)
 

@@ -32,7 +32,6 @@ from lctrain.families import (
     family_of,
     layer_windows,
     model_source,
-    num_experts,
     random_init_window_kwargs,
     rope_parameters,
 )
@@ -47,6 +46,7 @@ from lctrain.models.layouts import (
     dequantizer,
     to_layout,
 )
+from lctrain.models.moe import set_router_aux_loss
 
 logger = logging.getLogger("lctrain")
 
@@ -81,7 +81,7 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     ``hidden_size / num_heads`` (and a shared expert of width ``model.intermediate_size``),
     and no sliding window unless ``model.sliding_window`` > 0, then on every layer (transformers' class defaults,
     Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is
-    applied (``set_router_aux_loss``)."""
+    applied (``lctrain.models.moe.set_router_aux_loss``)."""
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -168,23 +168,9 @@ def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
         ) from None
 
 
-def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
-    """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
-    coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
-    ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
-    trained. ``router_aux_coef`` reads the result."""
-    if coef is None or not num_experts(config):
-        return
-    config.router_aux_loss_coef = coef
-    config.output_router_logits = coef > 0
-
-
-def router_aux_coef(config: PretrainedConfig) -> float:
-    """The weight of the router's load-balancing loss in the step's loss: 0 for a dense model, else transformers'
-    (``router_aux_loss_coef`` when ``output_router_logits``)."""
-    if not num_experts(config) or not getattr(config, "output_router_logits", False):
-        return 0.0
-    return float(config.router_aux_loss_coef)
+# RoPE parameters that say which dimensions rotate, not how positions scale (Qwen3-Next and Qwen3.5 rotate a quarter of
+# each head, Qwen3.5 in interleaved sections): kept when model.rope_scaling replaces the type
+ROPE_GEOMETRY = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
 def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
@@ -195,25 +181,19 @@ def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
     if cfg.max_position_embeddings is not None:
         config.max_position_embeddings = cfg.max_position_embeddings
     kinds = rope_parameters(config)
-    if "all" not in kinds:  # RoPE per layer type (Gemma 3): the settings are the global layers'
-        config.rope_parameters = {**kinds, "full_attention": _rope_settings(kinds["full_attention"], cfg)}
-        return
-    config.rope_parameters = _rope_settings(kinds["all"], cfg)
-
-
-def _rope_settings(rope: dict, cfg: ModelConfig) -> dict:
-    """``rope`` (one kind of layer's RoPE parameters) with ``model.rope_theta`` and ``model.rope_scaling`` applied."""
-    rope = dict(rope)
+    kind = "all" if "all" in kinds else "full_attention"  # RoPE per layer type (Gemma 3): the global layers'
+    rope = dict(kinds[kind])
     if cfg.rope_theta is not None:
         rope["rope_theta"] = cfg.rope_theta
     scaling = cfg.rope_scaling
-    if scaling.type is not None:
-        rope = {"rope_theta": rope["rope_theta"], "rope_type": scaling.type, "factor": scaling.factor}
+    if scaling.type is not None:  # the new type's parameters replace the old's; which dimensions rotate stays
+        kept = {key: rope[key] for key in ROPE_GEOMETRY if key in rope}
+        rope = {"rope_theta": rope["rope_theta"], **kept, "rope_type": scaling.type, "factor": scaling.factor}
         if scaling.original_max_position_embeddings is not None:
             rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
         if scaling.type == "llama3":
             rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
-    return rope
+    config.rope_parameters = rope if kind == "all" else {**kinds, kind: rope}
 
 
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -336,7 +316,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
 
 
 def export_hf(
-    model: nn.Module,
+    weights: nn.Module | dict[str, Tensor] | None,
     config: PretrainedConfig,
     out_dir: str | Path,
     tokenizer=None,
@@ -346,40 +326,18 @@ def export_hf(
     num_parts: int = 1,
 ) -> None:
     """Write a Hugging Face model directory (``config.json`` + safetensors weights [+ tokenizer]) that
-    ``AutoModelForCausalLM.from_pretrained`` loads, in ``layout`` (``write_hf``). Every rank must call it (the shards
-    are gathered).
-
-    ``model`` holds FSDP-sharded (DTensor) or plain parameters under Hugging Face names. With pipeline stages each pp
-    rank passes its parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp (``write_hf``).
-    """
-    tensors = full_state_dict(model)
-    write_hf(
-        None if tensors is None else {hf_name(k): v for k, v in tensors.items()},
-        config,
-        out_dir,
-        tokenizer,
-        layout=layout,
-        part=part,
-        num_parts=num_parts,
-    )
-
-
-def write_hf(
-    tensors: dict[str, Tensor] | None,
-    config: PretrainedConfig,
-    out_dir: str | Path,
-    tokenizer=None,
-    *,
-    layout: str = "published",
-    part: int = 0,
-    num_parts: int = 1,
-) -> None:
-    """Write the Hugging Face directory of ``export_hf`` from full ``tensors`` under the model's (in-memory) Hugging
-    Face names (None on the ranks that write nothing), in ``layout`` (``checkpoint.export_layout``): ``published``,
-    the names and per-expert tensors ``save_pretrained`` writes, or ``fused``, the model's own
-    (``lctrain.models.layouts.to_layout``). Every rank must call it. With ``num_parts`` > 1 the first rank of each part
-    writes ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index ``model.safetensors.index.json``,
-    the sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``."""
+    ``AutoModelForCausalLM.from_pretrained`` loads, from ``weights``: a model with FSDP-sharded (DTensor) or plain
+    parameters under Hugging Face names (gathered: ``full_state_dict``), or full tensors under the model's (in-memory)
+    Hugging Face names (None on the ranks that write nothing). In ``layout`` (``checkpoint.export_layout``):
+    ``published``, the names and per-expert tensors ``save_pretrained`` writes, or ``fused``, the model's own
+    (``lctrain.models.layouts.to_layout``). Every rank must call it. With pipeline stages each pp rank passes its
+    parts (``merge_stages``) with ``part`` = its pp rank and ``num_parts`` = pp: the first rank of each part writes
+    ``model-0000<part+1>-of-0000<num_parts>.safetensors`` and rank 0 the index ``model.safetensors.index.json``, the
+    sharded layout ``save_pretrained`` writes. One part: ``model.safetensors``."""
+    tensors = weights
+    if isinstance(weights, nn.Module):
+        gathered = full_state_dict(weights)
+        tensors = None if gathered is None else {hf_name(k): v for k, v in gathered.items()}
     writer = tensors is not None
     if writer and config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied to the input embeddings; safetensors stores each tensor once

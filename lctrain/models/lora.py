@@ -53,7 +53,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lctrain.families import FAMILIES, num_experts
 from lctrain.models.config import LoraConfig
-from lctrain.models.hf import TensorSource, build_empty_model, full_state_dict, write_hf
+from lctrain.models.hf import TensorSource, build_empty_model, export_hf, full_state_dict
 from lctrain.rules import check_expert_adapters
 
 if TYPE_CHECKING:  # peft is imported where it is used: importing it takes seconds, and the checks never need it
@@ -259,7 +259,7 @@ def export_lora(
     pp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write ``<run_dir>/adapter`` (peft's format: peft's names, the experts' adapters under their fused weights'
-    names) and, with ``merged``, the merged model to ``<run_dir>/hf`` in ``layout`` (``write_hf``, with the tokenizer).
+    names) and, with ``merged``, the merged model to ``<run_dir>/hf`` in ``layout`` (``export_hf``, with the tokenizer).
     Every rank calls it.
 
     ``model`` is the trained model (FSDP-sharded or plain, with pipeline stages this rank's parts: ``part`` its pp
@@ -281,4 +281,4 @@ def export_lora(
     if dist.is_initialized():
         dist.barrier()  # the adapter is written before any rank returns
     if merged:
-        write_hf(tensors, config, Path(run_dir) / "hf", tokenizer, layout=layout, part=part, num_parts=num_parts)
+        export_hf(tensors, config, Path(run_dir) / "hf", tokenizer, layout=layout, part=part, num_parts=num_parts)

@@ -26,6 +26,7 @@ from lctrain.attention import usp_attention
 from lctrain.attention.kernels import KernelCase, resolve
 from lctrain.families import FAMILIES
 from lctrain.linear_attention.gated_deltanet import patch_linear_attention
+from lctrain.linear_attention.kernel import describe_linear_kernel
 
 logger = logging.getLogger("lctrain")
 
@@ -121,5 +122,6 @@ def patch_attention(
     if family is not None and family.linear_mixer is not None:
         mixers = [getattr(m, family.linear_mixer) for m in model.modules() if hasattr(m, family.linear_mixer)]
         patch_linear_attention(mixers, ring_group=ring_group, ulysses_group=ulysses_group, layout=layout)
-        logger.info("linear-attention layers: %d gated delta layers, transformers' torch chunked kernel", len(mixers))
+        kernel_line = describe_linear_kernel(device, dtype)
+        logger.info("linear-attention layers: %d gated delta layers, %s", len(mixers), kernel_line)
     return name

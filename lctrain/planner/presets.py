@@ -244,6 +244,10 @@ QWEN3_NEXT = {
 }  # fmt: skip
 # Qwen3.5-35B-A3B's language model: the same layers, 40 of them, 256 experts
 QWEN3_5_MOE = {**QWEN3_NEXT, "family": "qwen3_5_moe_text", "linear_layers": QWEN3_NEXT["linear_layers"][:40]}
+# Qwen3.5-4B's language model: the same layers, dense (an MLP of 9,216), 32 of them, tied embeddings
+QWEN3_5 = {
+    **QWEN3_NEXT, "family": "qwen3_5_text", "shared_expert": 0, "linear_layers": QWEN3_NEXT["linear_layers"][:32],
+}  # fmt: skip
 # gpt-oss: 128-token windows on every other layer (the first slides), biases on the attention, experts and router
 GPT_OSS = {
     "head_dim": 64, "family": "gpt_oss", "qkv_bias": True, "o_bias": True, "sinks": True, "expert_bias": True,
@@ -273,6 +277,7 @@ NAMED_MODELS = {
         _named("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, head_dim=128, family="qwen3", qk_norm=True, rope_theta=1e6),
         _moe("qwen3-30b-a3b", 2048, 48, 32, 4, 151936, 128, 8, 768, **QWEN3_MOE),
         _moe("qwen3-235b-a22b", 4096, 94, 64, 4, 151936, 128, 8, 1536, **QWEN3_MOE),
+        _named("qwen3.5-4b", 2560, 9216, 32, 16, 4, 248320, tied=True, **QWEN3_5),
         _moe("qwen3-next-80b-a3b", 2048, 48, 16, 2, 151936, 512, 10, 512, **QWEN3_NEXT),
         _moe("qwen3.5-35b-a3b", 2048, 40, 16, 2, 248320, 256, 8, 512, **QWEN3_5_MOE),
         _moe("mixtral-8x7b", 4096, 32, 32, 8, 32000, 8, 2, 14336, family="mixtral"),
@@ -324,6 +329,9 @@ class Hardware:
     alltoall_gbps: float | None = None  # the Ulysses all-to-all (bytes leaving a GPU per s); None: intra_gbps
     attention_tflops: float | None = None  # the attention kernel's achieved forward rate; None: tflops x mfu
     attention_backward_tflops: float | None = None  # its backward (counted as 2.5x the forward's FLOPs); None: same
+    # a hybrid's gated delta summary exchange over a ring inside a node / across nodes; None: intra_gbps / inter_gbps
+    summary_intra_gbps: float | None = None
+    summary_inter_gbps: float | None = None
     measured: tuple[str, ...] = ()  # the fields a probe measured
     dtype: str | None = None  # the compute dtype a probe measured in (bf16 or fp32); None: a preset
 
@@ -352,6 +360,8 @@ MEASURABLE = (
     "alltoall_gbps",
     "attention_tflops",
     "attention_backward_tflops",
+    "summary_intra_gbps",
+    "summary_inter_gbps",
 )
 
 

@@ -15,6 +15,11 @@ part in every measurement at once, as in a ring step:
   (its heads over ``--ulysses``), forward and backward of one zigzag ring step's block (``--tokens`` queries
   against half as many keys), FLOPs counted as the planner counts them (4·D per pair and head forward, 2.5 times
   that backward);
+- ``summary_intra_gbps`` and ``summary_inter_gbps`` (a hybrid's model only): a gated delta layer's exchange over
+  the ranks of a node (every node at once) and over the ranks of equal local rank on every node: the forward's
+  all-gathers of two pieces' convolution halos and state summaries at the model's sizes (its linear heads over
+  ``--ulysses``), then the backward's all-reduce of their gradient; the planner's bytes for both (three times what a
+  rank receives in the forward) per second;
 - ``tflops``: a large GEMM in the compute dtype (it stands in for the peak; the planner's ``--mfu`` scales it);
 - ``mem_gib``: device memory (on CPU the host's memory over the ranks of a node).
 
@@ -44,9 +49,9 @@ import torch.distributed as dist
 
 from lctrain.attention.kernels import resolve_kernel
 from lctrain.planner.cli import check_positive, model_parser
-from lctrain.planner.presets import GIB, MEASURABLE, load_model
+from lctrain.planner.presets import GIB, MEASURABLE, ModelSpec, load_model
 from lctrain.planner.timing import BACKWARD_FLOPS_RATIO
-from lctrain.rules import check_ulysses_heads, groups_inside_nodes
+from lctrain.rules import check_linear_heads, check_ulysses_heads, groups_inside_nodes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -64,6 +69,10 @@ class ProbeOptions:
     iters: int = 5
     dtype: str = "bf16"
     gemm: int = 2048  # the GEMM's square size
+    # a hybrid's gated delta layer, per piece: its summary [Hv/U, dk, dk + dv] (fp32) and convolution halo
+    # [K - 1, C/U] (compute dtype); () for a model without such layers
+    summary_shape: tuple[int, ...] = ()
+    halo_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,16 +174,63 @@ def measure_links(nodes: Nodes, options: ProbeOptions, device: torch.device) -> 
     if not groups_inside_nodes(ulysses, nodes.per_node):
         raise ValueError(f"--ulysses {ulysses} does not divide the {nodes.per_node} ranks of a node")
     if ulysses > 1:
-        group = None
-        for first in range(0, len(nodes.hosts), ulysses):  # every rank makes every group, in the same order
-            members = list(range(first, first + ulysses))
-            made = dist.new_group(members)
-            group = made if rank in members else group
+        group = groups_of([list(range(first, first + ulysses)) for first in range(0, len(nodes.hosts), ulysses)])
         send = torch.ones(size // ulysses * ulysses, dtype=torch.uint8, device=device)
         receive = torch.empty_like(send)
         seconds = timed(lambda: dist.all_to_all_single(receive, send, group=group), iters, device)
         result["alltoall_gbps"] = send.numel() * (ulysses - 1) / ulysses / seconds / 1e9
         result["seconds"]["alltoall"] = seconds
+    return result
+
+
+def groups_of(members: list[list[int]]) -> dist.ProcessGroup:
+    """The process group of the member list holding this rank, every list made on every rank in the same order."""
+    rank, mine = dist.get_rank(), None
+    for ranks in members:
+        made = dist.new_group(ranks)
+        mine = made if rank in ranks else mine
+    return mine
+
+
+def summary_exchange(group: dist.ProcessGroup, options: ProbeOptions, device: torch.device) -> tuple[float, float]:
+    """Bytes/s of a gated delta layer's exchange over ``group`` (``lctrain.linear_attention.context``): the
+    forward's all-gathers of this rank's two pieces' halos and summaries, the backward's all-reduce of the gradient
+    of everything gathered; counted as the planner counts it, three times the bytes a rank receives in the forward.
+    Returns the rate and the seconds of the forward and backward."""
+    size = dist.get_world_size(group)
+    halos = torch.ones(2, 1, *options.halo_shape, dtype=DTYPES[options.dtype], device=device)
+    summaries = torch.ones(2, 1, *options.summary_shape, dtype=torch.float32, device=device)
+    gathered = [[torch.empty_like(t) for _ in range(size)] for t in (halos, summaries)]
+    gradients = [torch.ones(size, *t.shape, dtype=t.dtype, device=device) for t in (halos, summaries)]
+
+    def forward() -> None:
+        for parts, t in zip(gathered, (halos, summaries)):
+            dist.all_gather(parts, t, group=group)
+
+    def backward() -> None:
+        for gradient in reversed(gradients):
+            dist.all_reduce(gradient, group=group)
+
+    forward_s, backward_s = (timed(run, options.iters, device) for run in (forward, backward))
+    received = (size - 1) * (halos.nbytes + summaries.nbytes)
+    return 3 * received / (forward_s + backward_s) / 1e9, forward_s, backward_s
+
+
+def measure_summaries(nodes: Nodes, options: ProbeOptions, device: torch.device) -> dict[str, Any]:
+    """``summary_intra_gbps`` (the ranks of each node) and ``summary_inter_gbps`` (the ranks of equal local rank
+    on every node), None where the job has no such group or the model no gated delta layers."""
+    result: dict[str, Any] = {"summary_intra_gbps": None, "summary_inter_gbps": None, "seconds": {}}
+    if not options.summary_shape:
+        return result
+    ranks = range(len(nodes.hosts))
+    for link, count, members in (
+        ("intra", nodes.per_node, [[r for r in ranks if nodes.index[r] == n] for n in range(nodes.count)]),
+        ("inter", nodes.count, [[r for r in ranks if nodes.local[r] == i] for i in range(nodes.per_node)]),
+    ):
+        if count > 1:
+            rate, forward_s, backward_s = summary_exchange(groups_of(members), options, device)
+            result[f"summary_{link}_gbps"] = rate
+            result["seconds"] |= {f"summary_{link}_forward": forward_s, f"summary_{link}_backward": backward_s}
     return result
 
 
@@ -228,6 +284,7 @@ def measure(options: ProbeOptions, device: torch.device) -> dict[str, Any]:
     """Everything the hardware file holds (the same on every rank), measured on the default process group."""
     nodes = Nodes.gather()
     links = measure_links(nodes, options, device)
+    summaries = measure_summaries(nodes, options, device)
     attention = measure_attention(options, device)
     gemm = measure_gemm(options, device)
     return {
@@ -239,6 +296,8 @@ def measure(options: ProbeOptions, device: torch.device) -> dict[str, Any]:
         "intra_gbps": links["intra_gbps"],
         "inter_gbps": links["inter_gbps"],
         "alltoall_gbps": links["alltoall_gbps"],
+        "summary_intra_gbps": summaries["summary_intra_gbps"],
+        "summary_inter_gbps": summaries["summary_inter_gbps"],
         "attention_tflops": attention["attention_tflops"],
         "attention_backward_tflops": attention["attention_backward_tflops"],
         "probe": {
@@ -248,7 +307,7 @@ def measure(options: ProbeOptions, device: torch.device) -> dict[str, Any]:
             "nodes": nodes.count,
             "ranks_per_node": nodes.per_node,
             "hosts": list(dict.fromkeys(nodes.hosts)),
-            "seconds": {**links["seconds"], **attention["seconds"]},
+            "seconds": {**links["seconds"], **summaries["seconds"], **attention["seconds"]},
             "torch": torch.__version__,
         },
     }
@@ -265,7 +324,8 @@ def write_hardware(record: dict[str, Any], path: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     p = model_parser(
         "probe",
-        "Measure this job's links (inside and between nodes, the Ulysses all-to-all) and the attention kernel at the "
+        "Measure this job's links (inside and between nodes, the Ulysses all-to-all, a hybrid's gated delta summary "
+        "exchange) and the attention kernel at the "
         "model's head shape; write the hardware file `python -m lctrain plan --hardware FILE` reads. Launch it like a "
         "training job (torchrun on every node).",
     )
@@ -296,12 +356,25 @@ def options_from(args: argparse.Namespace, device: torch.device) -> ProbeOptions
         iters=args.iters,
         dtype=args.dtype,
         gemm=8192 if cuda else 2048,
+        **summary_shapes(model, ulysses),
     )
     check_positive(options, ("tokens", "bytes", "iters", "ulysses"))
     if options.tokens % 2:
         raise ValueError(f"--tokens {options.tokens} must be even (the block has half as many keys)")
     check_ulysses_heads(options.heads, options.kv_heads, ulysses, setting="--ulysses")
     return options
+
+
+def summary_shapes(model: ModelSpec, ulysses: int) -> dict[str, tuple[int, ...]]:
+    """A hybrid's ``summary_shape`` and ``halo_shape`` (``ProbeOptions``) under ``ulysses``; none for another model."""
+    if not any(model.linear_layers):
+        return {}
+    check_linear_heads(*model.linear_heads, ulysses, setting="--ulysses")
+    hv, (dk, dv) = model.linear_heads[1], model.linear_head_dims
+    return {
+        "summary_shape": (hv // ulysses, dk, dk + dv),
+        "halo_shape": (model.conv_kernel - 1, model.conv_channels // ulysses),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:

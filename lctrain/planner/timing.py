@@ -27,7 +27,9 @@ class RingStep:
 
     A hybrid's gated delta layer runs no ring step: it all-gathers its pieces' summaries and convolution halos over
     the ring once (``summary_fwd_s``), and all-reduces their gradient in the backward (``summary_bwd_s``: twice the
-    bytes); the layer waits for both (exposed), whose size does not grow with the length."""
+    bytes); the layer waits for both (exposed), whose size does not grow with the length. Their bandwidth is what
+    ``lctrain probe`` measured for this exchange (``summary_intra_gbps``, ``summary_inter_gbps``), else the ring's
+    link's."""
 
     link: str  # "intra" (the ring lies inside a node: NVLink), "inter" (it spans nodes: network) or "none"
     tokens_per_rank: int  # S/R: the piece a ring rank holds after the Ulysses all-to-all
@@ -68,11 +70,20 @@ def attention_rates(hw: Hardware, work: Workload) -> tuple[float, float]:
     return forward, backward
 
 
+# the link whose bandwidth a collective's takes when a hardware file has no measured figure for it
+COLLECTIVE_LINKS = {
+    "alltoall_gbps": "intra_gbps",
+    "summary_intra_gbps": "intra_gbps",
+    "summary_inter_gbps": "inter_gbps",
+}
+
+
 def link_bandwidth(hw: Hardware, work: Workload, field: str) -> float:
-    """Bytes/s of link ``field`` (``intra_gbps``, ``inter_gbps``, ``alltoall_gbps``): measured as it is, nominal x
-    link efficiency; the all-to-all's is the link inside a node's when not measured."""
-    if field == "alltoall_gbps" and hw.alltoall_gbps is None:
-        field = "intra_gbps"
+    """Bytes/s of link ``field`` (``intra_gbps``, ``inter_gbps``, or a collective's: ``alltoall_gbps``,
+    ``summary_intra_gbps``, ``summary_inter_gbps``): measured as it is, nominal x link efficiency; a collective not
+    measured takes its link's (``COLLECTIVE_LINKS``)."""
+    if getattr(hw, field) is None:
+        field = COLLECTIVE_LINKS[field]
     efficiency = 1.0 if field in hw.measured else work.link_efficiency
     return getattr(hw, field) * 1e9 * efficiency
 
@@ -90,7 +101,8 @@ def ring_step(model: ModelSpec, layout: Layout, hw: Hardware, work: Workload) ->
     kv_elements = piece * kv_width(model, ulysses) / ulysses  # S/R tokens × max(Hkv/U, 1) heads × D
     pairs = piece * piece / 2  # zigzag: every step is the same half (S/R)² block
     flops_fwd = 4 * model.head_dim * (model.heads / ulysses) * pairs
-    summary_s = summary_exchange_bytes(model, ring, ulysses, e) / bandwidth
+    summary_bandwidth = link_bandwidth(hw, work, f"summary_{link}_gbps")  # measured by lctrain probe, or the ring's
+    summary_s = summary_exchange_bytes(model, ring, ulysses, e) / summary_bandwidth
     backward_bytes = FP32 + (e if ring > 2 else 0)  # per K/V element: fp32 dK/dV, and K/V again when R > 2
     overlap = 2 - 1 / RING_PIECES if ring == 2 else 1.0
     # hides when S/R ≥ max(Hkv, U)/Hq · max(e · C_fwd, b / 2.5 · C_bwd) / (W · overlap) (b: the backward's bytes per

@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from lctrain.build import BuiltModel, Job
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.pipeline import StageHead, step_inputs
+from lctrain.parallel.pipeline import StageHead, build_schedule, step_inputs
 
 Batch = dict[str, Any]
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 def row_fields(batch: Batch, row: int, keys: Sequence[str], device: torch.device) -> dict[str, Any]:
@@ -67,7 +69,7 @@ class PipelineForward:
     """The same through a forward-only pipeline ``schedule`` (``build_schedule(training=False)``) whose micro-batches
     are the step's rows; None off the last stage (which alone runs the heads)."""
 
-    def __init__(self, schedule: PipelineScheduleSingle | PipelineScheduleMulti, device: torch.device):
+    def __init__(self, schedule: Schedule, device: torch.device):
         self.schedule, self.device = schedule, device
 
     def __call__(self, micro_batches: Sequence[Batch], fields: Sequence[str], head: StageHead) -> Tensor | None:
@@ -78,3 +80,20 @@ class PipelineForward:
 
 
 RowsForward = Callable[[Sequence[Batch], Sequence[str], StageHead], Tensor | None]
+
+
+def pipeline_schedule(built: BuiltModel, job: Job, rows: int, *, training: bool) -> Schedule:
+    """A pipeline schedule (``parallel.pp_schedule``) over ``built``'s stages on ``job``'s mesh with ``rows`` (a
+    step's) as its micro-batches: a training one, or forward-only."""
+    pp, kind = job.mesh.sub_mesh("pp"), job.cfg.parallel.pp_schedule
+    return build_schedule(built.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=training)
+
+
+def forward_only(built: BuiltModel, job: Job, rows: int, hidden_states: FinalHiddenStates | None = None) -> RowsForward:
+    """A forward-only run of ``rows`` rows (a step's) through ``built`` (``job.model`` or another model built on its
+    mesh): the whole model (``hidden_states`` when given, else its own), or a forward-only schedule of its own over
+    its pipeline stages (so that a training schedule never switches mode; its shapes are those of the first rows it
+    runs)."""
+    if built.stages:
+        return PipelineForward(pipeline_schedule(built, job, rows, training=False), job.device)
+    return ModelForward(hidden_states or FinalHiddenStates(built.model), job.device)

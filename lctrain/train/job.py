@@ -20,16 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from lctrain.build import BuiltModel, Job, build_job, tokenizer_path
+from lctrain.build import Job, build_job, tokenizer_path
 from lctrain.checkpoint import Checkpointer
 from lctrain.config import JobConfig
 from lctrain.data import DataConfig, PackedLoader
-from lctrain.models.hf import router_aux_coef
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.pipeline import build_schedule
-from lctrain.train.forward import Batch, ModelForward, PipelineForward, RowsForward
+from lctrain.train.forward import Batch, Schedule, forward_only, pipeline_schedule
 from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
 from lctrain.train.objective import Objective, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler
@@ -38,8 +35,6 @@ from lctrain.train.reference import ReferenceCache, build_reference
 from lctrain.train.router_loss import with_router_loss
 from lctrain.train.ruler_suite import TrainingSuite, training_suite
 from lctrain.train.validate import Validator
-
-Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 @dataclass
@@ -74,23 +69,19 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     hidden_states = None if model.stages else FinalHiddenStates(model.model)
     schedule = None
     if model.stages:
-        schedule = _schedule(model, job, rows, training=True)
+        schedule = pipeline_schedule(model, job, rows, training=True)
 
-    def forward_only(built: BuiltModel) -> RowsForward:
-        """A forward-only run of a step's rows through ``built``: the whole model, or a forward-only schedule over
-        its pipeline stages (a schedule of its own, so that the training one never switches mode)."""
-        if built.stages:
-            return PipelineForward(_schedule(built, job, rows, training=False), device)
-        return ModelForward(hidden_states if built is model else FinalHiddenStates(built.model), device)
-
-    policy_forward = functools.cache(lambda: forward_only(model))  # the reference of LoRA, the router's counts
+    # one forward-only run of the policy, shared by the LoRA reference and the router's global counts
+    policy_forward = functools.cache(lambda: forward_only(model, job, rows, hidden_states))
     objective = build_objective(
         cfg.objective,
         loader.names,
         mesh=mesh,
         device=device,
         chunk_tokens=cfg.train.loss_chunk_tokens,
-        reference=build_reference(cfg.objective, job, policy_forward, forward_only),
+        reference=build_reference(
+            cfg.objective, job, policy_forward, functools.partial(forward_only, job=job, rows=rows)
+        ),
         last_stage=not model.stages or model.stages[-1].last,
     )
     if cfg.objective.precompute_reference and isinstance(objective, PreferenceLoss) and objective.reference is not None:
@@ -103,7 +94,6 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
         model.model,
         model.stages,
         job.prepared.config,
-        router_aux_coef(job.prepared.config),
         group=mesh.dp_cp,
         cp_group=mesh.cp,
         device=device,
@@ -111,33 +101,20 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
         forward=policy_forward() if global_scope else None,
     )
     optimizer = build_optimizer(model.model, cfg.optim)
-    return TrainingJob(
-        job,
-        loader,
-        validator,
-        hidden_states,
-        schedule,
-        objective,
-        optimizer,
-        build_scheduler(optimizer, cfg.optim, cfg.train.steps),
-        Checkpointer(Path(cfg.train.run_dir) / "checkpoints", keep=cfg.checkpoint.keep),
-        StepMeter(
-            device,
-            tokens=cfg.data.seq_len * rows * mesh.dims.dp,
-            per_token=model_flops_per_token(job.prepared.config, model.num_params, cfg.data.seq_len),
-            peak=peak_flops(device, cfg.train.peak_tflops),
-            devices=mesh.dims.world_size,
-        ),
-        training_suite(job, hidden_states),
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    checkpointer = Checkpointer(Path(cfg.train.run_dir) / "checkpoints", keep=cfg.checkpoint.keep)
+    suite = training_suite(job, hidden_states)
+    peak = peak_flops(device, cfg.train.peak_tflops)
+    meter = StepMeter(
+        device,
+        tokens=cfg.data.seq_len * rows * mesh.dims.dp,
+        per_token=model_flops_per_token(job.prepared.config, model.num_params, cfg.data.seq_len),
+        peak=peak,
+        devices=mesh.dims.world_size,
     )
-
-
-def _schedule(built: BuiltModel, job: Job, rows: int, *, training: bool) -> Schedule:
-    """A pipeline schedule (``parallel.pp_schedule``) over ``built``'s stages with a step's ``rows`` as its
-    micro-batches: a training one, or forward-only."""
-    pp = job.mesh.sub_mesh("pp")
-    kind = job.cfg.parallel.pp_schedule
-    return build_schedule(built.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=training)
+    return TrainingJob(
+        job, loader, validator, hidden_states, schedule, objective, optimizer, scheduler, checkpointer, meter, suite
+    )
 
 
 def _run_steps(data: DataConfig, job: Job, validator: Validator) -> Iterator[Sequence[Batch]]:

@@ -28,7 +28,6 @@ from torch import Tensor
 from lctrain.attention import SequencePlace
 from lctrain.data import IGNORE_INDEX
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.rules import sequence_divisor
 from lctrain.train.loss import chunked_token_logprobs
 
 Batch = dict[str, Any]
@@ -90,7 +89,7 @@ class KeyTokens:
                  chunk_tokens: int):  # fmt: skip
         self.place, self.turns, self.group, self.device = place, list(turns), group, device
         self.chunk_tokens, self.edges = chunk_tokens, edges
-        divisor = sequence_divisor(place.layout, place.ring_size, place.ulysses_size)
+        divisor = place.sequence_divisor
         self.passes = []  # per row: the long row and the short one, each this rank's part, with its origin
         for row in rows:
             short, origin = windowed_row(row, window, divisor)

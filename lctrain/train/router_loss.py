@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from lctrain.families import moe_layers, num_experts
-from lctrain.models.moe import RouterTotals, balance_loss_share
+from lctrain.models.moe import RouterTotals, balance_loss_share, router_aux_coef
 from lctrain.train.objective import Objective
 
 
@@ -119,7 +119,6 @@ def with_router_loss(
     model: nn.Module,
     stages: Sequence[nn.Module],
     config: PretrainedConfig,
-    coef: float,
     *,
     group: dist.ProcessGroup,
     cp_group: dist.ProcessGroup | None,
@@ -127,12 +126,13 @@ def with_router_loss(
     scope: str = "sequence",
     forward: Callable[..., Tensor | None] | None = None,
 ) -> Any:
-    """``objective`` with the router's load-balancing loss times ``coef`` (``lctrain.models.hf.router_aux_coef``)
-    pooled over ``scope`` (``train.router_aux_scope``) and the experts' load when ``config``'s model has routers
-    (with ``coef`` 0, the load only); else ``objective``. ``model``: the whole model; with pipeline ``stages``
-    (this rank's stage modules) each stage gets its ``RouterTotals`` as its ``carry`` instead: it adds its layers'
-    to the totals it receives and passes them on (the last stage to its head, as the row's ``carried``)."""
-    layers = moe_layers(config)
+    """``objective`` with the router's load-balancing loss, times its weight in ``config``
+    (``lctrain.models.moe.router_aux_coef``), pooled over ``scope`` (``train.router_aux_scope``) and the experts' load
+    when ``config``'s model has routers (with a weight of 0, the load only); else ``objective``. ``model``: the whole
+    model; with pipeline ``stages`` (this rank's stage modules) each stage gets its ``RouterTotals`` as its ``carry``
+    instead: it adds its layers' to the totals it receives and passes them on (the last stage to its head, as the
+    row's ``carried``)."""
+    coef, layers = router_aux_coef(config), moe_layers(config)
     if not layers:
         return objective
     experts = num_experts(config)

@@ -20,10 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from lctrain.build import Job
 from lctrain.config import JobConfig
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.pipeline import build_schedule
 from lctrain.ruler.report import metrics, plot_curves, read_curve, summarize, table, write_results
 from lctrain.ruler.suite import build_suite, check_suite
-from lctrain.train.forward import ModelForward, PipelineForward, RowsForward
+from lctrain.train.forward import forward_only
 from lctrain.train.ruler_score import score_examples
 
 logger = logging.getLogger("lctrain")
@@ -33,16 +32,6 @@ def check_job_suite(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, max_posi
     """The suite of ``cfg`` checked before any process group exists (``lctrain.ruler.suite.check_suite``)."""
     lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
     check_suite(cfg.ruler, tokenizer, lengths, cfg.parallel.dims(), max_positions)
-
-
-def suite_forward(job: Job, hidden_states: FinalHiddenStates | None, rows: int) -> RowsForward:
-    """A forward-only run of ``rows`` rows through the job's model: the whole model's ``hidden_states``, or a
-    forward-only schedule of its own over the pipeline's stages (its shapes are those of the first rows it runs)."""
-    if not job.model.stages:
-        return ModelForward(hidden_states, job.device)
-    pp, kind = job.mesh.sub_mesh("pp"), job.cfg.parallel.pp_schedule
-    schedule = build_schedule(job.model.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=False)
-    return PipelineForward(schedule, job.device)
 
 
 class SuiteScorer:
@@ -58,7 +47,9 @@ class SuiteScorer:
         self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
         # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per row length (its shapes)
         self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if job.model.stages else 1
-        self.forward_for = functools.cache(lambda _row_length: suite_forward(job, hidden_states, self.rows_per_run))
+        self.forward_for = functools.cache(
+            lambda _row_length: forward_only(job.model, job, self.rows_per_run, hidden_states)
+        )
 
     def score(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(every example's record, the summary), the same on every rank."""

@@ -9,6 +9,10 @@ One spawned gloo group of 4 ranks runs (``STEPS`` steps, the tiny fp32 model of
   holding it), ``grad_accum`` 2, full activation checkpointing (the all-to-alls run again in the backward);
 - ``mixtral`` on ring 2 × Ulysses 2 with ``parallel.ep=4`` (one expert per rank: a row's tokens reach every rank),
   the chunked MLP (8 tokens a chunk, each chunk's all-to-alls recomputed in the backward), then its export;
+- the hybrids (4 layers: three gated delta layers, then a gated full-attention layer; a shared expert beside the
+  routed ones): ``qwen3_next`` on dp 2 × ring 2 with ``parallel.ep=2``, ``qwen3_5_moe_text`` on ring 2 × Ulysses 2
+  with ``parallel.ep=4`` (the gated delta layers' summaries all-gathered over the ring while the experts' tokens
+  travel over the EP group);
 - the first case stopped after 2 steps (a checkpoint at step 2) and resumed to ``STEPS``.
 
 The reference and tolerances are ``test_moe_parity.py``'s: first step's loss within 1e-5 relative and every
@@ -48,6 +52,20 @@ CASES = {
     "mixtral-ring2-ulysses2-ep4": (
         ("model.family=mixtral",),
         ("parallel.ring=2", "parallel.ulysses=2", "parallel.ep=4", "parallel.mlp_chunk_tokens=8"),
+        1,
+        1,
+        1,
+    ),
+    "qwen3_next-dp2-ring2-ep2": (
+        ("model.family=qwen3_next", "model.num_layers=4"),
+        ("parallel.dp=2", "parallel.ring=2", "parallel.ep=2"),
+        1,
+        1,
+        2,
+    ),
+    "qwen3_5_moe_text-ring2-ulysses2-ep4": (
+        ("model.family=qwen3_5_moe_text", "model.num_layers=4"),
+        ("parallel.ring=2", "parallel.ulysses=2", "parallel.ep=4"),
         1,
         1,
         1,

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lctrain.config import JobConfig
 from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
+    GPT_OSS,
     assert_curve_matches,
     assert_first_step_matches,
     job_config,
@@ -48,13 +49,6 @@ GEMMA3 = (
     "model.rope_theta=1000000",
     "model.rope_scaling.type=linear",
     "model.rope_scaling.factor=8",
-)
-GPT_OSS = (
-    "model.family=gpt_oss",
-    "model.sliding_window=8",
-    "model.num_experts=4",
-    "model.experts_per_token=2",
-    "model.router_aux_loss_coef=0.1",
 )
 # case -> (model overrides, parallel overrides, layers, batch_size, grad_accum, dp)
 CASES = {

@@ -19,7 +19,7 @@ Observed on CPU (torch 2.13, 1 thread per process): first-step losses within 1.1
 within 8e-5 relative.
 
 Conversations, mixtures and validation (``CHAT_JOBS``, in the group of world 4: one spawn per world size).
-Four jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
+Six jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/reference_training.py``, 64-token rows):
 
 - ``chat``: conversations (``write_chat_corpus``: only the assistant's tokens are trained; some conversations are
   dropped, longer than a row, some skipped, without an assistant turn), ring 2 × ulysses 2;
@@ -30,7 +30,18 @@ Four jobs (``CHAT_STEPS`` steps each, the tiny fp32 model of ``tests/helpers/ref
   4 rows a step;
 - ``expanded``: multi-turn conversations with reasoning through a template that drops the reasoning of earlier
   turns (``write_reasoning_chats``), so each is rendered once per turn (``data.divergent_turns=expand``), ring 2 ×
-  ulysses 2, 2 rows a step.
+  ulysses 2, 2 rows a step;
+- ``gemma3_text``: a Gemma 3 (random init, a window of 8 on its two local layers) on the conversations of ``chat``
+  through a Gemma-3-style template (``testbed.corpus.GEMMA3_TEMPLATE``: each answer and its ``<end_of_turn>``
+  trained), ring 2 × ulysses 2;
+- ``gpt_oss``: a gpt-oss (random init, windows of 8 on every other layer, 4 experts, top 2, router loss 0.1) on
+  multi-turn conversations with their reasoning in ``thinking`` through a harmony-style template
+  (``testbed.corpus.HARMONY_TEMPLATE``: the history without its analysis channel, each turn rendered once as at
+  inference, its analysis and ``<|return|>`` trained), ring 2 × ulysses 2, 2 rows a step.
+
+Both family jobs read a tokenizer with the templates' markers as special tokens (the default one, extended), as the
+families' own tokenizers have them: each answer's end (``<end_of_turn>``, ``<|return|>``) is one token, trained once
+per answer (checked on the rows they train on).
 
 The first row of the conversations holds no trained token in its first and last quarter: ring rank 0's shard of it
 has only masked labels (checked here), so that rank's loss sum is 0 and the step's is still exact. Compared with
@@ -46,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -56,11 +68,21 @@ from transformers import AutoModelForCausalLM
 
 from lctrain.attention import SequencePlace
 from lctrain.config import JobConfig
-from lctrain.data import IGNORE_INDEX, PackedLoader
+from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.testing import run_distributed
 from lctrain.train.validate import position_buckets
-from testbed.corpus import REASONING_TEMPLATE, write_chat_corpus, write_corpus, write_reasoning_chats
+from testbed.corpus import (
+    GEMMA3_TEMPLATE,
+    GEMMA3_TOKENS,
+    HARMONY_TEMPLATE,
+    HARMONY_TOKENS,
+    REASONING_TEMPLATE,
+    write_chat_corpus,
+    write_corpus,
+    write_reasoning_chats,
+)
 from tests.helpers.reference_training import (
+    GPT_OSS,
     SEQ_LEN,
     assert_curve_matches,
     assert_first_step_matches,
@@ -148,19 +170,30 @@ def chat_data(workdir: str, case: str) -> tuple[str, ...]:
         )
     if case == "expanded":
         return (f"data.paths=[{workdir}/reasoning.jsonl]", f"data.chat_template={workdir}/reasoning.jinja")
+    tokenizer = f"data.tokenizer={workdir}/family_tokenizer"
+    if case == "gemma3_text":
+        return (f"data.paths=[{chat}]", tokenizer, f"data.chat_template={workdir}/gemma3.jinja")
+    if case == "gpt_oss":
+        return (f"data.paths=[{workdir}/harmony.jsonl]", tokenizer, f"data.chat_template={workdir}/harmony.jinja")
     return (f"data.paths=[{chat}]",)
 
 
-CHAT_JOBS = {  # case -> (parallel overrides, data.batch_size, train.grad_accum)
-    "chat": (["parallel.ring=2", "parallel.ulysses=2"], 1, 1),
-    "chat_dp2": (["parallel.dp=2", "parallel.ring=2"], 1, 2),
-    "mixture": (["parallel.ring=2", "parallel.ulysses=2"], 4, 1),  # 4 rows a step: both sources in the first
-    "expanded": (["parallel.ring=2", "parallel.ulysses=2"], 2, 1),
+MESH = ["parallel.ring=2", "parallel.ulysses=2"]
+GEMMA3 = ("model.family=gemma3_text", "model.sliding_window=8")
+CHAT_JOBS = {  # case -> (parallel overrides, data.batch_size, train.grad_accum, model overrides)
+    "chat": (MESH, 1, 1, ()),
+    "chat_dp2": (["parallel.dp=2", "parallel.ring=2"], 1, 2, ()),
+    "mixture": (MESH, 4, 1, ()),  # 4 rows a step: both sources in the first
+    "expanded": (MESH, 2, 1, ()),
+    "gemma3_text": (MESH, 1, 1, GEMMA3),
+    "gpt_oss": (MESH, 2, 1, GPT_OSS),
 }
+# each family job's (text that opens each answer, the template's end of an answer): the end is trained once an answer
+ANSWERS = {"gemma3_text": ("<start_of_turn>model", "<end_of_turn>"), "gpt_oss": ("<|return|>", "<|return|>")}
 
 
 def chat_job(workdir: str, case: str) -> JobConfig:
-    parallel, batch_size, grad_accum = CHAT_JOBS[case]
+    parallel, batch_size, grad_accum, model = CHAT_JOBS[case]
     held_out = (
         f"data.val_sources=[{{name:chat,paths:[{workdir}/val_chat.jsonl]}},"
         f"{{name:text,paths:[{workdir}/val_text.jsonl]}}]"
@@ -173,6 +206,7 @@ def chat_job(workdir: str, case: str) -> JobConfig:
         batch_size=batch_size,
         grad_accum=grad_accum,
         parallel=parallel,
+        model=model,
         data=(*chat_data(workdir, case), *extra),
     )
     if case == VALIDATED:
@@ -187,6 +221,12 @@ def write_chat_data(root: Path) -> None:
     write_corpus(root / "val_text.jsonl", 20)
     write_reasoning_chats(root / "reasoning.jsonl")
     (root / "reasoning.jinja").write_text(REASONING_TEMPLATE)
+    write_reasoning_chats(root / "harmony.jsonl", thinking=True)
+    (root / "gemma3.jinja").write_text(GEMMA3_TEMPLATE)
+    (root / "harmony.jinja").write_text(HARMONY_TEMPLATE)
+    tokenizer = load_tokenizer(None)
+    tokenizer.add_tokens([*GEMMA3_TOKENS, *HARMONY_TOKENS], special_tokens=True)
+    tokenizer.save_pretrained(root / "family_tokenizer")
 
 
 @pytest.fixture
@@ -200,10 +240,16 @@ def metrics(workdir: str, case: str) -> list[dict]:
 
 @functools.cache
 def chat_reference_for(workdir: str, case: str) -> tuple[list[float], list[float], dict]:
-    _, batch_size, grad_accum = CHAT_JOBS[case]
+    _, batch_size, grad_accum, model = CHAT_JOBS[case]
     dp = 2 if case == "chat_dp2" else 1
     return reference(
-        workdir, steps=CHAT_STEPS, dp=dp, batch_size=batch_size, grad_accum=grad_accum, data=chat_data(workdir, case)
+        workdir,
+        steps=CHAT_STEPS,
+        dp=dp,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        model=model,
+        data=chat_data(workdir, case),
     )
 
 
@@ -217,12 +263,31 @@ def test_ring_rank_zero_holds_only_masked_labels_in_the_first_row(results: dict,
         assert (whole["labels"] != IGNORE_INDEX).any(), case  # the row itself trains some tokens
 
 
-def test_expanded_conversations_reach_the_trained_rows(results: dict, parity_workdir: str) -> None:
-    loader = PackedLoader(chat_job(parity_workdir, "expanded").data)
+@pytest.mark.parametrize("case", ["expanded", "gpt_oss"])
+def test_expanded_conversations_reach_the_trained_rows(results: dict, parity_workdir: str, case: str) -> None:
+    loader = PackedLoader(chat_job(parity_workdir, case).data)
     batches = iter(loader)
     for _ in range(CHAT_STEPS):  # the batches the job trains on
         next(batches)
     assert loader.skipped()["data"]["divergent"] > 0
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_family_templates_train_their_end_of_answer_token(results: dict, parity_workdir: str, case: str) -> None:
+    """In the rows the family job trains on, the template's end of an answer is one token, trained once per answer:
+    after each ``<start_of_turn>model`` (Gemma 3; the user turns' ``<end_of_turn>`` untrained), every ``<|return|>``
+    (gpt-oss)."""
+    data = chat_job(parity_workdir, case).data
+    tokenizer = load_tokenizer(data.tokenizer)
+    opening, end = (tokenizer.encode(text, add_special_tokens=False) for text in ANSWERS[case])
+    assert len(end) == 1
+    batches = list(itertools.islice(PackedLoader(data), CHAT_STEPS))
+    ids = torch.cat([batch["input_ids"] for batch in batches])
+    answers = int((ids.unfold(1, len(opening), 1) == torch.tensor(opening)).all(-1).sum())
+    trained = int(sum((batch["labels"] == end[0]).sum() for batch in batches))
+    assert answers > 0 and trained == answers
+    if case == "gemma3_text":
+        assert (ids == end[0]).sum() > trained  # the user turns' ends are not trained
 
 
 @pytest.mark.parametrize("case", list(CHAT_JOBS))

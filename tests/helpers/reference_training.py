@@ -31,14 +31,23 @@ from lctrain.build import tokenizer_path
 from lctrain.config import JobConfig, load_config
 from lctrain.data import IGNORE_INDEX, PackedLoader, load_tokenizer
 from lctrain.models import build_empty_model, materialize, model_config, random_init_source
-from lctrain.models.hf import hf_name, router_aux_coef
+from lctrain.models.hf import hf_name
 from lctrain.models.lora import adapter_source, apply_lora
+from lctrain.models.moe import router_aux_coef
 from lctrain.train.job import build_training_job
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.trainer import Trainer
 
 SEQ_LEN = 64
 MAX_GRAD_NORM = 0.5  # below most steps' gradient norms: clipping is active
+# a tiny gpt-oss: windows of 8 on every other layer, 4 experts, top 2, the router's load-balancing loss
+GPT_OSS = (
+    "model.family=gpt_oss",
+    "model.sliding_window=8",
+    "model.num_experts=4",
+    "model.experts_per_token=2",
+    "model.router_aux_loss_coef=0.1",
+)
 
 
 def job_config(

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from lctrain.models import build_empty_model, materialize, safetensors_source
-from lctrain.models.hf import write_hf
+from lctrain.models.hf import export_hf
 from lctrain.models.layouts import CheckpointLayoutError, checkpoint_files, checkpoint_source, conversions
 from tests.helpers.checkpoints import FAMILIES, PER_EXPERT_FAMILIES, hf_model, save_checkpoint
 
@@ -61,7 +61,7 @@ def test_the_export_is_what_save_pretrained_writes(family: str, layout: str, tmp
     model = hf_model(family, seed=1)
     save_checkpoint(model, tmp_path / "saved", layout=layout)
     tensors = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    write_hf(tensors, model.config, tmp_path / "exported", layout=layout)
+    export_hf(tensors, model.config, tmp_path / "exported", layout=layout)
     saved, exported = _saved(tmp_path / "saved"), _saved(tmp_path / "exported")
     assert exported.keys() == saved.keys()
     for name, tensor in saved.items():

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import HydraException
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lctrain.config import RECIPE_DIR, check_job, load_config
-from lctrain.families import layer_windows
+from lctrain.families import layer_windows, linear_layers
 from lctrain.models import model_config, safetensors_source
 from lctrain.train.stages import check_stage_jobs, stage_configs
 
@@ -518,6 +519,15 @@ QWEN3_NEXT_80B = {
     "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
 }
+# the Qwen3.5 family's attention head and gated delta layers (35B-A3B and 4B alike)
+QWEN3_5_LINEAR = {
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
 # Qwen3.5-35B-A3B (an image-text checkpoint): the sizes of its language model (transformers' Qwen3_5MoeTextConfig
 # defaults but the RoPE base and context), its vision tower left to transformers' defaults
 QWEN3_5_35B = {
@@ -529,12 +539,7 @@ QWEN3_5_35B = {
         "num_hidden_layers": 40,
         "num_attention_heads": 16,
         "num_key_value_heads": 2,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
+        **QWEN3_5_LINEAR,
         "num_experts": 256,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,
@@ -546,7 +551,35 @@ QWEN3_5_35B = {
     },
     "tie_word_embeddings": False,
 }
+# Qwen3.5-4B (an image-text checkpoint): its language model's sizes as public copies of its config.json give them;
+# tied embeddings inferred from its published total (docs/recipes.md); RoPE as the Qwen3.5 family's (a quarter of
+# each head, in interleaved sections)
+QWEN3_5_4B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 2560,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        **QWEN3_5_LINEAR,
+        "vocab_size": 248320,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+    },
+    "tie_word_embeddings": True,
+}
 CHECKPOINTS = {
+    "/models/Qwen3.5-4B": QWEN3_5_4B,
     "/models/Qwen3-Next-80B-A3B-Instruct": QWEN3_NEXT_80B,
     "/models/Qwen3.5-35B-A3B": QWEN3_5_35B,
     "/models/gpt-oss-20b": GPT_OSS_20B,
@@ -619,6 +652,23 @@ def test_family_recipes_train_the_published_architecture(tmp_path: Path) -> None
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
+
+
+def test_qwen3_5_4b_at_1m_scales_rope_keeping_its_rotary_quarter(tmp_path: Path) -> None:
+    """The 1M recipe's YaRN (factor 4 over 262,144) on Qwen3.5-4B's language model keeps its partial rotary factor
+    and interleaved sections, and its 4.21B parameters are the planner's named size."""
+    from lctrain.planner import NAMED_MODELS
+
+    cfg = load_config(["recipe=qwen3_5_4b_1m"])
+    cfg.model.path = str(recipe_model(cfg.model.path, tmp_path))
+    config = model_config(cfg.model, vocab_size=248320)
+    geometry = {"partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144, "rope_theta": 10000000}
+    assert config.rope_parameters == {**yarn, **geometry} and config.max_position_embeddings == 1048576
+    assert config.tie_word_embeddings and linear_layers(config) == [i for i in range(32) if i % 4 != 3]
+    with torch.device("meta"):  # keeps the tie (accelerate's init_empty_weights would break it)
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == NAMED_MODELS["qwen3.5-4b"].num_params == 4_205_751_296
 
 
 def test_sizes_transformers_refuses_name_the_model_settings() -> None:

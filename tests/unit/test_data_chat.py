@@ -24,6 +24,7 @@ from lctrain.data.chat_turns import TurnSettings
 from lctrain.data.sources import embedded_files
 from lctrain.data.stdlib_chat import stdlib_conversations
 from lctrain.data.tokenizer import CHAT_TEMPLATE
+from testbed.corpus import GEMMA3_TEMPLATE, GEMMA3_TOKENS
 
 PLAIN_CHATML = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 LLAMA3 = (
@@ -35,18 +36,6 @@ LLAMA3 = (
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-# Gemma 3's chat format, written for these tests (the published template also takes list contents and checks that
-# the roles alternate)
-GEMMA3 = (
-    "{{- bos_token -}}"
-    "{%- set system = messages[0]['content'] + '\\n\\n' if messages[0]['role'] == 'system' else '' -%}"
-    "{%- for message in messages if message['role'] != 'system' -%}"
-    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}"
-    "{{- (system if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
-)
-GEMMA3_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
 SAME = "The answer is 42."
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -122,7 +111,7 @@ def assert_document(tokenizer, document, segments) -> None:  # noqa: ANN001
 
 TEMPLATES = {"chatml_marked": (None, chatml_segments), "chatml": (PLAIN_CHATML, chatml_segments)}
 TEMPLATES["llama3"] = (LLAMA3, llama3_segments)
-TEMPLATES["gemma3"] = (GEMMA3, gemma3_segments)
+TEMPLATES["gemma3"] = (GEMMA3_TEMPLATE, gemma3_segments)
 
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
@@ -144,7 +133,7 @@ def test_gemma3_template_trains_the_embedded_chat_corpus_answers(tokenizer) -> N
     turns) is one document under the Gemma-3-style template, each answer and its ``<end_of_turn>`` trained."""
     records = [json.loads(r["record"]) for r in stdlib_conversations(embedded_files(True, "train")[:8])]
     assert {len(r["messages"]) % 2 for r in records} == {0, 1}  # with and without a system prompt
-    encoder = ChatEncoder(tokenizer, template=GEMMA3, turns=TurnSettings(divergent="error"))
+    encoder = ChatEncoder(tokenizer, template=GEMMA3_TEMPLATE, turns=TurnSettings(divergent="error"))
     documents = encoder.encode([parse_conversation(r, f"corpus:{i}") for i, r in enumerate(records)])
     for record, document in zip(records, documents, strict=True):
         messages = record["messages"]
@@ -197,7 +186,7 @@ BAD_RECORDS = {  # record (JSON text), substrings of the message
     "no_role": ('{"messages": [{"content": "x"}]}', ["messages[0] has no 'role'"]),
     "unknown_role": (
         '{"messages": [{"role": "bot", "content": "x"}]}',
-        ["messages[0] has the role 'bot'", "use one of system, user, assistant, tool"],
+        ["messages[0] has the role 'bot'", "use one of system, developer, user, assistant, tool"],
     ),
     "list_content": (
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}',

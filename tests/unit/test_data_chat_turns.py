@@ -3,9 +3,11 @@
 templates that models ship: the reasoning of earlier turns dropped (Qwen3), an EOS appended without a generation
 prompt (Phi-3.5), the system prompt placed in the last user message (Mistral's tool-calling templates),
 ``{% generation %}`` marks around the role header (SmolLM3), a generation prompt that opens a think block the
-rendered turn lacks (QwQ, the DeepSeek-R1 distills). Each expected document is written out by hand as (text,
-trained) segments, independently of the templates and of the rule; then the loader: counts, and exact resume in the
-middle of a conversation rendered once per turn.
+rendered turn lacks (QwQ, the DeepSeek-R1 distills), gpt-oss's harmony format (``testbed.corpus.HARMONY_TEMPLATE``:
+the history's answers without their analysis channel and ended by ``<|end|>`` where the last one ends with
+``<|return|>``; a tool call's reasoning kept until an answer follows). Each expected document is written out by hand
+as (text, trained) segments, independently of the templates and of the rule; then the loader: counts, and exact
+resume in the middle of a conversation rendered once per turn.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lctrain.attention import SequencePlace
 from lctrain.data import ChatEncoder, DataConfig, PackedLoader, load_tokenizer, parse_conversation
 from lctrain.data.chat_turns import DIVERGENT, UNREACHABLE, TurnSettings
 from lctrain.data.packing import Document
-from testbed.corpus import REASONING_TEMPLATE
+from testbed.corpus import HARMONY_TEMPLATE, HARMONY_TOKENS, REASONING_TEMPLATE
 from tests.unit.test_data_chat import CONVERSATION, PLAIN_CHATML, assert_document
 
 GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -76,7 +78,7 @@ THINKING = [
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):  # noqa: ANN001, ANN201
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    tokenizer.add_tokens(["[INST]", "[/INST]"], special_tokens=True)
+    tokenizer.add_tokens(["[INST]", "[/INST]", *HARMONY_TOKENS], special_tokens=True)
     return tokenizer
 
 
@@ -200,6 +202,67 @@ def test_a_turn_the_generation_prompt_cannot_reach(tokenizer) -> None:  # noqa: 
     whole = history(THINKING[:2]) + turn("assistant", "A1") + history(THINKING[3:4])[1:]
     whole += [("<|im_start|>assistant\n<think>\n", False), (f"{WHY[1]}A2<|im_end|>", True), ("\n", False)]
     assert_parts(tokenizer, encode(tokenizer, OPENS_THINK, {"messages": THINKING}), [DIVERGENT, turn_2, whole])
+
+
+HARMONY_SYSTEM = "<|start|>system<|message|>Reasoning: low<|end|>"
+CALL = {"type": "function", "function": {"name": "lookup", "arguments": '{"q": "answer"}'}}
+
+
+def harmony_answer(answer: str, why: str | None = None) -> str:
+    """What the model writes after ``<|start|>assistant`` for its last answer: the analysis channel, then the final
+    channel ended by ``<|return|>``."""
+    analysis = f"<|channel|>analysis<|message|>{why}<|end|><|start|>assistant" if why is not None else ""
+    return f"{analysis}<|channel|>final<|message|>{answer}<|return|>"
+
+
+@pytest.mark.parametrize("system_role", ["system", "developer"])
+def test_harmony_history_drops_the_analysis_and_ends_with_end(tokenizer, system_role: str) -> None:  # noqa: ANN001
+    """gpt-oss's format: at inference each answer is its analysis and its final channel ended by ``<|return|>``; the
+    history holds the final channel only, ended by ``<|end|>``. Every earlier turn is expanded (its document ends
+    with its reasoning and ``<|return|>``), the last one trained in the whole rendering; the system prompt (or the
+    developer message) is the developer's instructions."""
+    record = [{**m, "role": system_role} if m["role"] == "system" else dict(m) for m in THINKING]
+    for m, why in zip((record[2], record[4]), WHY):
+        m["content"], m["thinking"] = m["content"].split("\n\n")[-1], why.split("\n")[0]  # "A1", "Why 1"
+    opening = f"{HARMONY_SYSTEM}<|start|>developer<|message|># Instructions\n\nYou are terse.<|end|>"
+    opening += "<|start|>user<|message|>Q1<|end|>"
+    turn_2 = [(f"{opening}<|start|>assistant", False), (harmony_answer("A1", "Why 1"), True)]
+    history = f"{opening}<|start|>assistant<|channel|>final<|message|>A1<|end|><|start|>user<|message|>Q2<|end|>"
+    whole = [(f"{history}<|start|>assistant", False), (harmony_answer("A2", "Why 2"), True)]
+    assert_parts(tokenizer, encode(tokenizer, HARMONY_TEMPLATE, {"messages": record}), [DIVERGENT, turn_2, whole])
+    assert_document(tokenizer, encode(tokenizer, HARMONY_TEMPLATE, {"messages": record}, "last_assistant"), whole)
+    # without reasoning the earlier turn still differs: <|end|> in the history, <|return|> at inference
+    plain = [{k: v for k, v in m.items() if k != "thinking"} for m in record]
+    turn_2 = [(f"{opening}<|start|>assistant", False), (harmony_answer("A1"), True)]
+    whole = [(f"{history}<|start|>assistant", False), (harmony_answer("A2"), True)]
+    assert_parts(tokenizer, encode(tokenizer, HARMONY_TEMPLATE, {"messages": plain}), [DIVERGENT, turn_2, whole])
+    with pytest.raises(ValueError, match=r"messages\[2\] .*<\|end\|>.*<\|return\|>.* data.train_on=last_assistant$"):
+        encode(tokenizer, HARMONY_TEMPLATE, {"messages": plain}, divergent="error")
+    # one exchange: one document, the reasoning and <|return|> trained
+    single = encode(tokenizer, HARMONY_TEMPLATE, {"messages": record[1:3]})
+    assert_document(tokenizer, single, [(f"{HARMONY_SYSTEM}<|start|>user<|message|>Q1<|end|><|start|>assistant", False),
+                                        (harmony_answer("A1", "Why 1"), True)])  # fmt: skip
+
+
+def test_harmony_tool_call_keeps_its_reasoning_until_the_answer(tokenizer) -> None:  # noqa: ANN001
+    """A tool call's reasoning stays in the history until an answer follows: the call is trained with its reasoning
+    and ``<|call|>``, and the answer after the tool's result as at inference, with the call's reasoning in its
+    history; the whole rendering (the call without it) trains neither: one document per turn."""
+    messages = [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "", "thinking": "Look it up", "tool_calls": [CALL]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "It is 42.", "thinking": "Found it"},
+    ]
+    call = '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": "answer"}<|call|>'
+    opening = f"{HARMONY_SYSTEM}<|start|>user<|message|>Q<|end|><|start|>assistant"
+    turn_1 = [(opening, False), (f"<|channel|>analysis<|message|>Look it up<|end|>{call}", True)]
+    result = "<|start|>functions.lookup to=assistant<|channel|>commentary<|message|>42<|end|>"
+    turn_3 = [(f"{opening}<|channel|>analysis<|message|>Look it up<|end|>{call}{result}<|start|>assistant", False),
+              (harmony_answer("It is 42.", "Found it"), True)]  # fmt: skip
+    assert_parts(tokenizer, encode(tokenizer, HARMONY_TEMPLATE, {"messages": messages}), [DIVERGENT, turn_1, turn_3])
+    assert_parts(tokenizer, encode(tokenizer, HARMONY_TEMPLATE, {"messages": messages}, "last_assistant"),
+                 [DIVERGENT, turn_3])  # fmt: skip
 
 
 def test_loader_counts_and_resumes_inside_an_expanded_conversation(tmp_path: Path, tokenizer_dir: Path) -> None:

@@ -65,3 +65,25 @@ def test_settings_the_linear_layers_cannot_honour_are_refused(
     with pytest.raises(ValueError) as error:
         prepare_model(cfg, world)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_rope_scaling_keeps_the_quarter_of_each_head_that_rotates() -> None:
+    """``model.rope_scaling`` (YaRN, factor 4) on a Qwen3.5 config whose RoPE rotates a quarter of each head in
+    interleaved sections: the scaled RoPE keeps that geometry, and its frequencies are transformers' own for the
+    config written that way (what the export holds), not those of the whole head."""
+    from transformers import AutoModelForCausalLM
+
+    from lctrain.models.config import RopeScalingConfig
+    from lctrain.models.hf import set_rope
+
+    geometry = {"partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    config = hf_model("qwen3_5_text").config
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1e7, **geometry}
+    scaling = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=256)
+    set_rope(config, ModelConfig(max_position_embeddings=1024, rope_scaling=scaling))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 1e7}
+    assert config.rope_parameters == {**yarn, **geometry}
+    written = AutoConfig.for_model(**{**config.to_dict(), "rope_parameters": {**yarn, **geometry}})
+    scaled, expected = (AutoModelForCausalLM.from_config(c).model.rotary_emb for c in (config, written))
+    assert scaled.inv_freq.numel() == config.head_dim // 8  # a quarter of the head, in pairs
+    assert torch.equal(scaled.inv_freq, expected.inv_freq) and scaled.attention_scaling == expected.attention_scaling

@@ -1,4 +1,4 @@
-"""Memory savers on one process: the chunked MLP (``lctrain.models.chunked_mlp``) computes what the plain MLP
+"""Memory savers on one process: the chunked MLP (``lctrain.parallel.chunked_mlp``) computes what the plain MLP
 computes and keeps only its input for the backward; activation offload
 (``lctrain.parallel.activation_checkpointing``) sends exactly the checkpointed layers' inputs through its
 pack/unpack hooks, frees the device copy, copies each input back one layer ahead of its use, and changes no result
@@ -21,9 +21,9 @@ from torch import nn
 
 from lctrain.config import check_job, load_config
 from lctrain.models import ModelConfig, build_empty_model, materialize, model_config, random_init_source
-from lctrain.models.chunked_mlp import apply_chunked_mlp, chunked_mlp
 from lctrain.models.hf import hf_name
 from lctrain.parallel.activation_checkpointing import HostOffload, Offloaded, apply_activation_checkpointing
+from lctrain.parallel.chunked_mlp import apply_chunked_mlp, chunked_mlp
 
 VOCAB = 97
 HIDDEN, INTERMEDIATE, LAYERS = 32, 88, 3

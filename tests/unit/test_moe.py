@@ -15,9 +15,8 @@ from transformers import AutoModelForCausalLM
 from lctrain.config import load_config
 from lctrain.families import active_parameters, moe_layers
 from lctrain.models import model_config
-from lctrain.models.chunked_mlp import apply_chunked_mlp
-from lctrain.models.hf import router_aux_coef
-from lctrain.models.moe import RouterStatistics, RouterTotals, balance_loss_share, router_statistics
+from lctrain.models.moe import RouterStatistics, RouterTotals, balance_loss_share, router_aux_coef, router_statistics
+from lctrain.parallel.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.pipeline import ModelParts
 
 VOCAB = 50

@@ -130,11 +130,11 @@ def test_degrees_the_search_tries_and_refuses() -> None:
     assert [plan.layout.ep for plan in plans] == [1, 2, 4, 8]
 
 
-# the mixtures of experts' recipes (the hybrid Qwen3-Next's among them), and Gemma 3's (its header quotes the planner
-# the same way)
+# the mixtures of experts' recipes (the hybrid Qwen3-Next's among them), and Gemma 3's and the dense hybrid
+# Qwen3.5-4B's (their headers quote the planner the same way)
 MOE_RECIPES = (
     "qwen3_30b_a3b_128k", "qwen3_30b_a3b_1m", "mixtral_8x7b_32k", "gpt_oss_20b_128k", "gpt_oss_120b_128k",
-    "gemma3_27b_128k", "qwen3_next_80b_a3b_128k", "qwen3_5_35b_a3b_256k",
+    "gemma3_27b_128k", "qwen3_next_80b_a3b_128k", "qwen3_5_35b_a3b_256k", "qwen3_5_4b_256k", "qwen3_5_4b_1m",
 )  # fmt: skip
 
 

@@ -9,11 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from lctrain.planner import HARDWARE, NAMED_MODELS, Layout, Workload, ring_step
 from lctrain.planner.presets import load_hardware
-from lctrain.planner.timing import RING_PIECES
+from lctrain.planner.timing import RING_PIECES, summary_exchange_bytes
 
+CPU = torch.device("cpu")
 PROBED = {
     "name": "probed-cuda",
     "device": "cuda",
@@ -66,6 +68,37 @@ def test_ring_step_uses_measured_rates_as_achieved(tmp_path: Path) -> None:
     across = ring_step(model, Layout(1, 1, 16, 1), hw, replace(work, nodes=2))
     assert across.link == "inter"
     assert across.comm_fwd_s == pytest.approx(2 * 4096 * 8 * 128 * 2 / (HARDWARE["h100"].inter_gbps * 1e9 * 0.8))
+
+
+def test_hybrid_summary_exchange_takes_the_measured_rate_else_the_rings_link(tmp_path: Path) -> None:
+    """A gated delta layer's exchange over a ring inside a node runs at the file's ``summary_intra_gbps``, across
+    nodes at its ``summary_inter_gbps`` (both as measured, forward and twice the bytes backward); a file without them
+    gives it the ring's link: the measured ``intra_gbps`` as it is, the preset's network x link efficiency."""
+    model, work = NAMED_MODELS["qwen3-next-80b-a3b"], Workload(65536, gpus_per_node=8, link_efficiency=0.8)
+    without = load_hardware(write(tmp_path))
+    measured = load_hardware(write(tmp_path, summary_intra_gbps=120.0, summary_inter_gbps=20.0))
+    assert {"summary_intra_gbps", "summary_inter_gbps"} <= set(measured.measured)
+    network = HARDWARE["h100"].inter_gbps * 1e9 * 0.8
+    for layout, nodes, rates in (
+        (Layout(1, 2, 4, 1), 1, (120e9, 300e9)),
+        (Layout(1, 1, 8, 2), 2, (20e9, network)),
+    ):
+        exchange = summary_exchange_bytes(model, layout.ring, layout.ulysses, 2)
+        for hw, rate in zip((measured, without), rates):
+            step = ring_step(model, layout, hw, replace(work, nodes=nodes))
+            assert step.summary_fwd_s == pytest.approx(exchange / rate, rel=1e-12)
+            assert step.summary_bwd_s == pytest.approx(2 * exchange / rate, rel=1e-12)
+
+
+def test_probe_sizes_the_summary_exchange_from_the_model() -> None:
+    """``lctrain probe --model M --ulysses U``: a hybrid's summaries [Hv/U, dk, dk + dv] and halos [K - 1, C/U];
+    none for a model without gated delta layers."""
+    from lctrain.planner import probe
+
+    options = probe.options_from(probe.parser().parse_args(["--model", "qwen3-next-80b-a3b", "--ulysses", "4"]), CPU)
+    assert (options.summary_shape, options.halo_shape) == ((8, 128, 256), (3, (2 * 16 * 128 + 32 * 128) // 4))
+    plain = probe.options_from(probe.parser().parse_args(["--model", "llama3-8b", "--ulysses", "4"]), CPU)
+    assert (plain.summary_shape, plain.halo_shape) == ((), ())
 
 
 @pytest.mark.parametrize(
