@@ -125,7 +125,10 @@ def test_probe_command_alone_writes_a_file_without_links(tmp_path: Path, capsys)
     from lctrain.planner import probe
 
     out = tmp_path / "hardware.json"
-    probe.main(["--model", "tiny", "--out", str(out), "--tokens", "64", "--bytes", "1024", "--iters", "1"])
+    # fp32: a CPU without bf16 instructions takes minutes for the bf16 GEMM
+    probe.main(
+        ["--model", "tiny", "--out", str(out), "--tokens", "64", "--bytes", "1024", "--iters", "1", "--dtype", "fp32"]
+    )
     assert f"wrote {out}" in capsys.readouterr().out
     written = json.loads(out.read_text())
     assert written["device"] == "cpu" and written["probe"]["world"] == 1
