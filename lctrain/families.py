@@ -254,22 +254,6 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in config.layer_types]  # layers, pattern
 
 
-def random_init_window_kwargs(family: Family, setting: int | None, num_layers: int) -> dict[str, Any]:
-    """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
-    (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
-    every layer, or on the family's own sliding layers (``pattern``: gpt-oss's every other one). Llama has no window
-    (a positive setting is refused by ``check_model_features``)."""
-    window = setting if setting and setting > 0 else None
-    if family.window == "pattern":  # the config class's own layer_types, or none sliding
-        return {"sliding_window": window} if window else {"layer_types": ["full_attention"] * num_layers}
-    if family.window == "model":
-        flag = {"use_sliding_window": window is not None} if family.window_flag else {}
-        return {"sliding_window": window, **flag}
-    if family.window == "layers":  # layers i >= max_window_layers slide: all of them
-        return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
-    return {}
-
-
 def apply_sliding_window(config: Any, setting: int | None) -> None:
     """``model.sliding_window`` on a checkpoint's config, in place: None keeps the checkpoint's own windows; 0
     removes every window (full causal attention on every layer); W > 0 makes W the window of every layer that
@@ -279,7 +263,7 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
     family = FAMILIES[config.model_type]
     rule = family.window
     if setting is None or rule == "none":
-        return  # a positive window on a family without one is refused by check_model_features
+        return  # a positive window on a family without one is refused by the config checks (check_model_features)
     if setting == 0 and rule == "pattern":  # the model builds its sliding mask from sliding_window: kept
         config.layer_types = ["full_attention"] * config.num_hidden_layers
         return
@@ -301,96 +285,44 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
             config.use_sliding_window = True  # transformers drops sliding_window on reload without it
 
 
-def check_model_features(config: Any, source: str, window_setting: int | None) -> None:
-    """Refuse what a supported family's config asks for that lctrain cannot honour exactly, and a
-    ``model.sliding_window`` that the model cannot have. ``config`` has the job's ``model.*`` settings applied."""
-    model_type, rule = config.model_type, FAMILIES[config.model_type].window
-    if (
-        isinstance(window_setting, bool)
-        or not isinstance(window_setting, (int, type(None)))
-        or (window_setting is not None and window_setting < 0)
-    ):
-        raise ValueError(
-            f"model.sliding_window={window_setting!r} must be null (the checkpoint's own windows), 0 (no window on "
-            f"any layer) or a positive number of tokens"
-        )
-    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
-    if dropout:
-        raise ValueError(
-            f"{source} sets attention_dropout={dropout}: USP attention has no dropout, so training would not be the "
-            f"model's; set attention_dropout to 0 in its config.json"
-        )
-    if getattr(config, "quantization_config", None):
-        raise ValueError(
-            f"{source} holds quantized weights (quantization_config in its config.json): lctrain trains full-"
-            f"precision weights; use the unquantized checkpoint"
-        )
-    for rope in rope_parameters(config).values():
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
-                f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
-                f"replaces it)"
-            )
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, field, None):
-            raise ValueError(
-                f"{source} sets {field}={getattr(config, field)}: lctrain's attention and loss do not soft-cap "
-                f"scores or logits, so training would not be the model's; use a checkpoint without it"
-            )
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError(f"{source} sets use_bidirectional_attention: lctrain trains causal decoders; set it to false")
-    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
-    if jitter:
-        raise ValueError(
-            f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
-            f"differently on each rank; set router_jitter_noise to 0 in its config.json"
-        )
-    if rule in ("layers", "pattern") or FAMILIES[model_type].linear_mixer:
-        known = HYBRID_LAYER_TYPES if FAMILIES[model_type].linear_mixer else LAYER_TYPES
-        unknown = sorted(set(config.layer_types) - set(known))
-        if unknown:
-            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {known} layers exactly")
-    if window_setting and not any(layer_windows(config)):
-        if rule == "none":
-            reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
-        else:
-            reason = (
-                "it has no sliding-window layers (use_sliding_window=false, or no layer_types entry "
-                "sliding_attention): the setting sizes the windows the checkpoint declares; to add windowed layers "
-                "set use_sliding_window, sliding_window and max_window_layers (or layer_types) in its config.json"
-            )
-        raise ValueError(
-            f"model.sliding_window={window_setting} for {source}: {reason}. Set model.sliding_window to null (the "
-            f"checkpoint's own) or 0 (none)"
-        )
+# RoPE parameters that say which dimensions rotate, not how positions scale (Qwen3-Next and Qwen3.5 rotate a quarter of
+# each head, Qwen3.5 in interleaved sections): kept when model.rope_scaling replaces the type
+ROPE_GEOMETRY = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
-def check_experts(config: Any, source: str, coef_setting: float | None, scope: str = "sequence") -> None:
-    """Refuse ``model.router_aux_loss_coef`` where it cannot apply and ``train.router_aux_scope=global`` without a
-    router loss. ``config`` has the job's ``model.*`` settings applied."""
-    experts = num_experts(config)
-    routed = experts > 0 and getattr(config, "output_router_logits", False)
-    if scope == "global" and not (routed and config.router_aux_loss_coef > 0):
-        raise ValueError(
-            f"train.router_aux_scope=global for {source}, which trains no router load-balancing loss (a mixture of "
-            f"experts with model.router_aux_loss_coef > 0): set train.router_aux_scope=sequence"
-        )
-    if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
-        raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
-    if not experts:
-        if coef_setting:
-            raise ValueError(
-                f"model.router_aux_loss_coef={coef_setting} for {source}, a {config.model_type!r} model without "
-                f"routers: set it to null"
-            )
+def set_rope(config: Any, cfg: Any) -> None:
+    """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set; ``cfg`` is
+    the ``model`` section, ``lctrain.models.config.ModelConfig``) to the transformers config, in place: its
+    ``rope_parameters`` are what the model computes RoPE from and what the exported ``config.json`` holds, so the
+    export loads and generates with the same positions in transformers. With RoPE per layer type (Gemma 3) they set
+    the global (``full_attention``) layers'; the local layers keep theirs."""
+    if cfg.max_position_embeddings is not None:
+        config.max_position_embeddings = cfg.max_position_embeddings
+    kinds = rope_parameters(config)
+    kind = "all" if "all" in kinds else "full_attention"  # RoPE per layer type (Gemma 3): the global layers'
+    rope = dict(kinds[kind])
+    if cfg.rope_theta is not None:
+        rope["rope_theta"] = cfg.rope_theta
+    scaling = cfg.rope_scaling
+    if scaling.type is not None:  # the new type's parameters replace the old's; which dimensions rotate stays
+        kept = {key: rope[key] for key in ROPE_GEOMETRY if key in rope}
+        rope = {"rope_theta": rope["rope_theta"], **kept, "rope_type": scaling.type, "factor": scaling.factor}
+        if scaling.original_max_position_embeddings is not None:
+            rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
+        if scaling.type == "llama3":
+            rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
+    config.rope_parameters = rope if kind == "all" else {**kinds, kind: rope}
+
+
+def set_router_aux_loss(config: Any, coef: float | None) -> None:
+    """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
+    coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
+    ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
+    trained. ``lctrain.models.moe.router_aux_coef`` reads the result."""
+    if coef is None or not num_experts(config):
         return
-    if not 1 <= config.num_experts_per_tok <= experts:
-        raise ValueError(
-            f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
-            f"model.experts_per_token between 1 and model.num_experts"
-        )
+    config.router_aux_loss_coef = coef
+    config.output_router_logits = coef > 0
 
 
 def linear_layers(config: Any) -> list[int]:

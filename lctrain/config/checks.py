@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING
 
 from lctrain.config.schema import JobConfig
 from lctrain.families import (
-    check_experts,
-    check_model_features,
+    FAMILIES,
+    HYBRID_LAYER_TYPES,
+    LAYER_TYPES,
+    ROPE_TYPES,
     family_of,
+    layer_windows,
     model_source,
     num_experts,
     rope_parameters,
@@ -125,6 +128,98 @@ def check_model_job(cfg: JobConfig, world_size: int, config: PretrainedConfig, v
     if family.linear_mixer is not None:
         check_linear_layers(cfg, config, source)
     check_lora(cfg.model.lora, config, cfg.parallel, source)
+
+
+def check_model_features(config: PretrainedConfig, source: str, window_setting: int | None) -> None:
+    """Refuse what a supported family's config asks for that lctrain cannot honour exactly, and a
+    ``model.sliding_window`` that the model cannot have. ``config`` has the job's ``model.*`` settings applied."""
+    model_type, rule = config.model_type, FAMILIES[config.model_type].window
+    if (
+        isinstance(window_setting, bool)
+        or not isinstance(window_setting, (int, type(None)))
+        or (window_setting is not None and window_setting < 0)
+    ):
+        raise ValueError(
+            f"model.sliding_window={window_setting!r} must be null (the checkpoint's own windows), 0 (no window on "
+            f"any layer) or a positive number of tokens"
+        )
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise ValueError(
+            f"{source} sets attention_dropout={dropout}: USP attention has no dropout, so training would not be the "
+            f"model's; set attention_dropout to 0 in its config.json"
+        )
+    if getattr(config, "quantization_config", None):
+        raise ValueError(
+            f"{source} holds quantized weights (quantization_config in its config.json): lctrain trains full-"
+            f"precision weights; use the unquantized checkpoint"
+        )
+    for rope in rope_parameters(config).values():
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"{source} uses RoPE type {rope_type!r} (rope_parameters in its config.json), which lctrain does not "
+                f"check against transformers: supported types are {', '.join(ROPE_TYPES)} (model.rope_scaling.type "
+                f"replaces it)"
+            )
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None):
+            raise ValueError(
+                f"{source} sets {field}={getattr(config, field)}: lctrain's attention and loss do not soft-cap "
+                f"scores or logits, so training would not be the model's; use a checkpoint without it"
+            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{source} sets use_bidirectional_attention: lctrain trains causal decoders; set it to false")
+    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        raise ValueError(
+            f"{source} sets router_jitter_noise={jitter}: the router's inputs would be scaled by random noise drawn "
+            f"differently on each rank; set router_jitter_noise to 0 in its config.json"
+        )
+    if rule in ("layers", "pattern") or FAMILIES[model_type].linear_mixer:
+        known = HYBRID_LAYER_TYPES if FAMILIES[model_type].linear_mixer else LAYER_TYPES
+        unknown = sorted(set(config.layer_types) - set(known))
+        if unknown:
+            raise ValueError(f"{source} has layer_types {unknown}: lctrain runs only {known} layers exactly")
+    if window_setting and not any(layer_windows(config)):
+        if rule == "none":
+            reason = f"transformers' {model_type} attention has no sliding window, so the export could not hold it"
+        else:
+            reason = (
+                "it has no sliding-window layers (use_sliding_window=false, or no layer_types entry "
+                "sliding_attention): the setting sizes the windows the checkpoint declares; to add windowed layers "
+                "set use_sliding_window, sliding_window and max_window_layers (or layer_types) in its config.json"
+            )
+        raise ValueError(
+            f"model.sliding_window={window_setting} for {source}: {reason}. Set model.sliding_window to null (the "
+            f"checkpoint's own) or 0 (none)"
+        )
+
+
+def check_experts(config: PretrainedConfig, source: str, coef_setting: float | None, scope: str = "sequence") -> None:
+    """Refuse ``model.router_aux_loss_coef`` where it cannot apply and ``train.router_aux_scope=global`` without a
+    router loss. ``config`` has the job's ``model.*`` settings applied."""
+    experts = num_experts(config)
+    routed = experts > 0 and getattr(config, "output_router_logits", False)
+    if scope == "global" and not (routed and config.router_aux_loss_coef > 0):
+        raise ValueError(
+            f"train.router_aux_scope=global for {source}, which trains no router load-balancing loss (a mixture of "
+            f"experts with model.router_aux_loss_coef > 0): set train.router_aux_scope=sequence"
+        )
+    if coef_setting is not None and (isinstance(coef_setting, bool) or coef_setting < 0):
+        raise ValueError(f"model.router_aux_loss_coef={coef_setting} must be >= 0 (or null: the checkpoint's)")
+    if not experts:
+        if coef_setting:
+            raise ValueError(
+                f"model.router_aux_loss_coef={coef_setting} for {source}, a {config.model_type!r} model without "
+                f"routers: set it to null"
+            )
+        return
+    if not 1 <= config.num_experts_per_tok <= experts:
+        raise ValueError(
+            f"{source} routes each token to {config.num_experts_per_tok} of {experts} experts: set "
+            f"model.experts_per_token between 1 and model.num_experts"
+        )
 
 
 def check_linear_layers(cfg: JobConfig, config: PretrainedConfig, source: str) -> None:

@@ -18,7 +18,6 @@ __all__, __getattr__ = lazy_exports(
             "model_config",
             "random_init_source",
             "safetensors_source",
-            "set_rope",
         ),
         "patch": ("patch_attention",),
     },

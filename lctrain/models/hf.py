@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from lctrain.families import (
     FAMILIES,
     LANGUAGE_MODELS,
+    Family,
     apply_sliding_window,
     family_of,
     layer_windows,
     model_source,
-    random_init_window_kwargs,
-    rope_parameters,
+    set_rope,
+    set_router_aux_loss,
 )
 from lctrain.models.config import ModelConfig
 from lctrain.models.layouts import (
@@ -46,7 +48,6 @@ from lctrain.models.layouts import (
     dequantizer,
     to_layout,
 )
-from lctrain.models.moe import set_router_aux_loss
 
 logger = logging.getLogger("lctrain")
 
@@ -71,70 +72,106 @@ def hf_name(name: str) -> str:
 
 
 def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
-    """The transformers config: read from ``cfg.path``, or built from the sizes in ``cfg`` (random init), with the
-    job's ``model.*`` settings applied (RoPE, the sliding window: ``lctrain.families``).
-
-    Random init builds ``cfg.family`` (one of ``FAMILIES``), with ``head_dim = hidden_size / num_heads`` where its
-    record says (``Family.head_dim_from_width``: Qwen3's config class would default to 128), a mixture of experts
-    with ``model.num_experts`` experts of width ``model.intermediate_size``, ``model.experts_per_token`` per token,
-    a hybrid's gated delta layers with ``model.num_kv_heads`` key heads and ``model.num_heads`` value heads of
-    ``hidden_size / num_heads`` (and a shared expert of width ``model.intermediate_size``),
-    and no sliding window unless ``model.sliding_window`` > 0, then on every layer (transformers' class defaults,
-    Mistral's 4096 and Qwen's 4096, are not used: the model is lctrain's sizes). ``model.router_aux_loss_coef`` is
-    applied (``lctrain.models.moe.set_router_aux_loss``)."""
-    if cfg.path is not None:
-        path = Path(cfg.path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path={cfg.path!r} has no config.json: point it at a local Hugging Face model directory"
-            )
-        config = _language_model(AutoConfig.from_pretrained(path), model_source(cfg.path, cfg.family))
-        family_of(config.model_type, model_source(cfg.path, cfg.family))  # before anything reads its fields
-        apply_sliding_window(config, cfg.sliding_window)
-        if checkpoint_reading(path).quantizer is not None:  # read dequantized: trained and exported unquantized
-            del config.quantization_config
+    """The transformers config: read from ``cfg.path`` (``checkpoint_config``), or built from the sizes in ``cfg``
+    (``random_init_config``), then the job's ``model.*`` settings written into it by ``lctrain.families`` (the
+    checkpoint's family record first, which refuses a model type lctrain cannot run; the sliding window, RoPE, the
+    router's load-balancing coefficient)."""
+    source = model_source(cfg.path, cfg.family)
+    if cfg.path is None:
+        config = random_init_config(cfg, vocab_size)
     else:
-        family = family_of(cfg.family, model_source(None, cfg.family))
-        fields = {
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "vocab_size": cfg.vocab_size or vocab_size,
-            "max_position_embeddings": RANDOM_INIT_CONTEXT,
-            "rope_theta": RANDOM_INIT_ROPE_THETA,
-            "tie_word_embeddings": cfg.tie_word_embeddings,
-            "initializer_range": cfg.init_std,
-            "attention_dropout": 0.0,
-        }
-        if family.head_dim_from_width:
-            fields["head_dim"] = cfg.hidden_size // cfg.num_heads
-        if family.experts is not None:  # model.num_experts of width model.intermediate_size
-            fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
-            fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
-        if family.linear_mixer is not None:  # the gated delta layers sized as the attention, a shared expert as one
-            head_dim = cfg.hidden_size // cfg.num_heads
-            fields |= {"linear_num_key_heads": cfg.num_kv_heads, "linear_num_value_heads": cfg.num_heads}
-            fields |= {"linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim}
-            if family.experts is not None:
-                fields["shared_expert_intermediate_size"] = cfg.intermediate_size
-        config = _random_init_config(
-            cfg, **fields, **random_init_window_kwargs(family, cfg.sliding_window, cfg.num_layers)
-        )
+        config = checkpoint_config(cfg.path, source)
+        family_of(config.model_type, source)  # before anything reads its fields
+        apply_sliding_window(config, cfg.sliding_window)
     set_rope(config, cfg)
     set_router_aux_loss(config, cfg.router_aux_loss_coef)
     windows = [window for window in layer_windows(config) if window]
     if windows:
         logger.info(
             "%s: a sliding window of %s tokens on %d of %d layers (model.sliding_window=0 turns it off)",
-            model_source(cfg.path, cfg.family),
+            source,
             "/".join(str(window) for window in sorted(set(windows))),
             len(windows),
             config.num_hidden_layers,
         )
     config.use_cache = False
     return config
+
+
+def checkpoint_config(path: str | Path, source: str) -> PretrainedConfig:
+    """The config of the model lctrain trains from the checkpoint in ``path`` (``_language_model``), without the
+    quantization of weights it reads dequantized (trained and exported unquantized). ``source`` names it in
+    messages."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} has no config.json: point it at a local Hugging Face model directory"
+        )
+    config = _language_model(AutoConfig.from_pretrained(path), source)
+    if checkpoint_reading(path).quantizer is not None:
+        del config.quantization_config
+    return config
+
+
+def random_init_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """A randomly initialised model's config: ``cfg.family`` (its record in ``FAMILIES``; ``ModelConfig`` refuses any
+    other) with ``head_dim = hidden_size / num_heads`` where its record says (``Family.head_dim_from_width``: Qwen3's
+    config class would default to 128), a mixture of experts with ``model.num_experts`` experts of width
+    ``model.intermediate_size``, ``model.experts_per_token`` per token, a hybrid's gated delta layers with
+    ``model.num_kv_heads`` key heads and ``model.num_heads`` value heads of ``hidden_size / num_heads`` (and a shared
+    expert of width ``model.intermediate_size``), and the window of ``random_init_window``. Sizes transformers refuses
+    (its config classes validate them, e.g. a width the heads do not divide) become a ``ValueError`` naming the
+    ``model.*`` settings."""
+    family = FAMILIES[cfg.family]
+    fields = {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size or vocab_size,
+        "max_position_embeddings": RANDOM_INIT_CONTEXT,
+        "rope_theta": RANDOM_INIT_ROPE_THETA,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+    }
+    if family.head_dim_from_width:
+        fields["head_dim"] = cfg.hidden_size // cfg.num_heads
+    if family.experts is not None:  # model.num_experts of width model.intermediate_size
+        fields |= {family.experts.count: cfg.num_experts, family.experts.width: cfg.intermediate_size}
+        fields |= {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+    if family.linear_mixer is not None:  # the gated delta layers sized as the attention, a shared expert as one
+        head_dim = cfg.hidden_size // cfg.num_heads
+        fields |= {"linear_num_key_heads": cfg.num_kv_heads, "linear_num_value_heads": cfg.num_heads}
+        fields |= {"linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim}
+        if family.experts is not None:
+            fields["shared_expert_intermediate_size"] = cfg.intermediate_size
+    fields |= random_init_window(family, cfg.sliding_window, cfg.num_layers)
+    try:
+        return AutoConfig.for_model(cfg.family, **fields)
+    except Exception as error:  # transformers raises its own validation error types, not ValueError
+        cause = error.__cause__ or error
+        raise ValueError(
+            f"model.family={cfg.family} with model.hidden_size={cfg.hidden_size}, model.num_heads={cfg.num_heads}, "
+            f"model.num_kv_heads={cfg.num_kv_heads}, model.num_layers={cfg.num_layers}: transformers refuses these "
+            f"sizes ({str(cause).strip().splitlines()[-1]}); change the model.* settings"
+        ) from None
+
+
+def random_init_window(family: Family, setting: int | None, num_layers: int) -> dict[str, Any]:
+    """The transformers config arguments of a randomly initialised model's window: none unless ``setting`` > 0
+    (transformers' own defaults, Mistral's 4096 and Qwen's 4096 when sliding, are not used), then ``setting`` on
+    every layer, or on the family's own sliding layers (``pattern``: gpt-oss's every other one). Llama has no window
+    (a positive setting is refused by ``lctrain.config.checks.check_model_features``)."""
+    window = setting if setting and setting > 0 else None
+    if family.window == "pattern":  # the config class's own layer_types, or none sliding
+        return {"sliding_window": window} if window else {"layer_types": ["full_attention"] * num_layers}
+    if family.window == "model":
+        flag = {"use_sliding_window": window is not None} if family.window_flag else {}
+        return {"sliding_window": window, **flag}
+    if family.window == "layers":  # layers i >= max_window_layers slide: all of them
+        return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+    return {}
 
 
 def _language_model(config: PretrainedConfig, source: str) -> PretrainedConfig:
@@ -152,48 +189,6 @@ def _language_model(config: PretrainedConfig, source: str) -> PretrainedConfig:
         record.left_out,
     )
     return language_model
-
-
-def _random_init_config(cfg: ModelConfig, **fields: object) -> PretrainedConfig:
-    """``AutoConfig.for_model(cfg.family, **fields)``; sizes transformers refuses (its config classes validate them,
-    e.g. a width the heads do not divide) become a ``ValueError`` naming the ``model.*`` settings."""
-    try:
-        return AutoConfig.for_model(cfg.family, **fields)
-    except Exception as error:  # transformers raises its own validation error types, not ValueError
-        cause = error.__cause__ or error
-        raise ValueError(
-            f"model.family={cfg.family} with model.hidden_size={cfg.hidden_size}, model.num_heads={cfg.num_heads}, "
-            f"model.num_kv_heads={cfg.num_kv_heads}, model.num_layers={cfg.num_layers}: transformers refuses these "
-            f"sizes ({str(cause).strip().splitlines()[-1]}); change the model.* settings"
-        ) from None
-
-
-# RoPE parameters that say which dimensions rotate, not how positions scale (Qwen3-Next and Qwen3.5 rotate a quarter of
-# each head, Qwen3.5 in interleaved sections): kept when model.rope_scaling replaces the type
-ROPE_GEOMETRY = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-
-
-def set_rope(config: PretrainedConfig, cfg: ModelConfig) -> None:
-    """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set) to the
-    transformers config, in place: its ``rope_parameters`` are what the model computes RoPE from and what the
-    exported ``config.json`` holds, so the export loads and generates with the same positions in transformers. With
-    RoPE per layer type (Gemma 3) they set the global (``full_attention``) layers'; the local layers keep theirs."""
-    if cfg.max_position_embeddings is not None:
-        config.max_position_embeddings = cfg.max_position_embeddings
-    kinds = rope_parameters(config)
-    kind = "all" if "all" in kinds else "full_attention"  # RoPE per layer type (Gemma 3): the global layers'
-    rope = dict(kinds[kind])
-    if cfg.rope_theta is not None:
-        rope["rope_theta"] = cfg.rope_theta
-    scaling = cfg.rope_scaling
-    if scaling.type is not None:  # the new type's parameters replace the old's; which dimensions rotate stays
-        kept = {key: rope[key] for key in ROPE_GEOMETRY if key in rope}
-        rope = {"rope_theta": rope["rope_theta"], **kept, "rope_type": scaling.type, "factor": scaling.factor}
-        if scaling.original_max_position_embeddings is not None:
-            rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
-        if scaling.type == "llama3":
-            rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
-    config.rope_parameters = rope if kind == "all" else {**kinds, kind: rope}
 
 
 def build_empty_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -249,9 +244,9 @@ def checkpoint_reading(path: str | Path) -> Reading:
 def checkpoint_layout(path: str | Path) -> str:
     """The layout of the Hugging Face checkpoint in ``path``, in words (``LAYOUT_WORDS``), planned as
     ``safetensors_source`` plans it against the model its ``config.json`` describes; reads no weight."""
-    checkpoint_config = AutoConfig.from_pretrained(path)
-    source = model_source(str(path), checkpoint_config.model_type)
-    config = _language_model(checkpoint_config, source)
+    read = AutoConfig.from_pretrained(path)
+    source = model_source(str(path), read.model_type)
+    config = _language_model(read, source)
     _, plan = checkpoint_source(checkpoint_files(path), build_empty_model(config), source, checkpoint_reading(path))
     return LAYOUT_WORDS[plan.layout]
 

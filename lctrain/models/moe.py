@@ -49,17 +49,6 @@ from transformers import PretrainedConfig
 from lctrain.families import num_experts
 
 
-def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
-    """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
-    coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
-    ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
-    trained. ``router_aux_coef`` reads the result."""
-    if coef is None or not num_experts(config):
-        return
-    config.router_aux_loss_coef = coef
-    config.output_router_logits = coef > 0
-
-
 def router_aux_coef(config: PretrainedConfig) -> float:
     """The weight of the router's load-balancing loss in the step's loss: 0 for a dense model, else transformers'
     (``router_aux_loss_coef`` when ``output_router_logits``)."""

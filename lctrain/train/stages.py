@@ -24,7 +24,8 @@ from lctrain.build import tokenizer_path
 from lctrain.checkpoint import checkpoint_step, complete_checkpoints
 from lctrain.config import JobConfig, check_model_job
 from lctrain.data import load_tokenizer
-from lctrain.models import model_config, set_rope
+from lctrain.families import set_rope
+from lctrain.models import model_config
 
 # settings the stages decide themselves
 _FIXED = ("train.stages", "train.run_dir", "model.path", "checkpoint.resume")

@@ -73,8 +73,8 @@ def test_rope_scaling_keeps_the_quarter_of_each_head_that_rotates() -> None:
     config written that way (what the export holds), not those of the whole head."""
     from transformers import AutoModelForCausalLM
 
+    from lctrain.families import set_rope
     from lctrain.models.config import RopeScalingConfig
-    from lctrain.models.hf import set_rope
 
     geometry = {"partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     config = hf_model("qwen3_5_text").config
