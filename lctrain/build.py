@@ -33,13 +33,16 @@ from lctrain.models import (
     safetensors_source,
 )
 from lctrain.models.hf import TensorSource
+from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import adapter_source, apply_lora
+from lctrain.models.moe import Routers, model_routers
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from lctrain.parallel.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel, experts_modules
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.mesh import JobMesh
 from lctrain.parallel.pipeline import PipelineStageModule, apply_pipeline, merge_stages
+from lctrain.rules import stage_layers
 from lctrain.runtime import Precision, resolve_device
 
 
@@ -56,11 +59,15 @@ class PreparedModel:
     config: PretrainedConfig  # the transformers config, with the job's model.* settings applied
     # full tensors by Hugging Face name: the checkpoint's, or a seeded random init; and the adapters' initial values
     source: TensorSource
+    # the decoder layers of each pipeline stage (parallel.pp × pp_stages_per_rank of them, cut at
+    # parallel.pp_split_points, else balanced: lctrain.rules.stage_layers); [] when parallel.pp = 1
+    stage_layers: list[range]
+    routers: Routers | None  # a mixture of experts' routers: layers, experts, loss weight; None for a dense model
 
 
 def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
-    """The tokenizer, the model config and the weight source, with the job checked against them (``check_job``).
-    Raises ``ValueError`` or ``FileNotFoundError`` naming the setting; reads no weight."""
+    """The tokenizer, the model config, the weight source and the pipeline's stages, with the job checked against
+    them (``check_job``). Raises ``ValueError`` or ``FileNotFoundError`` naming the setting; reads no weight."""
     path = tokenizer_path(cfg)
     tokenizer = load_tokenizer(path)
     config = model_config(cfg.model, len(tokenizer))
@@ -74,7 +81,12 @@ def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
         source = safetensors_source(cfg.model.path, config)  # fails now if the weights cannot make the model
     else:
         source = random_init_source(config, cfg.train.seed)
-    return PreparedModel(tokenizer, config, adapter_source(source, cfg.train.seed))
+    source = adapter_source(source, cfg.train.seed)
+    routers = model_routers(config)
+    par, layers = cfg.parallel, []
+    if par.pp > 1:  # checked by check_job (check_pipeline)
+        layers = stage_layers(config.num_hidden_layers, par.pp * par.pp_stages_per_rank, par.pp_split_points)
+    return PreparedModel(tokenizer, config, source, layers, routers)
 
 
 @dataclass
@@ -84,6 +96,7 @@ class BuiltModel:
     model: nn.Module
     stages: list[PipelineStageModule]  # this rank's pipeline stages, in order; [] when pp = 1
     num_params: int  # of the whole model (tied weights once)
+    hidden_states: FinalHiddenStates | None  # the whole model's forward (its final hidden states); None with stages
 
 
 def build_model(
@@ -121,9 +134,9 @@ def build_model(
         stages = apply_pipeline(
             model,
             mesh.sub_mesh("pp"),
+            prepared.stage_layers,
             schedule=parallel.pp_schedule,
             stages_per_rank=parallel.pp_stages_per_rank,
-            split_points=parallel.pp_split_points,
         )
         parts: list[nn.Module] = list(stages)
     else:
@@ -150,7 +163,8 @@ def build_model(
         )
         materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)
-    return BuiltModel(merge_stages(stages) if stages else model, stages, num_params)
+    hidden_states = None if stages else FinalHiddenStates(model)
+    return BuiltModel(merge_stages(stages) if stages else model, stages, num_params, hidden_states)
 
 
 @dataclass

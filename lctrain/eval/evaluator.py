@@ -37,7 +37,6 @@ from lctrain.config import JobConfig
 from lctrain.config.schema import EvalConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
-from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.train.ruler_suite import SuiteScorer, check_job_suite
 from lctrain.train.validate import dp_turns, score_rows
 
@@ -114,9 +113,9 @@ class Evaluator:
                     keys = [sample_key(ev.seed, length, depth, i, ev.digits) for i in range(ev.samples)]
                     self.samples[length, depth] = [passkey_sample(self.tokenizer, length, depth, k) for k in keys]
         self.model = job.model.model  # as the trainer builds it, without activation checkpointing: no backward
-        self.final_hidden_states = None if job.model.stages else FinalHiddenStates(self.model)
+        self.final_hidden_states = job.model.hidden_states
         # the ruler suite, through the pipeline's stages too
-        self.suite = SuiteScorer(job, self.final_hidden_states) if "ruler" in cfg.eval.tasks else None
+        self.suite = SuiteScorer(job) if "ruler" in cfg.eval.tasks else None
         logger.info(
             "eval %s on mesh %s (%s), device %s: %s",
             cfg.model.path,

@@ -40,13 +40,14 @@ pipeline stages before it passed on. The objective that adds the auxiliary term 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from lctrain.families import num_experts
+from lctrain.families import moe_layers, num_experts
 
 
 def router_aux_coef(config: PretrainedConfig) -> float:
@@ -55,6 +56,22 @@ def router_aux_coef(config: PretrainedConfig) -> float:
     if not num_experts(config) or not getattr(config, "output_router_logits", False):
         return 0.0
     return float(config.router_aux_loss_coef)
+
+
+@dataclass(frozen=True)
+class Routers:
+    """A mixture of experts' routers as its training loss sees them: the MoE decoder layers, their routed experts,
+    the load-balancing loss's weight (``router_aux_coef``; 0: the load only)."""
+
+    layers: list[int]
+    num_experts: int
+    coef: float
+
+
+def model_routers(config: PretrainedConfig) -> Routers | None:
+    """The routers of ``config``'s model (after the job's ``model.*`` settings); None for a dense model."""
+    coef, layers = router_aux_coef(config), moe_layers(config)
+    return Routers(layers, num_experts(config), coef) if layers else None
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:

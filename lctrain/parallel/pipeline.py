@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from transformers import PreTrainedModel
 
 from lctrain.families import FAMILIES
-from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, stage_layers
+from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 # (final hidden states after the norm [1, S_local, hidden], LM head weight [vocab, hidden], the row's fields) -> the
 # last stage's output for the row
@@ -179,20 +179,15 @@ def step_inputs(micro_batches: Sequence[dict[str, Any]], fields: Sequence[str], 
 
 
 def apply_pipeline(
-    model: PreTrainedModel,
-    pp_mesh: DeviceMesh,
-    *,
-    schedule: str,
-    stages_per_rank: int = 1,
-    split_points: Sequence[str] = (),
+    model: PreTrainedModel, pp_mesh: DeviceMesh, layers: Sequence[range], *, schedule: str, stages_per_rank: int = 1
 ) -> list[PipelineStageModule]:
-    """Split ``model`` into ``pp × stages_per_rank`` stages and return this rank's stage modules, in stage order.
+    """Split ``model`` into the stages of ``layers`` (each stage's decoder layers: ``lctrain.rules.stage_layers``
+    for ``pp × stages_per_rank`` stages) and return this rank's stage modules, in stage order.
 
     Call ``check_pipeline`` first. Then apply activation checkpointing and FSDP to each stage module, and
     ``merge_stages`` for the one module the optimizer and checkpoints see.
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    layers = stage_layers(len(model.model.layers), pp * stages_per_rank, split_points)
     return [
         PipelineStageModule(model, layers[index], stage_index=index, num_stages=len(layers))
         for index in sorted(rank_stages(pp_rank, pp, stages_per_rank, schedule))

@@ -89,11 +89,10 @@ def pipeline_schedule(built: BuiltModel, job: Job, rows: int, *, training: bool)
     return build_schedule(built.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=training)
 
 
-def forward_only(built: BuiltModel, job: Job, rows: int, hidden_states: FinalHiddenStates | None = None) -> RowsForward:
+def forward_only(built: BuiltModel, job: Job, rows: int) -> RowsForward:
     """A forward-only run of ``rows`` rows (a step's) through ``built`` (``job.model`` or another model built on its
-    mesh): the whole model (``hidden_states`` when given, else its own), or a forward-only schedule of its own over
-    its pipeline stages (so that a training schedule never switches mode; its shapes are those of the first rows it
-    runs)."""
+    mesh): the whole model (its ``hidden_states``), or a forward-only schedule of its own over its pipeline stages
+    (so that a training schedule never switches mode; its shapes are those of the first rows it runs)."""
     if built.stages:
         return PipelineForward(pipeline_schedule(built, job, rows, training=False), job.device)
-    return ModelForward(hidden_states or FinalHiddenStates(built.model), job.device)
+    return ModelForward(built.hidden_states, job.device)

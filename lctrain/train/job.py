@@ -66,13 +66,13 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     )
 
     rows = cfg.data.batch_size * cfg.train.grad_accum  # a step's rows: with a pipeline, its micro-batches
-    hidden_states = None if model.stages else FinalHiddenStates(model.model)
+    hidden_states = model.hidden_states
     schedule = None
     if model.stages:
         schedule = pipeline_schedule(model, job, rows, training=True)
 
     # one forward-only run of the policy, shared by the LoRA reference and the router's global counts
-    policy_forward = functools.cache(lambda: forward_only(model, job, rows, hidden_states))
+    policy_forward = functools.cache(lambda: forward_only(model, job, rows))
     objective = build_objective(
         cfg.objective,
         loader.names,
@@ -93,7 +93,7 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
         objective,
         model.model,
         model.stages,
-        job.prepared.config,
+        job.prepared.routers,
         group=mesh.dp_cp,
         cp_group=mesh.cp,
         device=device,
@@ -103,7 +103,7 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     optimizer = build_optimizer(model.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     checkpointer = Checkpointer(Path(cfg.train.run_dir) / "checkpoints", keep=cfg.checkpoint.keep)
-    suite = training_suite(job, hidden_states)
+    suite = training_suite(job)
     peak = peak_flops(device, cfg.train.peak_tflops)
     meter = StepMeter(
         device,

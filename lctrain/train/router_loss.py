@@ -13,10 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 
-from lctrain.families import moe_layers, num_experts
-from lctrain.models.moe import RouterTotals, balance_loss_share, router_aux_coef
+from lctrain.models.moe import Routers, RouterTotals, balance_loss_share
 from lctrain.train.objective import Objective
 
 
@@ -118,7 +116,7 @@ def with_router_loss(
     objective: Objective,
     model: nn.Module,
     stages: Sequence[nn.Module],
-    config: PretrainedConfig,
+    routers: Routers | None,
     *,
     group: dist.ProcessGroup,
     cp_group: dist.ProcessGroup | None,
@@ -126,16 +124,15 @@ def with_router_loss(
     scope: str = "sequence",
     forward: Callable[..., Tensor | None] | None = None,
 ) -> Any:
-    """``objective`` with the router's load-balancing loss, times its weight in ``config``
-    (``lctrain.models.moe.router_aux_coef``), pooled over ``scope`` (``train.router_aux_scope``) and the experts' load
-    when ``config``'s model has routers (with a weight of 0, the load only); else ``objective``. ``model``: the whole
+    """``objective`` with the router's load-balancing loss of the model's ``routers`` (``lctrain.models.moe.Routers``:
+    its layers, experts and weight), pooled over ``scope`` (``train.router_aux_scope``), and the experts' load (with a
+    weight of 0, the load only); ``objective`` itself for a dense model (``routers`` None). ``model``: the whole
     model; with pipeline ``stages`` (this rank's stage modules) each stage gets its ``RouterTotals`` as its ``carry``
     instead: it adds its layers' to the totals it receives and passes them on (the last stage to its head, as the
     row's ``carried``)."""
-    coef, layers = router_aux_coef(config), moe_layers(config)
-    if not layers:
+    if routers is None:
         return objective
-    experts = num_experts(config)
+    layers, experts = routers.layers, routers.num_experts
     totals = None
     if stages:
         for stage in stages:
@@ -147,7 +144,7 @@ def with_router_loss(
         totals,
         layers,
         experts,
-        coef=coef,
+        coef=routers.coef,
         group=group,
         cp_group=cp_group,
         scope=scope,

@@ -19,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 
 from lctrain.build import Job
 from lctrain.config import JobConfig
-from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.ruler.report import metrics, plot_curves, read_curve, summarize, table, write_results
 from lctrain.ruler.suite import build_suite, check_suite
 from lctrain.train.forward import forward_only
@@ -36,20 +35,18 @@ def check_job_suite(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, max_posi
 
 class SuiteScorer:
     """The suite's examples (made here, on every rank alike) and their scoring through a job's model (``job``:
-    ``lctrain.build.build_job``'s; ``hidden_states`` its forward, None with pipeline stages) on its mesh."""
+    ``lctrain.build.build_job``'s) on its mesh."""
 
-    def __init__(self, job: Job, hidden_states: FinalHiddenStates | None):
+    def __init__(self, job: Job):
         cfg = self.cfg = job.cfg
         self.tokenizer, self.device, self.place = job.prepared.tokenizer, job.device, job.mesh.place
         self.dp_rank, self.dp = job.mesh.dp_rank, job.mesh.dims.dp
-        lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
-        self.examples = build_suite(cfg.ruler, self.tokenizer, lengths)
-        self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
         # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per row length (its shapes)
         self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if job.model.stages else 1
-        self.forward_for = functools.cache(
-            lambda _row_length: forward_only(job.model, job, self.rows_per_run, hidden_states)
-        )
+        self.forward_for = functools.cache(lambda _row_length: forward_only(job.model, job, self.rows_per_run))
+        lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
+        self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
+        self.examples = build_suite(cfg.ruler, self.tokenizer, lengths)
 
     def score(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(every example's record, the summary), the same on every rank."""
@@ -77,11 +74,15 @@ class SuiteScorer:
 
 
 class TrainingSuite:
-    """The suite every ``ruler.every`` steps of a run and at its last step (never with ``ruler.every=0``)."""
+    """The suite of ``job`` (``lctrain.build.build_job``'s, training) every ``ruler.every`` steps of its run and at
+    its last step (never with ``ruler.every=0``); rank 0 writes under ``train.run_dir``."""
 
-    def __init__(self, scorer: SuiteScorer, run_dir: Path, *, every: int, steps: int, rank: int):
-        self.scorer, self.directory, self.every, self.steps, self.rank = scorer, run_dir / "ruler", every, steps, rank
+    def __init__(self, job: Job, *, rank: int):
+        cfg = job.cfg
+        run_dir = Path(cfg.train.run_dir)
+        self.directory, self.every, self.steps, self.rank = run_dir / "ruler", cfg.ruler.every, cfg.train.steps, rank
         self.plot = run_dir / "ruler.png"
+        self.scorer = SuiteScorer(job)
 
     def should_run(self, step: int) -> bool:
         return step == self.steps or step % self.every == 0
@@ -97,11 +98,6 @@ class TrainingSuite:
         return metrics(summary)
 
 
-def training_suite(job: Job, hidden_states: FinalHiddenStates | None) -> TrainingSuite | None:
+def training_suite(job: Job) -> TrainingSuite | None:
     """The run's suite (``ruler.every`` > 0), or None."""
-    cfg = job.cfg
-    if not cfg.ruler.every:
-        return None
-    scorer = SuiteScorer(job, hidden_states)
-    rank = dist.get_rank()
-    return TrainingSuite(scorer, Path(cfg.train.run_dir), every=cfg.ruler.every, steps=cfg.train.steps, rank=rank)
+    return TrainingSuite(job, rank=dist.get_rank()) if job.cfg.ruler.every else None
