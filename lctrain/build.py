@@ -35,7 +35,7 @@ from lctrain.models import (
 from lctrain.models.hf import TensorSource
 from lctrain.models.hidden_states import FinalHiddenStates
 from lctrain.models.lora import adapter_source, apply_lora
-from lctrain.models.moe import Routers, model_routers
+from lctrain.models.moe import Routers, RouterTotals, model_routers
 from lctrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from lctrain.parallel.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel, experts_modules
@@ -97,6 +97,9 @@ class BuiltModel:
     stages: list[PipelineStageModule]  # this rank's pipeline stages, in order; [] when pp = 1
     num_params: int  # of the whole model (tied weights once)
     hidden_states: FinalHiddenStates | None  # the whole model's forward (its final hidden states); None with stages
+    # training a mixture of experts: the whole model's router totals of a row, for the router's load-balancing loss
+    # (with stages, each stage's carry instead: None); None for a dense or a frozen model
+    router_totals: RouterTotals | None
 
 
 def build_model(
@@ -164,7 +167,13 @@ def build_model(
         materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)
     hidden_states = None if stages else FinalHiddenStates(model)
-    return BuiltModel(merge_stages(stages) if stages else model, stages, num_params, hidden_states)
+    totals = None
+    routers = prepared.routers
+    if training and routers is not None:  # the routers' statistics of each row (lctrain.train.router_loss)
+        for stage in stages:  # passed along by the stages, beside the hidden states
+            stage.carry = RouterTotals(stage, routers.layers, routers.num_experts, device, start=stage)
+        totals = None if stages else RouterTotals(model, routers.layers, routers.num_experts, device)
+    return BuiltModel(merge_stages(stages) if stages else model, stages, num_params, hidden_states, totals)
 
 
 @dataclass

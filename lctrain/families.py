@@ -28,9 +28,11 @@ of its layers); adding a family is adding a record, a parity test and a row of t
   ``pattern``.
 
 ``layer_windows`` states that rule; ``tests/unit/test_model_families.py`` checks it against the window each
-attention module actually receives. ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes
-the window, in the config the model is built from and exported with. Pure functions of a transformers config:
-this module imports neither torch nor transformers.
+attention module actually receives. The job's ``model.*`` settings are written into the config the model is built
+from and exported with here, after its record refused what lctrain cannot run (``lctrain.models.hf.model_config``):
+``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes the window, ``set_rope`` the RoPE
+settings, ``set_router_aux_loss`` the router's loss weight. Pure functions of a transformers config: this module
+imports neither torch nor transformers.
 """
 
 from __future__ import annotations

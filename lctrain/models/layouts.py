@@ -145,7 +145,7 @@ def dequantizer(quantization: dict | None) -> HfQuantizer | None:
     """transformers' quantizer that dequantizes a pre-quantized checkpoint of ``quantization`` (its config.json's
     ``quantization_config``) as it loads, as ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``
     does: gpt-oss's MXFP4 experts (``*_blocks`` and ``*_scales``) become full-precision weights. None: an unquantized
-    checkpoint; another quantization is refused by ``families.check_model_features``."""
+    checkpoint; another quantization is refused by ``lctrain.config.checks.check_model_features``."""
     if not quantization or quantization.get("quant_method") != "mxfp4":
         return None
     return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)

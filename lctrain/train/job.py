@@ -91,12 +91,10 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     global_scope = cfg.train.router_aux_scope == "global"
     objective = with_router_loss(
         objective,
-        model.model,
-        model.stages,
         job.prepared.routers,
+        model.router_totals,
         group=mesh.dp_cp,
         cp_group=mesh.cp,
-        device=device,
         scope=cfg.train.router_aux_scope,
         forward=policy_forward() if global_scope else None,
     )

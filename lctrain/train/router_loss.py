@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from lctrain.models.moe import Routers, RouterTotals, balance_loss_share
 from lctrain.train.objective import Objective
@@ -114,36 +114,26 @@ class RouterBalancedLoss:
 
 def with_router_loss(
     objective: Objective,
-    model: nn.Module,
-    stages: Sequence[nn.Module],
     routers: Routers | None,
+    totals: RouterTotals | None,
     *,
     group: dist.ProcessGroup,
     cp_group: dist.ProcessGroup | None,
-    device: torch.device,
     scope: str = "sequence",
     forward: Callable[..., Tensor | None] | None = None,
 ) -> Any:
     """``objective`` with the router's load-balancing loss of the model's ``routers`` (``lctrain.models.moe.Routers``:
     its layers, experts and weight), pooled over ``scope`` (``train.router_aux_scope``), and the experts' load (with a
-    weight of 0, the load only); ``objective`` itself for a dense model (``routers`` None). ``model``: the whole
-    model; with pipeline ``stages`` (this rank's stage modules) each stage gets its ``RouterTotals`` as its ``carry``
-    instead: it adds its layers' to the totals it receives and passes them on (the last stage to its head, as the
-    row's ``carried``)."""
+    weight of 0, the load only); ``objective`` itself for a dense model (``routers`` None). ``totals``: the whole
+    model's ``RouterTotals``, or None when the pipeline stages carry theirs (``lctrain.build.build_model`` made
+    both)."""
     if routers is None:
         return objective
-    layers, experts = routers.layers, routers.num_experts
-    totals = None
-    if stages:
-        for stage in stages:
-            stage.carry = RouterTotals(stage, layers, experts, device, start=stage)
-    else:
-        totals = RouterTotals(model, layers, experts, device)
     return RouterBalancedLoss(
         objective,
         totals,
-        layers,
-        experts,
+        routers.layers,
+        routers.num_experts,
         coef=routers.coef,
         group=group,
         cp_group=cp_group,
