@@ -13,7 +13,7 @@
 - Two real ``launch.sh`` runs with ``NNODES=2`` (two processes each) on loopback form one 4-rank job that trains
   the tiny recipe (ring 2 × ulysses 2, each Ulysses pair inside one "node"): its losses and gradient norms equal a
   4-process ``--standalone`` run's exactly (same ranks, same mesh, CPU fp32 gloo: bitwise deterministic).
-- A rank that hangs (SIGSTOP) does not hang the others: with ``train.timeout_s=10`` they stop with lctrain's
+- A rank that hangs (SIGSTOP) does not hang the others: with ``train.timeout_s=20`` they stop with lctrain's
   message (the timed-out transfer and the last complete checkpoint) within the timeout plus start-up slack.
 """
 
@@ -241,7 +241,7 @@ def test_two_nodes_on_loopback_train_as_one_job(tmp_path: Path) -> None:
 def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path: Path) -> None:
     corpus = corpus_overrides(write_corpus(tmp_path / "corpus.jsonl"))
     run_dir = tmp_path / "run"
-    timeout_s = 10
+    timeout_s = 20
     overrides = [
         *TINY,
         *corpus,
