@@ -44,18 +44,24 @@ def recipe_dirs() -> list[Path]:
     return [RECIPE_DIR] + ([user] if user.is_dir() and user != RECIPE_DIR else [])
 
 
-def _store_recipes(store: ConfigStore) -> None:
-    """Every recipe as an option of the ``recipe`` group, setting the whole config (Hydra's ``_global_``)."""
-    for directory in reversed(recipe_dirs()):  # stored last wins: the shipped recipes
-        for path in sorted(directory.glob("*.yaml")):
-            store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+def _store_recipes(store: ConfigStore, overrides: Sequence[str]) -> None:
+    """The recipe ``overrides`` choose (``recipe=NAME``) as an option of the ``recipe`` group, setting the whole
+    config (Hydra's ``_global_``); every recipe when the name is none of them, so that Hydra's error lists them.
+    Reading only the chosen one saves a second or more per process: each file is parsed and copied by OmegaConf."""
+    chosen = {item.split("=", 1)[1] for item in overrides if item.lstrip("+").startswith("recipe=")}
+    directories = list(reversed(recipe_dirs()))  # stored last wins: the shipped recipes
+    paths = [d / f"{name}.yaml" for d in directories for name in chosen if (d / f"{name}.yaml").is_file()]
+    if {path.stem for path in paths} != chosen:
+        paths = [path for d in directories for path in sorted(d.glob("*.yaml"))]
+    for path in paths:
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 def load_config(overrides: Sequence[str] = ()) -> JobConfig:
     """``train.yaml`` with Hydra ``overrides`` (``["recipe=tiny_cpu", "optim.lr=1e-3"]``), typed."""
     store = ConfigStore.instance()
     store.store(name="job_schema", node=JobConfig)
-    _store_recipes(store)
+    _store_recipes(store, overrides)
     GlobalHydra.instance().clear()
     searchpath = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in config_dirs()[1:])}]"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -1,6 +1,6 @@
 """A real launch with a mesh that does not fit the job fails before doing anything.
 
-``torchrun --standalone --nproc-per-node 4 -m lctrain train parallel.ring=3`` (1 x 1 x 3 x 1 = 3 ranks for 4
+``torchrun --standalone --nproc-per-node 2 -m lctrain train parallel.ring=3`` (1 x 1 x 3 x 1 = 3 ranks for 2
 processes) must exit non-zero, print the config check's message (naming the degrees and the fix) on stderr, and
 write nothing: its run directory is not created (no config, metrics or checkpoints).
 """
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_mesh_that_does_not_multiply_fails_cleanly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "lctrain", "train", "parallel.ring=3", "model.num_heads=4", "model.num_kv_heads=2"]
     command += ["data.seq_len=96", f"train.run_dir={run_dir}", "logging.progress_bar=false"]
     result = subprocess.run(
@@ -30,7 +30,7 @@ def test_mesh_that_does_not_multiply_fails_cleanly(tmp_path: Path) -> None:
     )
     assert result.returncode == 1  # torchrun: a worker exited with status 1
     message = (
-        "pp x dp x ring x ulysses = 1 x 1 x 3 x 1 = 3, but the job has 4 processes: make the degrees multiply to "
+        "pp x dp x ring x ulysses = 1 x 1 x 3 x 1 = 3, but the job has 2 processes: make the degrees multiply to "
         "the world size"
     )
     assert message in result.stderr, result.stderr[-3000:]

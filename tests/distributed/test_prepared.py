@@ -12,9 +12,10 @@ Checked: steps 1-6 of the prepared job equal the reference's exactly (loss and g
 same rows give bitwise the same steps), and steps 7-12 of the relaunch equal the reference's within 1e-4 relative
 (ring and Ulysses attention sum in other orders), each step once; and the skipped-record counts at the end agree.
 
-Preference pairs (TRL's three forms, ``testbed/corpus.py``): a DPO job from a prepared set on ``parallel.dp=2`` x
-``parallel.ulysses=2`` gives every step of the same job from the files exactly (loss, grad norm, reward margin and
-accuracy).
+Preference pairs (TRL's three forms, ``testbed/corpus.py``): a DPO job from a prepared set on 2 processes as
+``parallel.dp=2`` (each rank its own share of the pairs) gives every step of the same job from the files exactly
+(loss, grad norm, reward margin and accuracy). How a prepared set's rows split over context-parallel ranks is
+checked row by row in ``tests/unit/test_prepared.py``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def data_overrides(root: Path) -> list[str]:
     return [f"data.sources={sources}"]
 
 
-def launch(run_dir: Path, log: Path, *extra: str, mesh: str = "parallel.ring=2") -> subprocess.Popen:
-    """``torchrun`` of 4 processes, dp 2 x ``mesh``, with ``extra`` overrides (the data among them)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+def launch(run_dir: Path, log: Path, *extra: str, mesh: str = "parallel.ring=2", nproc: int = 4) -> subprocess.Popen:
+    """``torchrun`` of ``nproc`` processes, dp 2 x ``mesh``, with ``extra`` overrides (the data among them)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     command += ["-m", "lctrain", "train", *JOB, "parallel.dp=2", mesh]
     command += [f"train.run_dir={run_dir}", *extra]
     with log.open("w") as out:
@@ -138,7 +139,7 @@ def test_preference_pairs_from_a_prepared_set_train_as_from_the_files(tmp_path: 
     assert done.returncode == 0, done.stderr[-4000:]
     dpo = ["objective.name=dpo", "train.steps=4", "checkpoint.every=0", "data.shuffle_buffer=0"]
     jobs = {
-        name: launch(tmp_path / name, tmp_path / f"{name}.log", *dpo, *extra, mesh="parallel.ulysses=2")
+        name: launch(tmp_path / name, tmp_path / f"{name}.log", *dpo, *extra, mesh="parallel.ulysses=1", nproc=2)
         for name, extra in (("files", data[:1]), ("prepared", data[:2]))
     }
     for name, job in jobs.items():

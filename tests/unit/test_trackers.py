@@ -100,8 +100,9 @@ def free_port() -> int:
 
 
 def start_server(root: Path, port: int) -> subprocess.Popen:
-    """``mlflow server`` on localhost with a SQLite store under ``root``, once it answers."""
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    """``mlflow server`` on localhost with a SQLite store under ``root``, once it answers; one worker process (its
+    default is 4, each importing MLflow's server anew)."""
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     command += ["--backend-store-uri", f"sqlite:///{root / 'store.db'}", "--artifacts-destination", str(root / "art")]
     server = subprocess.Popen(
         command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
