@@ -71,10 +71,16 @@ def rank_work(
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = arguments(__doc__, heads=32, kv_heads=8, head_dim=128 if cuda else 64, iters=5 if cuda else 1)
-    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 131072] if cuda else [8192])
-    parser.add_argument("--ring", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    parser = arguments(
+        __doc__,
+        heads=32,
+        kv_heads=8,
+        head_dim=128 if cuda else 64,
+        iters=5 if cuda else 1,
+        seq=[32768, 131072] if cuda else [8192],
+        ring=[2, 8],
+        dtype="bfloat16" if cuda else "float32",
+    )
     parser.add_argument("--kernels", type=listed(), default="auto", help="comma-separated parallel.attention_kernel")
     args = parser.parse_args()
     device = torch.device("cuda" if cuda else "cpu")

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.memory import malloc_env
 from benchmarks.report import GIB, MIB, arguments, command, commit, defaults_by_device, machine_line, percent, table
-from benchmarks.runs import Run
+from benchmarks.runs import Run, malloc_env
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
 from lctrain.flops import document_flops_per_token, flops_per_token, mfu

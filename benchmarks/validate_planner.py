@@ -12,10 +12,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
 from benchmarks.report import MIB, arguments, command, machine_line, table
-from benchmarks.runs import Measured
+from benchmarks.runs import MALLOC_MMAP_THRESHOLD, Measured
 from testbed.corpus import write_corpus
 
 # (world size, pp, dp, ring, ulysses, activation checkpointing, seq_len, rows per step, loss chunk tokens)
@@ -98,7 +97,7 @@ def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str 
     out = scratch / f"world{world}.json"
     env = process_env()
     if device == "cpu":
-        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": memory.MALLOC_MMAP_THRESHOLD}
+        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     launch += ["-m", "benchmarks.validate_planner", "--worker", json.dumps(cases), str(corpus), str(out)]
     launch += [str(scratch), device]
