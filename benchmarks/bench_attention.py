@@ -270,7 +270,7 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
     print(f"\nd_model = Hkv·D = {d_model}; K/V sent in {cfg.dtype}, dK/dV in {accumulator}; {os.cpu_count()} cores.")
 
 
-def parse_args() -> argparse.Namespace:
+def main() -> None:
     flags = {"seq": (16384, "global sequence length for sections 1 and 2"), "ranks": (2, "P for sections 1 and 2")}
     flags |= {"seq_per_rank": (4096, "S/P for section 3"), "batch": 1}
     parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3, **flags)
@@ -278,11 +278,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=only)
     parser.add_argument("--memory-ranks", type=listed(int), default=[1, 2, 4, 8], help="values of P for section 3")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+    args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning

@@ -29,14 +29,6 @@ def layer(args: argparse.Namespace) -> torch.nn.Module:
     return Qwen3_5GatedDeltaNet(config, 0)
 
 
-def exchanged_bytes(args: argparse.Namespace, ranks: int) -> int:
-    """What one layer all-gathers per rank's pieces (2 under zigzag), times the ranks: halos and summaries, fp32."""
-    channels = args.head_dim * (2 * args.key_heads + args.value_heads)
-    halo = 3 * channels * 4
-    summary = args.value_heads * args.head_dim * 2 * args.head_dim * 4
-    return 2 * ranks * (halo + summary)
-
-
 def step(module: torch.nn.Module, hidden: torch.Tensor) -> None:
     module(hidden).sum().backward()
 
@@ -58,10 +50,11 @@ def main() -> None:
     lists = {"lengths": [16384, 65536], "ranks": [1, 2, 4]}
     args = arguments(__doc__, head_dim=64, iters=3, **lists, hidden=512, key_heads=4, value_heads=8).parse_args()
     torch.set_num_threads(1)
-    print(
-        f"Qwen3_5GatedDeltaNet, hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of "
-        f"{args.head_dim}, fp32, CPU, one thread per rank, forward + backward, median of {args.iters}"
-    )
+    # what one layer all-gathers per rank (its 2 zigzag pieces' conv halos and summaries, fp32), times the ranks
+    halo, summary = 3 * args.head_dim * (2 * args.key_heads + args.value_heads), args.value_heads * 2 * args.head_dim**2
+    exchanged = 2 * 4 * (halo + summary)
+    print(f"Qwen3_5GatedDeltaNet, hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of "
+          f"{args.head_dim}, fp32, CPU, one thread per rank, forward + backward, median of {args.iters}")  # fmt: skip
     print("| tokens | ranks | slowest rank ms | ranks x ms / one rank's | bytes all-gathered per layer |")
     print("|---|---|---|---|---|")
     for length in args.lengths:
@@ -71,10 +64,8 @@ def main() -> None:
         for ranks in args.ranks:
             seconds = run_distributed(rank_seconds, ranks, args, length)[0]
             one = one or seconds
-            print(
-                f"| {length} | {ranks} | {seconds * 1e3:.0f} | {ranks * seconds / one:.2f} | "
-                f"{exchanged_bytes(args, ranks) if ranks > 1 else 0} |"
-            )
+            sent = exchanged * ranks if ranks > 1 else 0
+            print(f"| {length} | {ranks} | {seconds * 1e3:.0f} | {ranks * seconds / one:.2f} | {sent} |")
         print(f"| {length} | transformers' module, 1 | {own * 1e3:.0f} | lctrain / transformers: {one / own:.2f} | |")
 
 

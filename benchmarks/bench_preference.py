@@ -109,11 +109,9 @@ def longest(args: argparse.Namespace) -> None:
     search = Search(probe, 4096, args.longest)
     if (prompt := search.run(4096, bisect=0)) is not None:
         result = search.probes[prompt].result
-        print(
-            f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
-            f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
-            f"step growth {result['growth'] / MIB:,.0f} MiB per rank"
-        )
+        print(f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
+              f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
+              f"step growth {result['growth'] / MIB:,.0f} MiB per rank")  # fmt: skip
 
 
 def main() -> None:

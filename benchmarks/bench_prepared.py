@@ -79,11 +79,9 @@ def main() -> None:
         cpu_s = sum(u.ru_utime + u.ru_stime for u in used) - cpu.ru_utime - cpu.ru_stime
         tokens = sum(source["counts"]["tokens"] for source in manifest["sources"].values())
         megabytes = sum(os.path.getsize(root / f"{name}.jsonl") for name in ("text", "chat")) / 1e6
-        print(
-            f"prepare: {megabytes:.0f} MB of jsonl, {tokens / 1e6:.1f}M tokens in {wall:.0f} s: "
-            f"{tokens / wall / 1e6:.2f}M tokens/s, {megabytes / wall:.2f} MB/s, {os.cpu_count()} workers, CPU time "
-            f"{cpu_s:.0f} s = {cpu_s / wall:.2f} of {os.cpu_count()} cores busy\n"
-        )
+        print(f"prepare: {megabytes:.0f} MB of jsonl, {tokens / 1e6:.1f}M tokens in {wall:.0f} s: "
+              f"{tokens / wall / 1e6:.2f}M tokens/s, {megabytes / wall:.2f} MB/s, {os.cpu_count()} workers, CPU time "
+              f"{cpu_s:.0f} s = {cpu_s / wall:.2f} of {os.cpu_count()} cores busy\n")  # fmt: skip
         rows = []
         for index, name in enumerate(("text", "chat")):
             one = dataclasses.replace(config, sources=[sources[index]])

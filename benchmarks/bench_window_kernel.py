@@ -34,10 +34,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(1, args.rows, args.heads, args.head_dim, generator=gen) for _ in range(4)]
     scale = args.head_dim**-0.5
-    print(
-        f"CPU, {args.threads} thread(s), torch {torch.__version__}, fp32, {args.heads} heads x {args.head_dim}, "
-        f"diagonal block of {args.rows} queries, forward+backward, median of {args.iters}"
-    )
+    print(f"CPU, {args.threads} thread(s), torch {torch.__version__}, fp32, {args.heads} heads x {args.head_dim}, "
+          f"diagonal block of {args.rows} queries, forward+backward, median of {args.iters}")  # fmt: skip
     print("| window | way | ms | pairs computed / pairs seen |\n|---|---|---|---|")
     plain = median_seconds(functools.partial(kernel_pass, tensors, scale, None), args.iters)
     for window in args.windows:

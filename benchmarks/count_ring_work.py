@@ -38,10 +38,8 @@ def main() -> None:
     if args.seq % args.ring or any(length > args.seq or args.seq % length for length in args.documents):
         parser.error(f"--seq {args.seq} must be divisible by --ring and by every --documents length")
     piece_len = args.seq // args.ring
-    print(
-        f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
-        f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}"
-    )
+    print(f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
+          f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}")  # fmt: skip
     table_rows = []
     for layout in ("zigzag", "contiguous"):
         dense = None

@@ -83,7 +83,7 @@ class LctrainSide:
             from testbed.pairs import pack_pairs, shard_rows
 
             rng, lengths = random.Random(seed), (spec["pair"]["prompt"], *[spec["pair"]["completion"]] * 2)
-            pair = [[rng.randrange(1, 250) for _ in range(n)] for n in lengths]  # random prompt and two answers
+            pair = tuple([rng.randrange(1, 250) for _ in range(n)] for n in lengths)  # random prompt and two answers
             row = pack_pairs([pair], self.trainer.cfg.data.seq_len, shared=spec["pair"]["shared"])
             return shard_rows([row], place)
         rows = random_rows(self.hf_config.vocab_size, spec.get("batch", 1), seq, seed)
