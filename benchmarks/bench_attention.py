@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks import memory, rings
+from benchmarks import rings
 from benchmarks.report import MIB, arguments, command, listed, machine_line, table
+from benchmarks.runs import MALLOC_MMAP_THRESHOLD, follow_malloc_env
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
 from lctrain.attention.kernels import accumulation_dtype
@@ -57,22 +58,21 @@ def compare(ours: tuple[Tensor, ...], theirs: tuple[Tensor, ...]) -> dict[str, f
     return {"out": diffs[0], "grads": max(diffs[1:]), "out_max": sizes[0], "grads_max": max(sizes[1:])}
 
 
-def cpu_compute_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
-    """``op`` with its tensor arguments cast to the dtype lctrain's CPU kernel computes a pass's blocks in
-    (``kernels.cpu_compute_dtype``)."""
-
-    def cast(a: Any) -> Any:
-        return a.to(kernels.cpu_compute_dtype(a.dtype, pass_name)) if isinstance(a, Tensor) else a
-
-    return lambda *args, **kwargs: op(*map(cast, args), **{name: cast(a) for name, a in kwargs.items()})
-
-
 def sharded(attend: Callable[..., Tensor], layout: str) -> Callable[[tuple[Tensor, ...]], Case]:
     """``attend(q, k, v, group)`` over the default group on this rank's ``layout`` shards."""
     return lambda full: (
         autograd_step(lambda q, k, v: attend(q, k, v, dist.group.WORLD), *rings.rank_shards(full, layout)),
         {},
     )
+
+
+def cast_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[..., tuple[Tensor, ...]]:
+    """``op`` with its tensors cast to the dtype lctrain's CPU kernel computes a pass in (``cpu_compute_dtype``)."""
+
+    def cast(a: Any) -> Any:
+        return a.to(kernels.cpu_compute_dtype(a.dtype, pass_name)) if isinstance(a, Tensor) else a
+
+    return lambda *args, **kwargs: op(*map(cast, args), **{name: cast(a) for name, a in kwargs.items()})
 
 
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
@@ -85,14 +85,9 @@ def single_process_case(full: tuple[Tensor, ...]) -> Case:
 
 def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
     """PyTorch context parallel's ring (``rings.torch_ring``), its CPU ops cast like lctrain's blocks."""
-    ops = {
-        f"{name}_op": cpu_compute_op(op, name)
-        for name, op in (("forward", rings.CPU_FORWARD), ("backward", rings.CPU_BACKWARD))
-    }
+    ops = {"forward_op": cast_op(rings.CPU_FORWARD, "forward"), "backward_op": cast_op(rings.CPU_BACKWARD, "backward")}
     passes = rings.torch_ring(*rings.rank_shards(full, "zigzag"), dist.group.WORLD, **ops)
-    ours = outputs_and_grads(
-        lambda q, k, v: ring_attention(q, k, v, dist.group.WORLD), *rings.rank_shards(full, "zigzag")
-    )
+    ours = outputs_and_grads(functools.partial(ring_attention, group=dist.group.WORLD), *rings.rank_shards(full))
     return (lambda: (passes.forward(), passes.backward())), compare(ours, (passes.forward(), *passes.backward()))
 
 
@@ -128,7 +123,7 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
     """Build the named implementations on the same global inputs, then measure them in rounds (``timing.rounds``,
     each round's figures the slowest rank's): per case its ``rounds`` (seconds and peak memory growth) and
     ``checks`` (the largest over ranks)."""
-    memory.follow_malloc_env()
+    follow_malloc_env()
     cases = {name: CASES[name](inputs(cfg, cfg.seq)) for name in names}
     steps = {name: lambda _, case=case: case[0]() for name, case in cases.items()}
     measured = gathered_slowest(rounds(steps, cfg.warmup, cfg.iters, memory=True, barrier=True))
@@ -140,7 +135,7 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
 def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, int]:
     """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
     growth of a second one."""
-    memory.follow_malloc_env()
+    follow_malloc_env()
     q, k, v, dout = rings.rank_shards(inputs(cfg, seq_per_rank * dist.get_world_size()), "zigzag")
     attend = functools.partial(usp_attention, ulysses_group=None, ring_group=dist.group.WORLD)
     sent, original = [0], dist.batch_isend_irecv
@@ -223,9 +218,8 @@ def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]
     rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(results['single']):.1f}", "—"]]
     for name, label in (("ring_zigzag", "zigzag (TP)"), ("ring_contiguous", "contiguous")):
         tp, peak = time_ms(results[name]), peak_mib(results[name])
-        rows.append(
-            [f"ours: ring_attention, {label}", str(ranks), f"{tp:.1f}", f"{peak:.1f}", f"{base / (ranks * tp):.3f}"]
-        )
+        rows.append([f"ours: ring_attention, {label}", str(ranks), f"{tp:.1f}", f"{peak:.1f}"])
+        rows[-1].append(f"{base / (ranks * tp):.3f}")
     print(f"\n## 1. Parallel efficiency (S={cfg.seq}, P={ranks}, causal)\n")
     print(table(["implementation", "ranks", "fwd+bwd (ms)", "peak mem/rank (MiB)", "efficiency T1/(P·TP)"], rows))
 
@@ -260,10 +254,7 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
         peak = max(r["peak_bytes"] for r in per_rank) / MIB
         traffic = ["—"] * 4
         if ranks > 1:
-            rates = (
-                2 * DTYPES[cfg.dtype].itemsize * d_model,
-                2 * accumulator.itemsize * d_model,
-            )  # K and V rows, dK and dV rows
+            rates = (2 * DTYPES[cfg.dtype].itemsize * d_model, 2 * accumulator.itemsize * d_model)  # K+V, dK+dV rows
             planned = [t.bytes(*rates) for t in rings.ring_traffic(ranks, seq_per_rank)]
             measured = [(r["forward_sent"], r["backward_sent"]) for r in per_rank]
             ok = " ✓" if measured == planned else " ✗"
@@ -279,24 +270,17 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
     print(f"\nd_model = Hkv·D = {d_model}; K/V sent in {cfg.dtype}, dK/dV in {accumulator}; {os.cpu_count()} cores.")
 
 
-def parse_args() -> argparse.Namespace:
-    parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3)
-    parser.add_argument(
-        "--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=f"comma-separated subset of {SECTIONS}"
-    )
-    parser.add_argument("--seq", type=int, default=16384, help="global sequence length for sections 1 and 2")
-    parser.add_argument("--ranks", type=int, default=2, help="P for sections 1 and 2")
-    parser.add_argument("--seq-per-rank", type=int, default=4096, help="S/P for section 3")
-    parser.add_argument("--memory-ranks", type=listed(int), default=[1, 2, 4, 8], help="values of P for section 3")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    return parser.parse_args()
-
-
 def main() -> None:
-    args = parse_args()
+    flags = {"seq": (16384, "global sequence length for sections 1 and 2"), "ranks": (2, "P for sections 1 and 2")}
+    flags |= {"seq_per_rank": (4096, "S/P for section 3"), "batch": 1}
+    parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3, **flags)
+    only = f"comma-separated subset of {SECTIONS}"
+    parser.add_argument("--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=only)
+    parser.add_argument("--memory-ranks", type=listed(int), default=[1, 2, 4, 8], help="values of P for section 3")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = memory.MALLOC_MMAP_THRESHOLD
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)

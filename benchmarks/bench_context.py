@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import memory
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.report import GIB, MIB, arguments, command, defaults_by_device, fit_line, machine_line, percent, table
-from benchmarks.runs import run_steps
+from benchmarks.runs import malloc_env, run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
 
@@ -44,19 +43,19 @@ def fits(result: dict[str, Any], budget: int | None) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = arguments(__doc__, json=None)
+    flags = {"ulysses": (1, "lctrain's Ulysses degree"), "bisect": (1, "bisection steps after doubling")}
+    flags["target_ratio"] = (4.0, "lctrain starts at this × the HF loop's S")
+    flags["probe_timeout"] = (240.0, "seconds a probe may take to start or step")
+    parser = arguments(__doc__, json=None, **flags)
     add_job_args(parser)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
     for name, (cpu, cuda, text) in DEFAULTS.items():
         many = "+" if isinstance(cpu, list) else None
         flag, text = f"--{name.replace('_', '-')}", f"{text} (CPU {cpu}, CUDA {cuda})"
         parser.add_argument(flag, type=int, nargs=many, help=text)
-    parser.add_argument("--ulysses", type=int, default=1, help="lctrain's Ulysses degree")
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
     parser.add_argument("--budget-mib", type=int, help="CPU: the step peak a process may add (default 1024)")
-    parser.add_argument("--target-ratio", type=float, default=4.0, help="lctrain starts at this × the HF loop's S")
-    parser.add_argument("--bisect", type=int, default=1, help="bisection steps after doubling")
     scaling = parser.add_argument_group("scaling: every memory saver on, one process group per P")
     scaling.add_argument("--scaling-ranks", type=int, nargs="+", choices=sorted(MESHES), default=[1, 2, 4, 8])
     scaling.add_argument("--per-rank", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="S/P values")
@@ -66,7 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scaling.add_argument("--mlp-chunk-tokens", type=int, default=256, help="lctrain's parallel.mlp_chunk_tokens")
     scaling.add_argument("--safe-gib", type=float, default=16.0, help="stop a run whose ranks pass this together")
     scaling.add_argument("--plot", default="docs/memory_per_rank.png", help="the PNG of step peak per rank vs S/P")
-    parser.add_argument("--probe-timeout", type=float, default=240, help="seconds a probe may take to start or step")
     args = parser.parse_args(argv)
     if args.device == "cuda" and "scaling" in (args.sections or []):
         parser.error("--sections scaling runs CPU process groups: --device cpu")
@@ -132,7 +130,7 @@ class Bench:
         what += ", activation offload" if offload else ""
         print(f"probe: {what} ...", file=sys.stderr, flush=True)
         started, warmup = time.perf_counter(), [(min(args.warmup_seq, seq), 1)]
-        with memory.malloc_env(for_memory=args.device == "cpu"):
+        with malloc_env(for_memory=args.device == "cpu"):
             run = run_steps({"p": spec}, ranks, warmup, [(seq, 0)] * steps, budget=self.budget,
                             timeout_s=args.probe_timeout)["p"]  # fmt: skip
         failed = next((r for r in [run["ready"], *run["steps"]] if not r["ok"]), None)
@@ -151,17 +149,13 @@ class Bench:
         return probe
 
 
-def memory_cell(value: float) -> str:
-    return f"{value / GIB:.2f}"
-
-
 def step_figures(args: argparse.Namespace, probe: Probe) -> list[str]:
     """Step time, MFU and peak memory of a fitting probe."""
     result = probe.result
     step, model = result["step_s"][-1], result["model"]
     peak = args.peak_tflops * 1e12 if args.peak_tflops else result["peak_flops"]
     per_token = flops_per_token(model["params"], model["layers"], model["hidden"], probe.seq)
-    return [f"{step:.2f}", percent(mfu(probe.seq / step, per_token, peak)), memory_cell(result["peak"])]
+    return [f"{step:.2f}", percent(mfu(probe.seq / step, per_token, peak)), f"{result['peak'] / GIB:.2f}"]
 
 
 def probe_cell(probe: Probe, budget: bool) -> str:
@@ -209,7 +203,7 @@ def layers_section(bench: Bench) -> list[str]:
         points = {}
         for layers in args.layer_counts:
             probe = bench.probe("lctrain", seq, layers=layers)
-            cell = memory_cell(probe.result["peak"]) if probe.fits else probe.reason[:40]
+            cell = f"{probe.result['peak'] / GIB:.2f}" if probe.fits else probe.reason[:40]
             rows.append([f"{seq:,}", str(layers), cell])
             if probe.fits:
                 points[layers] = probe.result["peak"]
@@ -245,7 +239,7 @@ def offload_section(bench: Bench) -> list[str]:
         if not probe.fits:
             rows.append([label, probe.reason[:60], "", ""])
             continue
-        rows.append([label, f"{probe.result['step_s'][-1]:.2f}", memory_cell(probe.result["peak"]), ""])
+        rows.append([label, f"{probe.result['step_s'][-1]:.2f}", f"{probe.result['peak'] / GIB:.2f}", ""])
     if results[False].fits and results[True].fits:
         slower = results[True].result["step_s"][-1] / results[False].result["step_s"][-1] - 1
         saved = results[False].result["peak"] - results[True].result["peak"]
@@ -262,7 +256,7 @@ def scaling_points(bench: Bench, side: str, ranks: int, seqs: list[int]) -> list
     print(f"scaling: {side}, ring {mesh[0]} × ulysses {mesh[1]}: S = {seqs}", file=sys.stderr, flush=True)
     spec = {"side": side, "job": bench.job(side, max(seqs), None, side == "lctrain", mesh), "threads": 1}
     steps, budget = [(seq, 0) for seq in seqs], int(args.safe_gib * GIB / ranks)
-    with memory.malloc_env(for_memory=True):
+    with malloc_env(for_memory=True):
         result = run_steps({side: spec}, ranks, [(64 * ranks, 1)], steps, budget=budget)
     done = sum(step["ok"] for step in result[side]["steps"])
     if done < len(seqs):
@@ -295,9 +289,10 @@ def mesh_label(side: str, ranks: int) -> str:
 
 def scaling_section(bench: Bench) -> list[str]:
     args = bench.args
-    args.safe_gib = min(
-        args.safe_gib, (memory.proc_bytes("MemAvailable", "/proc/meminfo") - 2 * GIB) / GIB
-    )  # what is free now
+    from lctrain.train.meter import proc_bytes
+
+    free = proc_bytes("MemAvailable", "/proc/meminfo") - 2 * GIB  # what is free now
+    args.safe_gib = min(args.safe_gib, free / GIB)
     for ranks in sorted(args.scaling_ranks):
         seqs = [ranks * n for n in args.per_rank if ranks * n <= args.max_scaling_seq]
         bench.points += scaling_points(bench, "lctrain", ranks, seqs)
@@ -386,8 +381,7 @@ def main() -> None:
     print(f"# Longest context: lctrain vs a plain Hugging Face loop\n\n- command: `{command()}`{machine}")
     job = " ".join(bench.job("lctrain", args.max_seq, None, False))
     print(f"- job (Hydra overrides of lctrain's probes): `{job}`\n", flush=True)
-    sections = {"search": search_section, "layers": layers_section, "offload": offload_section}
-    sections["scaling"] = scaling_section
+    sections = dict(search=search_section, layers=layers_section, offload=offload_section, scaling=scaling_section)
     for name in args.sections:
         print("\n".join(sections[name](bench)), flush=True)
         if args.json:

@@ -87,11 +87,10 @@ def ep_rank(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None)
+    p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None, layers=2)
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
     for key, (cpu, cuda) in SHAPES.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"CPU {cpu}, CUDA {cuda}")
-    p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     if args.device == "cuda" and args.part != "single":
         p.error("--device cuda runs --part single only: add --part single")

@@ -21,26 +21,12 @@ from lctrain.testing import run_distributed
 
 
 def layer(args: argparse.Namespace) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        "qwen3_5_text",
-        hidden_size=args.hidden,
-        linear_num_key_heads=args.key_heads,
-        linear_num_value_heads=args.value_heads,
-        linear_key_head_dim=args.head_dim,
-        linear_value_head_dim=args.head_dim,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-    )
+    heads = {"linear_num_key_heads": args.key_heads, "linear_num_value_heads": args.value_heads}
+    dims = {"linear_key_head_dim": args.head_dim, "linear_value_head_dim": args.head_dim}
+    layers = {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}
+    config = AutoConfig.for_model("qwen3_5_text", hidden_size=args.hidden, **heads, **dims, **layers)
     torch.manual_seed(0)
     return Qwen3_5GatedDeltaNet(config, 0)
-
-
-def exchanged_bytes(args: argparse.Namespace, ranks: int) -> int:
-    """What one layer all-gathers per rank's pieces (2 under zigzag), times the ranks: halos and summaries, fp32."""
-    channels = args.head_dim * (2 * args.key_heads + args.value_heads)
-    halo = 3 * channels * 4
-    summary = args.value_heads * args.head_dim * 2 * args.head_dim * 4
-    return 2 * ranks * (halo + summary)
 
 
 def step(module: torch.nn.Module, hidden: torch.Tensor) -> None:
@@ -48,7 +34,7 @@ def step(module: torch.nn.Module, hidden: torch.Tensor) -> None:
 
 
 def rank_seconds(args: argparse.Namespace, length: int) -> float:
-    """The slowest rank's median seconds of one forward + backward on its zigzag share of ``length`` tokens."""
+    """Median seconds (each run's slowest rank) of a forward + backward on this rank's zigzag share of ``length``."""
     torch.set_num_threads(1)
     size = dist.get_world_size()
     module = layer(args)
@@ -57,24 +43,18 @@ def rank_seconds(args: argparse.Namespace, length: int) -> float:
     )
     place = SequencePlace(dist.get_rank(), size)
     hidden = place.shard(torch.randn(1, length, args.hidden, generator=torch.Generator().manual_seed(1)), dim=1)
-    seconds = torch.tensor(median_seconds(functools.partial(step, module, hidden.requires_grad_()), args.iters))
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item()
+    return median_seconds(functools.partial(step, module, hidden.requires_grad_()), args.iters)
 
 
 def main() -> None:
-    parser = arguments(__doc__, head_dim=64, iters=3)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--key-heads", type=int, default=4)
-    parser.add_argument("--value-heads", type=int, default=8)
-    args = parser.parse_args()
+    lists = {"lengths": [16384, 65536], "ranks": [1, 2, 4]}
+    args = arguments(__doc__, head_dim=64, iters=3, **lists, hidden=512, key_heads=4, value_heads=8).parse_args()
     torch.set_num_threads(1)
-    print(
-        f"Qwen3_5GatedDeltaNet, hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of "
-        f"{args.head_dim}, fp32, CPU, one thread per rank, forward + backward, median of {args.iters}"
-    )
+    # what one layer all-gathers per rank (its 2 zigzag pieces' conv halos and summaries, fp32), times the ranks
+    halo, summary = 3 * args.head_dim * (2 * args.key_heads + args.value_heads), args.value_heads * 2 * args.head_dim**2
+    exchanged = 2 * 4 * (halo + summary)
+    print(f"Qwen3_5GatedDeltaNet, hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of "
+          f"{args.head_dim}, fp32, CPU, one thread per rank, forward + backward, median of {args.iters}")  # fmt: skip
     print("| tokens | ranks | slowest rank ms | ranks x ms / one rank's | bytes all-gathered per layer |")
     print("|---|---|---|---|---|")
     for length in args.lengths:
@@ -84,10 +64,8 @@ def main() -> None:
         for ranks in args.ranks:
             seconds = run_distributed(rank_seconds, ranks, args, length)[0]
             one = one or seconds
-            print(
-                f"| {length} | {ranks} | {seconds * 1e3:.0f} | {ranks * seconds / one:.2f} | "
-                f"{exchanged_bytes(args, ranks) if ranks > 1 else 0} |"
-            )
+            sent = exchanged * ranks if ranks > 1 else 0
+            print(f"| {length} | {ranks} | {seconds * 1e3:.0f} | {ranks * seconds / one:.2f} | {sent} |")
         print(f"| {length} | transformers' module, 1 | {own * 1e3:.0f} | lctrain / transformers: {one / own:.2f} | |")
 
 

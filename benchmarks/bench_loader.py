@@ -108,18 +108,13 @@ def chat_section(args: argparse.Namespace, place: SequencePlace, tokenizer_dir: 
 
 
 def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--ring", type=int, default=2)
-    parser.add_argument("--ulysses", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4_000_000, help="global tokens the loader is timed on")
-    parser.add_argument("--train-steps", type=int, default=3)
-    parser.add_argument("--device", default="cpu", help="where the training step runs (the loader runs on CPU)")
-    parser.add_argument("--chat-rows", type=int, default=300, help="1024-token rows of short conversations timed")
-    parser.add_argument("--long-conversations", type=int, default=4, help="~126K-token conversations timed")
-    parser.add_argument("--expanded-conversations", type=int, default=1, help="~126K-token ones rendered per turn")
-    parser.add_argument("--default-job-steps", type=int, default=12, help="training steps of the default job")
-    args = parser.parse_args()
+    flags = {"tokens": (4_000_000, "global tokens the loader is timed on"), "train_steps": 3}
+    flags["device"] = ("cpu", "where the training step runs (the loader runs on CPU)")
+    flags["chat_rows"] = (300, "1024-token rows of short conversations timed")
+    flags["long_conversations"] = (4, "~126K-token conversations timed")
+    flags["expanded_conversations"] = (1, "~126K-token ones rendered per turn")
+    flags["default_job_steps"] = (12, "training steps of the default job")
+    args = arguments(__doc__, seq_len=4096, ring=2, ulysses=2, **flags).parse_args()
     start_line, local = machine_line(), args.seq_len // (args.ring * args.ulysses)
 
     with clock() as tokenizer:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import memory
 from benchmarks.jobs import bench_job, shape_overrides
 from benchmarks.report import MIB, arguments, command, commit, machine_line, table
-from benchmarks.runs import run_steps
+from benchmarks.runs import malloc_env, run_steps
 from benchmarks.timing import median
 
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2)}  # ranks -> (ring, ulysses)
@@ -28,21 +27,17 @@ def jobs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def main() -> None:
-    parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5)
+    shape = {"seq": (2048, "tokens per row"), "hidden": 512, "intermediate": 1376, "layers": 4, "lora_rank": 16}
+    trainable = ("", "model.lora.trainable, comma-separated (default: none)")
+    parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5, **shape, trainable=trainable)
     parser.add_argument("--ranks", type=int, choices=sorted(MESHES), default=2)
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1376)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--trainable", default="", help="model.lora.trainable, comma-separated (default: none)")
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
     specs, steps = jobs(args), [(args.seq, index) for index in range(args.warmup + args.steps)]
-    with memory.malloc_env(for_memory=False):  # both jobs in one group, their steps in turn, each in two parts
+    with malloc_env(for_memory=False):  # both jobs in one group, their steps in turn, each in two parts
         sides = {side: {"side": "lctrain", "job": job, "part": "parts"} for side, job in specs.items()}
         timed = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
-    with memory.malloc_env(for_memory=True):  # each job in a group of its own: a step after a warm-up one
+    with malloc_env(for_memory=True):  # each job in a group of its own: a step after a warm-up one
         peaks = {side: run_steps({side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)],
                                  [(args.seq, 0)])[side]["steps"][0]["peak"] for side in SIDES}  # fmt: skip
     times = {

@@ -35,15 +35,10 @@ def balanced_split(num_layers: int, head_layers: float, stages: int) -> list[str
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], warmup=2, steps=5)
     schedules = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
-    parser.add_argument("--schedules", nargs="+", default=schedules)
-    parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--quick", action="store_true", help="GPipe and 1F1B at m = 2, 4; 3 timed steps")
-    args = parser.parse_args()
+    shape = {"microbatches": [2, 4, 8], "hidden": 256, "layers": 8, "seq": 512}
+    quick = (False, "GPipe and 1F1B at m = 2, 4; 3 timed steps")
+    args = arguments(__doc__.split("\n")[0], warmup=2, steps=5, schedules=schedules, **shape, quick=quick).parse_args()
     if args.quick:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp, cfg = 2, load_config(job_overrides(args, 1, []))

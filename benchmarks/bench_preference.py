@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks import memory
 from benchmarks.jobs import bench_job
 from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
-from benchmarks.runs import run_steps
+from benchmarks.runs import malloc_env, run_steps
 from benchmarks.search import Probe, Search
 from benchmarks.timing import median
 
@@ -46,7 +45,7 @@ def run(specs: dict[str, dict[str, Any]], warmup: int, steps: int, ranks: int) -
         pair = {key: spec[key] for key in ("prompt", "completion", "shared")}
         sides[name] = {"side": "lctrain", "job": spec["job"], "rows": "pairs", "pair": pair, "part": "forward_backward",
                        "precompute": every if spec.get("precompute") else None}  # fmt: skip
-    with memory.malloc_env(for_memory=True):
+    with malloc_env(for_memory=True):
         result = run_steps(sides, ranks, every[:warmup], every[warmup:])
     figures = {}
     for name, side in result.items():
@@ -110,19 +109,17 @@ def longest(args: argparse.Namespace) -> None:
     search = Search(probe, 4096, args.longest)
     if (prompt := search.run(4096, bisect=0)) is not None:
         result = search.probes[prompt].result
-        print(
-            f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
-            f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
-            f"step growth {result['growth'] / MIB:,.0f} MiB per rank"
-        )
+        print(f"\nlongest pair trained: prompt {prompt:,} + 2 x {args.completion} tokens "
+              f"({pair_length(prompt, args.completion, True):,}-token row), {result['time']:.1f} s a step, "
+              f"step growth {result['growth'] / MIB:,.0f} MiB per rank")  # fmt: skip
 
 
 def main() -> None:
-    parser = arguments(__doc__.splitlines()[0], device="cpu", warmup=1, steps=4, json=None)
+    flags = {"reference_ratio": (16, "the ratio of the reference options' rows")}
+    flags["longest"] = (0, "only search the longest prompt up to this")
+    parser = arguments(__doc__.splitlines()[0], device="cpu", warmup=1, steps=4, json=None, **flags)
     parser.add_argument("--ratios", type=int, nargs="+", help="prompt:completion ratios (CPU: 1 4 16 64; CUDA: 16)")
     parser.add_argument("--completion", type=int, help="tokens of each answer (CPU: 32; CUDA: 1024)")
-    parser.add_argument("--reference-ratio", type=int, default=16, help="the ratio of the reference options' rows")
-    parser.add_argument("--longest", type=int, default=0, help="only search the longest prompt up to this")
     args = parser.parse_args()
     defaults_by_device(args, DEFAULTS)
     print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)

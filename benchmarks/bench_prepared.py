@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import random
 import resource
@@ -14,10 +13,13 @@ import time
 from itertools import islice
 from pathlib import Path
 
+import torch.distributed as dist
+
 from benchmarks.report import arguments, command, machine_line, table
 from lctrain.data import DataConfig, PackedLoader, SourceConfig, default_tokenizer_dir
 from lctrain.data.prepare import prepare
 from lctrain.data.sources import read_text_files, stdlib_files
+from lctrain.testing import run_distributed
 
 
 def write_corpus(root: Path, text_mb: float, chat_mb: float) -> None:
@@ -39,51 +41,30 @@ def write_corpus(root: Path, text_mb: float, chat_mb: float) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def read(config: DataConfig, dp_rank: int, dp_size: int, seconds: float, barrier=None, out=None) -> tuple:  # noqa: ANN001
-    """(seconds to the first batch, tokens read, seconds reading them) of dp rank ``dp_rank``'s loader; with several
-    processes, each phase starts on all of them at once (``barrier``) and the figures go to the queue ``out``."""
-    wait = barrier.wait if barrier is not None else lambda: None
-    wait()
+def read(config: DataConfig, seconds: float) -> tuple[float, int, float]:
+    """On each rank of the default group, its dp rank's loader: (seconds to the first batch, tokens read, seconds
+    reading them), each phase started on every rank at once."""
+    dist.barrier()
     began = time.perf_counter()
-    batches = iter(PackedLoader(config, dp_rank=dp_rank, dp_size=dp_size))
+    batches = iter(PackedLoader(config, dp_rank=dist.get_rank(), dp_size=dist.get_world_size()))
     next(batches)
     first = time.perf_counter() - began
-    wait()
+    dist.barrier()
     tokens, began = 0, time.perf_counter()
     while time.perf_counter() - began < seconds:
         tokens += sum(batch["input_ids"].numel() for batch in islice(batches, 4))
-    figures = (first, tokens, time.perf_counter() - began)
-    if out is not None:
-        out.put(figures)
-    return figures
+    return first, tokens, time.perf_counter() - began
 
 
 def measure(config: DataConfig, processes: int, seconds: float) -> tuple[float, float]:
     """(the slowest rank's seconds to its first batch, the ranks' tokens per second together)."""
-    if processes == 1:
-        results = [read(config, 0, 1, seconds)]
-    else:
-        context = multiprocessing.get_context("spawn")
-        barrier, out = context.Barrier(processes), context.Queue()
-        ranks = [
-            context.Process(target=read, args=(config, rank, processes, seconds, barrier, out))
-            for rank in range(processes)
-        ]
-        for rank in ranks:
-            rank.start()
-        results = [out.get() for _ in ranks]
-        for rank in ranks:
-            rank.join()
+    results = run_distributed(read, processes, config, seconds)
     return max(r[0] for r in results), sum(r[1] / r[2] for r in results)
 
 
 def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--text-mb", type=float, default=100.0)
-    parser.add_argument("--chat-mb", type=float, default=10.0)
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--seconds", type=float, default=20.0, help="each loader reads this long")
-    args = parser.parse_args()
+    sizes = {"text_mb": 100.0, "chat_mb": 10.0, "seq_len": 8192, "seconds": (20.0, "each loader reads this long")}
+    args = arguments(__doc__, **sizes).parse_args()
     print(f"`{command()}`\n\n{machine_line()}\n")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -98,11 +79,9 @@ def main() -> None:
         cpu_s = sum(u.ru_utime + u.ru_stime for u in used) - cpu.ru_utime - cpu.ru_stime
         tokens = sum(source["counts"]["tokens"] for source in manifest["sources"].values())
         megabytes = sum(os.path.getsize(root / f"{name}.jsonl") for name in ("text", "chat")) / 1e6
-        print(
-            f"prepare: {megabytes:.0f} MB of jsonl, {tokens / 1e6:.1f}M tokens in {wall:.0f} s: "
-            f"{tokens / wall / 1e6:.2f}M tokens/s, {megabytes / wall:.2f} MB/s, {os.cpu_count()} workers, CPU time "
-            f"{cpu_s:.0f} s = {cpu_s / wall:.2f} of {os.cpu_count()} cores busy\n"
-        )
+        print(f"prepare: {megabytes:.0f} MB of jsonl, {tokens / 1e6:.1f}M tokens in {wall:.0f} s: "
+              f"{tokens / wall / 1e6:.2f}M tokens/s, {megabytes / wall:.2f} MB/s, {os.cpu_count()} workers, CPU time "
+              f"{cpu_s:.0f} s = {cpu_s / wall:.2f} of {os.cpu_count()} cores busy\n")  # fmt: skip
         rows = []
         for index, name in enumerate(("text", "chat")):
             one = dataclasses.replace(config, sources=[sources[index]])

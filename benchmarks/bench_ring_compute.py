@@ -26,9 +26,8 @@ def sdpa_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
 
 
 def resolved(q: torch.Tensor, k: torch.Tensor, choice: str) -> AttentionKernel:
-    return resolve_kernel(
-        q.device, q.dtype, head_dim=q.shape[-1], q_heads=q.shape[2], kv_heads=k.shape[2], choice=choice
-    )
+    heads = {"head_dim": q.shape[-1], "q_heads": q.shape[2], "kv_heads": k.shape[2]}
+    return resolve_kernel(q.device, q.dtype, **heads, choice=choice)
 
 
 class LocalPeers:
@@ -71,10 +70,9 @@ def rank_work(
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = arguments(__doc__, heads=32, kv_heads=8, head_dim=128 if cuda else 64, iters=5 if cuda else 1)
-    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 131072] if cuda else [8192])
-    parser.add_argument("--ring", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    on_gpu = {"head_dim": 128, "iters": 5, "seq": [32768, 131072], "dtype": "bfloat16"}
+    on_cpu = {"head_dim": 64, "iters": 1, "seq": [8192], "dtype": "float32"}
+    parser = arguments(__doc__, heads=32, kv_heads=8, ring=[2, 8], **(on_gpu if cuda else on_cpu))
     parser.add_argument("--kernels", type=listed(), default="auto", help="comma-separated parallel.attention_kernel")
     args = parser.parse_args()
     device = torch.device("cuda" if cuda else "cpu")
@@ -100,10 +98,8 @@ def main() -> None:
                 continue
             t_kernel = median_seconds(rank_work(q, k, v, dout, 0, 1, choice), args.iters, device)
             t_first = t_kernel if t_first is None else t_first
-            print(
-                f"| {seq} | kernel {choice} = {name}, whole sequence | {t_kernel * 1e3:.1f} | "
-                f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |"
-            )
+            print(f"| {seq} | kernel {choice} = {name}, whole sequence | {t_kernel * 1e3:.1f} | "
+                  f"{flops / t_kernel / 1e12:.1f} | {t_sdpa / t_kernel:.3f} (vs sdpa) |")  # fmt: skip
         for ring in [r for r in args.ring if r > 1 and t_first is not None]:
             work = [rank_work(q, k, v, dout, r, ring, args.kernels[0]) for r in range(ring)]
             per_rank = [median_seconds(run, args.iters, device) for run in work]

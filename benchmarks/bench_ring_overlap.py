@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -26,26 +27,23 @@ LINK = "LCTRAIN_BENCH_LINK"  # the worker's own link, which it limits (namespace
 WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (ring_waits)
 
 
-def no_compute_kernel(*args: Any, **kwargs: Any):  # noqa: ANN201
-    """A kernel that computes nothing (zeros of the right shapes): the ring with it makes only its transfers."""
+def no_compute(passes: rings.Passes) -> rings.Passes:
+    """lctrain's ring ``passes`` with a kernel that computes nothing (zeros of the right shapes; chosen in the
+    forward): only its transfers."""
     import torch
 
     from lctrain.attention.kernels import AttentionKernel
 
-    def forward(q, k, v, **_):  # noqa: ANN001, ANN202
+    def zeros_forward(q, k, v, **_):  # noqa: ANN001, ANN202
         return torch.zeros(q.shape), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    def backward(dout, q, k, v, out, lse, **_):  # noqa: ANN001, ANN202
+    def zeros_backward(dout, q, k, v, out, lse, **_):  # noqa: ANN001, ANN202
         return torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
 
-    return AttentionKernel("no_compute", forward, backward)
-
-
-def no_compute(passes: rings.Passes) -> rings.Passes:
-    """lctrain's ring ``passes`` with ``no_compute_kernel`` (chosen in the forward): only its transfers."""
+    kernel = AttentionKernel("no_compute", zeros_forward, zeros_backward)
 
     def forward() -> Any:
-        with mock.patch("lctrain.attention.ring.resolve_kernel", no_compute_kernel):
+        with mock.patch("lctrain.attention.ring.resolve_kernel", lambda *args, **kwargs: kernel):
             return passes.forward()
 
     return rings.Passes(forward, passes.backward)
@@ -167,23 +165,12 @@ def run_ranks(ranks: int, spec: dict[str, Any], work: Path, *, namespaces: bool,
             procs.append(hosts.popen(name, program, work / f"rank{name}.log", {**env, **link}, REPO))
         deadline = time.monotonic() + timeout_s
         for proc in procs:
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            if code != 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:  # None: still running at the deadline
                 logs = "\n".join((work / f"rank{r}.log").read_text()[-3000:] for r in range(ranks))
-                raise RuntimeError(f"a rank of P={ranks} ended with {code}:\n{logs}")
+                raise RuntimeError(f"a rank of P={ranks} ended with {proc.returncode}:\n{logs}")
     return json.loads((Path(spec["out"]) / "results.json").read_text())
-
-
-def step_bytes(ranks: int, tokens: int, kv_heads: int) -> dict[str, tuple[int, int]]:
-    """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host), from
-    the ring plan (``rings.Traffic.step_bytes``): K/V in bf16, dK/dV in fp32, as ``ring.py`` schedules them."""
-    row = kv_heads * HEAD_DIM * 2 * 2  # K and V, bf16
-    per_rank = [t.step_bytes(row, 2 * row) for t in rings.ring_traffic(ranks, tokens)]
-    busiest = [[max(step) for step in zip(*(sent[index] for sent in per_rank))] for index in (0, 1)]
-    return {name: (max(steps), sum(steps)) for name, steps in zip(("forward", "backward"), busiest)}
 
 
 def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
@@ -196,7 +183,8 @@ def knees(points: list[dict], ranks: int, kv_heads: int) -> dict[str, float]:
     for name in ("forward", "backward"):
         ts = [p["tokens"] for p in points]
         compute = [p["compute"][name] / ranks for p in points]
-        share = [step_bytes(ranks, p["tokens"], kv_heads)[name] for p in points]
+        row = kv_heads * HEAD_DIM * 2 * 2  # K and V in bf16, dK/dV in fp32, as ring.py schedules them
+        share = [rings.busiest_steps(ranks, p["tokens"], row, 2 * row)[name] for p in points]
         transfer = [p["comm"][name] * busiest / total for p, (busiest, total) in zip(points, share)]
         a = sum(c * t**2 for c, t in zip(compute, ts)) / sum(t**4 for t in ts)  # least squares through 0
         b = sum(m * t for m, t in zip(transfer, ts)) / sum(t**2 for t in ts)
@@ -222,11 +210,6 @@ def waited(point: dict) -> float:
     return max(0.0, sum(point["waits"][k] for k in WAITS) - sum(point["waits_free"][k] for k in WAITS))
 
 
-def blocks(waits: dict[str, float]) -> float:
-    """Seconds the blocks computed in one forward + backward (the timeline's compute events)."""
-    return waits["forward_compute"] + waits["backward_compute"]
-
-
 def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
     """Print the tables; returns one summary per (P, shape, rate) for the figure."""
     rows, knee_rows, baseline, summaries = [], [], [], []
@@ -240,7 +223,8 @@ def report(results: dict[int, list[dict]], namespaces: bool) -> list[dict]:
             cells += [f"{comm:.3f}", f"{compute / comm:.2f}", f"{ring:.3f}", f"**{(ring - compute) / comm:.2f}**"]
             cells += [f"{waited(point) / comm:.2f}", f"{ring / max(compute, comm):.2f}"]
             cells.append(" / ".join(f"{1e3 * waits[kind]:.0f}" for kind in WAITS) + f" ({1e3 * free:.0f})")
-            cells.append(f"{blocks(point['waits']) / blocks(point['waits_free']):.2f}")
+            busy = [w["forward_compute"] + w["backward_compute"] for w in (point["waits"], point["waits_free"])]
+            cells.append(f"{busy[0] / busy[1]:.2f}")  # the blocks' compute seconds, limited / no limit
             rows.append([*cells, f"{threshold:,.0f} ({link})", f"{point['torch']['total']:.3f}"])
         for shape, rate in dict.fromkeys((point["shape"], point["rate"]) for point in points):
             group = [point for point in points if (point["shape"], point["rate"]) == (shape, rate)]
@@ -301,22 +285,17 @@ def draw(summaries: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = arguments(__doc__, warmup=1, iters=2)
+def main() -> None:
+    flags = {"max_tokens_p4": (4096, "largest tokens per rank at P >= 4"), "timeout": (1800.0, "seconds per P")}
+    flags["png"] = ("docs/ring_overlap.png", "the figure (default docs/ring_overlap.png)")
+    parser = arguments(__doc__, warmup=1, iters=2, **flags)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank: the spec file the parent wrote
     ints = listed(int)
     parser.add_argument("--ranks", type=ints, default=[2, 4], help="values of P, one rank per host (default 2,4)")
     parser.add_argument("--shapes", type=listed(str, SHAPES), default=list(SHAPES), help="head shapes")
     parser.add_argument("--rates", type=listed(), default="300mbit,100mbit", help="link rates, tc's units")
     parser.add_argument("--tokens", type=ints, default=[512, 1024, 2048, 4096, 8192], help="tokens per rank")
-    parser.add_argument("--max-tokens-p4", type=int, default=4096, help="largest tokens per rank at P >= 4")
-    parser.add_argument("--png", default="docs/ring_overlap.png", help="the figure (default docs/ring_overlap.png)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the ranks of one P")
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+    args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return

@@ -81,11 +81,8 @@ def training_overhead(overrides: list[str]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=100, help="the training run's steps")
-    parser.add_argument("--every", type=int, default=100, help="ruler.every of the training run")
+    flags = {"steps": (100, "the training run's steps"), "every": (100, "ruler.every of the training run")}
+    parser = arguments(__doc__, lengths=[16384, 65536], repeats=3, **flags)
     parser.add_argument("--parts", nargs="+", choices=("scoring", "training"), default=["scoring", "training"])
     args = parser.parse_args()
     print(f"`{command()}` at {commit()}\n{machine_line()}\n")

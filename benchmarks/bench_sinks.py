@@ -66,12 +66,11 @@ def against_transformers(args: argparse.Namespace, device: torch.device, dtype: 
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0], heads=8, kv_heads=2, head_dim=64, iters=5, device="cpu")
-    parser.add_argument("--tokens", type=int, default=4096, help="the attention part's tokens")
-    parser.add_argument("--model-tokens", type=int, default=2048, help="the model part's tokens")
+    sizes = {"tokens": (4096, "the attention part's tokens"), "model_tokens": (2048, "the model part's tokens")}
+    parser = arguments(__doc__.split("\n\n")[0], heads=8, kv_heads=2, head_dim=64, iters=5, device="cpu", **sizes)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

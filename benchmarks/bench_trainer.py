@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.memory import malloc_env
 from benchmarks.report import GIB, MIB, arguments, command, commit, defaults_by_device, machine_line, percent, table
-from benchmarks.runs import Run
+from benchmarks.runs import Run, malloc_env
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
 from lctrain.flops import document_flops_per_token, flops_per_token, mfu
@@ -30,26 +29,6 @@ ALLOCATOR_OFF = "expandable_segments:False"
 MEMORY_STEPS = 2  # CPU: measured steps of each memory run, after one warm-up step
 # the flags' defaults by device: (CPU, CUDA)
 DEFAULTS = {"seq": ([4096], [16384]), "checkpointing": (["none"], list(CHECKPOINTING)), "steps": (10, 5)}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = arguments(__doc__, warmup=2, steps=None, json=None)
-    add_job_args(parser)
-    parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: 4096 on CPU, 16384 on CUDA)")
-    parser.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, help="default: CPU none; CUDA both")
-    parser.add_argument("--rows", choices=ROWS, default="one-document", help="one document per row, or packed")
-    parser.add_argument("--doc-len", type=int, default=2048, help="packed rows: tokens per document")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads of each run")
-    parser.add_argument("--cpu-offload", action="store_true", help="also lctrain with parallel.cpu_offload")
-    parser.add_argument("--activation-offload", action="store_true", help="also parallel.activation_offload (AC full)")
-    parser.add_argument("--no-allocator-compare", dest="allocator_compare", action="store_false", help=ALLOCATOR_OFF)
-    parser.add_argument("--profile", action="store_true", help="print each run's top kernels")
-    parser.add_argument("--top", type=int, default=12, help="kernels per run with --profile")
-    parser.add_argument("--run-timeout", type=float, default=300, help="seconds a run may take to start or to step")
-    args = parser.parse_args(argv)
-    defaults_by_device(args, DEFAULTS)
-    return args
 
 
 @dataclass
@@ -182,12 +161,10 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
     lines[-1] += f"; {model['params']:,} parameters" if model else ""
     lines += [rows, f"- total wall time {seconds:.0f} s", ""]
     memory_note = "peak memory = `max_memory_allocated` over the measured steps, step peak = that less the allocated"
-    if args.device == "cpu":
-        memory_note = (
-            f"from a second run of each, 1 warm-up + {MEMORY_STEPS} measured steps with MALLOC_MMAP_THRESHOLD_ set; "
-            "peak memory = the resident-set peak less the resident set before the side was built, step peak = "
-            "VmHWM − VmRSS before the step"
-        )
+    memory_note = memory_note if args.device == "cuda" else (
+        f"from a second run of each, 1 warm-up + {MEMORY_STEPS} measured steps with MALLOC_MMAP_THRESHOLD_ set; peak "
+        "memory = the resident-set peak less the resident set before the side was built, step peak = VmHWM − VmRSS "
+        "before the step")  # fmt: skip
     header = ["run", "S", "AC", "step (s)", "CPU time (s)", "tokens/s", "MFU", "MFU (document)"]
     header += [f"peak memory ({unit_name})", f"step peak ({unit_name})", f"reserved − allocated ({unit_name})"]
     rows = []
@@ -302,7 +279,20 @@ def profile_section(cases: list[Case], cuda: bool) -> list[str]:
 
 
 def main() -> None:
-    args = parse_args()
+    flags = {"doc_len": (2048, "packed rows: tokens per document"), "threads": (1, "CPU: torch threads of each run")}
+    flags["cpu_offload"] = (False, "also lctrain with parallel.cpu_offload")
+    flags["activation_offload"] = (False, "also parallel.activation_offload (AC full)")
+    flags |= {"profile": (False, "print each run's top kernels"), "top": (12, "kernels per run with --profile")}
+    flags["run_timeout"] = (300.0, "seconds a run may take to start or to step")
+    parser = arguments(__doc__, warmup=2, steps=None, json=None, **flags)
+    add_job_args(parser)
+    parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: 4096 on CPU, 16384 on CUDA)")
+    parser.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, help="default: CPU none; CUDA both")
+    parser.add_argument("--rows", choices=ROWS, default="one-document", help="one document per row, or packed")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--no-allocator-compare", dest="allocator_compare", action="store_false", help=ALLOCATOR_OFF)
+    args = parser.parse_args()
+    defaults_by_device(args, DEFAULTS)
     started = time.perf_counter()
     points = plan(args)
     measure(points, args)

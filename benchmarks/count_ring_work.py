@@ -30,21 +30,16 @@ def rows(seq: int, documents: list[int], cuts: int, windows: list[int]) -> dict[
 
 
 def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--seq", type=int, default=1048576)
-    parser.add_argument("--ring", type=int, default=8)
+    cuts = (200, "random document boundaries in one row (0: none)")
+    parser = arguments(__doc__, seq=1048576, ring=8, cuts=cuts, kv_dim=(1024, "KV heads × head_dim per ring rank"))
     parser.add_argument("--documents", type=int, nargs="*", default=[2048, 16384], help="document lengths")
-    parser.add_argument("--cuts", type=int, default=200, help="random document boundaries in one row (0: none)")
     parser.add_argument("--windows", type=int, nargs="*", default=[4096, 32768, 131072])
-    parser.add_argument("--kv-dim", type=int, default=1024, help="KV heads × head_dim per ring rank")
     args = parser.parse_args()
     if args.seq % args.ring or any(length > args.seq or args.seq % length for length in args.documents):
         parser.error(f"--seq {args.seq} must be divisible by --ring and by every --documents length")
     piece_len = args.seq // args.ring
-    print(
-        f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
-        f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}"
-    )
+    print(f"S={args.seq:,}, ring R={args.ring} ({piece_len:,} tokens per rank), causal; per rank (min … max), forward "
+          f"pass; K/V elements for KV heads × head_dim = {args.kv_dim}")  # fmt: skip
     table_rows = []
     for layout in ("zigzag", "contiguous"):
         dense = None

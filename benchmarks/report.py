@@ -38,10 +38,20 @@ def command() -> str:
 
 
 def arguments(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
-    """A benchmark's parser, ``doc`` its description, with the shared ``FLAGS`` named in ``flags`` (their default)."""
+    """A benchmark's parser, ``doc`` its description. ``flags``: the shared ``FLAGS`` by name with their default; any
+    other (or one of ``FLAGS`` given its own help) by its default or (default, help), of the default's type (a list:
+    ``nargs="+"`` of its items' type; False: a switch)."""
     made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in flags.items():
-        made.add_argument(f"--{name.replace('_', '-')}", default=default, **FLAGS[name])
+    for name, value in flags.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        if name in FLAGS and text is None:
+            kind = FLAGS[name]
+        elif default is False:
+            kind = {"action": "store_true", "help": text}
+        else:
+            many = isinstance(default, list)
+            kind = {"type": type(default[0] if many else default), "nargs": "+" if many else None, "help": text}
+        made.add_argument(f"--{name.replace('_', '-')}", default=default, **kind)
     return made
 
 

@@ -74,6 +74,14 @@ def ring_traffic(ranks: int, tokens: int, *, layout: str = "zigzag", **plan: Any
     return traffic
 
 
+def busiest_steps(ranks: int, tokens: int, kv_row: int, dkv_row: int) -> dict[str, tuple[int, int]]:
+    """Per pass, (the bytes the busiest step sends on one host, the sum over steps of each step's busiest host), from
+    each rank's ``Traffic.step_bytes``."""
+    per_rank = [t.step_bytes(kv_row, dkv_row) for t in ring_traffic(ranks, tokens)]
+    busiest = [[max(step) for step in zip(*(sent[index] for sent in per_rank))] for index in (0, 1)]
+    return {name: (max(steps), sum(steps)) for name, steps in zip(("forward", "backward"), busiest)}
+
+
 @dataclass
 class Passes:
     """``forward()`` returns the output ``[B, S/P, H, D]`` and keeps what ``backward()`` needs; ``backward()``

@@ -1,9 +1,11 @@
 """Runs: sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured (time,
-CPU time, loss, gradient norm, memory); the figures are described in ``docs/benchmarks.md``."""
+CPU time, loss, gradient norm, memory); the figures are described in ``docs/benchmarks.md``. CPU memory runs: the
+glibc setting they run under, and a watchdog that ends a step past its budget."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import gc
 import json
@@ -11,14 +13,15 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from benchmarks import memory
 from benchmarks.jobs import process_env
 from benchmarks.timing import clock, rounds, slowest
 
@@ -26,6 +29,56 @@ OUT_OF_MEMORY = "out of memory"
 STOPPED = {"ok": False, "error": "over budget, stopped", "aborted": True}
 Steps = list[tuple[int, int]]  # (seq, seed) of each step
 Specs = dict[str, dict[str, Any]]
+# glibc serves buffers of 64 KiB or more with mmap and returns them to the OS when freed: the resident set then
+# follows the live buffers (as torch.cuda's allocated bytes do) instead of keeping a heap's high-water mark
+MALLOC_MMAP_THRESHOLD = "65536"
+ABORT_EXIT_CODE = 3  # a process the watchdog ended
+
+
+@contextlib.contextmanager
+def malloc_env(*, for_memory: bool) -> Iterator[None]:
+    """Processes started inside get ``MALLOC_MMAP_THRESHOLD_`` (memory measurements) or glibc's default (timings:
+    the low threshold turns every large allocation into fresh page faults, which would time the allocator)."""
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ.update({"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD} if for_memory else {})
+    try:
+        yield
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        os.environ.update({} if saved is None else {"MALLOC_MMAP_THRESHOLD_": saved})
+
+
+def follow_malloc_env() -> None:
+    """In a forked rank (``lctrain.testing.run_distributed``), whose allocator started before ``malloc_env`` set the
+    variable: apply it as a spawned rank's glibc would."""
+    if threshold := os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        ctypes.CDLL(None).mallopt(-3, int(threshold))  # -3: M_MMAP_THRESHOLD
+
+
+class BudgetWatchdog(threading.Thread):
+    """Polls VmHWM while a step runs; past ``base + budget`` it writes ``marker`` (JSON: the growth seen) and ends
+    the process with ``ABORT_EXIT_CODE``: the step cannot fit, and the rest of it would only cost time and memory."""
+
+    def __init__(self, base: int, budget: int, marker: Path, interval_s: float = 0.005):
+        super().__init__(daemon=True)
+        self.base, self.budget, self.marker, self.interval_s = base, budget, marker, interval_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        from lctrain.train.meter import proc_bytes  # torch only in the processes that measure
+
+        while not self.stopped.wait(self.interval_s):
+            if (growth := proc_bytes("VmHWM") - self.base) > self.budget:
+                self.marker.write_text(json.dumps({"growth": growth}))
+                os._exit(ABORT_EXIT_CODE)
+
+    def __enter__(self) -> BudgetWatchdog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.join()
 
 
 def with_run_dirs(specs: Specs, directory: str) -> Specs:
@@ -41,9 +94,10 @@ class Measured:
     def __init__(self, specs: Specs, marker: Path | None = None):
         import torch
 
-        from benchmarks.sides import build_side
+        from benchmarks.sides import HFSide, LctrainSide
         from lctrain.config import load_config
         from lctrain.runtime import init_distributed, resolve_device
+        from lctrain.train.meter import proc_bytes
 
         if threads := next(iter(specs.values())).get("threads"):
             torch.set_num_threads(threads)
@@ -52,10 +106,11 @@ class Measured:
         self.device = resolve_device(cfg.train.device)
         gc.collect()  # what is in use before the sides are built: the runtime (CPU resident set), leftovers
         cuda = self.device.type == "cuda"
-        self.base = torch.cuda.memory_allocated(self.device) if cuda else memory.proc_bytes("VmRSS")
+        self.base = torch.cuda.memory_allocated(self.device) if cuda else proc_bytes("VmRSS")
         if any(spec["side"] == "lctrain" for spec in specs.values()):  # a process group of one, as `lctrain train`
             init_distributed(self.device, timeout_s=1800, host_collectives=cfg.parallel.cpu_offload)
-        self.sides = {name: build_side(configs[name], spec) for name, spec in specs.items()}
+        build = {"lctrain": LctrainSide, "hf": HFSide}
+        self.sides = {name: build[spec["side"]](configs[name], spec) for name, spec in specs.items()}
 
     def describe(self, name: str) -> dict[str, Any]:
         """What every result of a side shares: the device, its dense bf16 peak FLOP/s (None on CPU), the allocator
@@ -76,15 +131,15 @@ class Measured:
         the watchdog stops it."""
         import torch.distributed as dist
 
-        from lctrain.train.meter import StepMemory
+        from lctrain.train.meter import StepMemory, proc_bytes
 
         side = self.sides[name]
         batch = side.batch(seq, seed)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # the ranks' steps start together
         with StepMemory(self.device, collect=True) as peak:
-            pss_before = memory.proc_bytes("Pss", "/proc/self/smaps_rollup") if self.device.type == "cpu" else None
-            watchdog = budget and memory.BudgetWatchdog(peak.before, budget, self.marker)
+            pss_before = proc_bytes("Pss", "/proc/self/smaps_rollup") if self.device.type == "cpu" else None
+            watchdog = budget and BudgetWatchdog(peak.before, budget, self.marker)
             with watchdog or contextlib.nullcontext(), clock(self.device) as seconds:
                 figures = side.step(batch)
         in_use = figures.pop("in_use", None)
@@ -248,7 +303,7 @@ def group_steps(specs: Specs, warmup: Steps, steps: Steps, budget: int | None, o
     """On each rank of a ``run_group``: ``in_rounds`` of the sides built here, logged to ``out_dir/rank{r}.jsonl``."""
     import torch.distributed as dist
 
-    memory.follow_malloc_env()
+    follow_malloc_env()
     out = Path(out_dir) / f"rank{dist.get_rank()}"
     return in_rounds(
         Measured(specs, out.with_suffix(".json")), list(specs), warmup, steps, budget, out.with_suffix(".jsonl")

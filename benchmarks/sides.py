@@ -47,12 +47,6 @@ def packed_batch(input_ids: Tensor, doc_len: int | None, shard: Callable[[Tensor
     return parts | {"cu_seqlens": [bounds.clone() for _ in range(batch)]}
 
 
-def random_pair(prompt: int, completion: int, seed: int) -> tuple[list[int], list[int], list[int]]:
-    """A preference pair of random tokens: a prompt of ``prompt`` tokens, two answers of ``completion``."""
-    rng = random.Random(seed)
-    return tuple([rng.randrange(1, 250) for _ in range(n)] for n in (prompt, completion, completion))  # type: ignore[return-value]
-
-
 class LctrainSide:
     """``Trainer`` on the default process group (``docs/benchmarks.md``); ``spec["precompute"]``: the (seq, seed) of
     every step it will take, whose reference log-probs a preference objective precomputes."""
@@ -88,7 +82,8 @@ class LctrainSide:
         if spec.get("rows") == "pairs":
             from testbed.pairs import pack_pairs, shard_rows
 
-            pair = random_pair(spec["pair"]["prompt"], spec["pair"]["completion"], seed)
+            rng, lengths = random.Random(seed), (spec["pair"]["prompt"], *[spec["pair"]["completion"]] * 2)
+            pair = tuple([rng.randrange(1, 250) for _ in range(n)] for n in lengths)  # random prompt and two answers
             row = pack_pairs([pair], self.trainer.cfg.data.seq_len, shared=spec["pair"]["shared"])
             return shard_rows([row], place)
         rows = random_rows(self.hf_config.vocab_size, spec.get("batch", 1), seq, seed)
@@ -152,7 +147,3 @@ def lm_step(model: torch.nn.Module, input_ids: Tensor, _round: int = 0) -> None:
     """One forward and backward of a Hugging Face model's language-model loss, the gradients then dropped."""
     model(input_ids=input_ids, labels=input_ids).loss.backward()
     model.zero_grad(set_to_none=True)
-
-
-def build_side(cfg: JobConfig, spec: dict[str, Any]) -> LctrainSide | HFSide:
-    return LctrainSide(cfg, spec) if spec["side"] == "lctrain" else HFSide(cfg, spec)

@@ -70,23 +70,25 @@ def rounds(
 
 
 def median_seconds(fn: Callable[[], None], iters: int, device: Any = None) -> float:
-    """Median wall seconds of ``fn()`` over ``iters`` runs after one warm-up (on a CUDA ``device``, synchronized)."""
-    return median(rounds({"fn": lambda _: fn()}, 1, iters, device=device)["fn"], "wall")
+    """Median wall seconds of ``fn()`` over ``iters`` runs after one warm-up (on a CUDA ``device``, synchronized); in
+    a process group, of each run's slowest rank."""
+    import torch.distributed as dist
 
-
-def _over_ranks(key: str, values: Sequence[Any]) -> Any:
-    if key == "ok":
-        return all(values)
-    if key == "error":
-        return next((value for value in values if value), None)
-    return None if any(value is None for value in values) else max(values)
+    measured = rounds({"fn": lambda _: fn()}, 1, iters, device=device)
+    return median((gathered_slowest(measured) if dist.is_initialized() else measured)["fn"], "wall")
 
 
 def slowest(per_rank: Sequence[Sequence[Record]]) -> list[Record]:
     """Round by round, each figure's largest over the ranks (the slowest rank's time, the busiest one's CPU time, the
     largest memory; ``ok`` when every rank's is, the first ``error``)."""
+
+    def over_ranks(key: str, values: list[Any]) -> Any:
+        if key in ("ok", "error"):
+            return all(values) if key == "ok" else next((value for value in values if value), None)
+        return None if any(value is None for value in values) else max(values)
+
     return [
-        {key: _over_ranks(key, [r.get(key) for r in same]) for key in same[0]} for same in zip(*per_rank, strict=True)
+        {key: over_ranks(key, [r.get(key) for r in same]) for key in same[0]} for same in zip(*per_rank, strict=True)
     ]
 
 

@@ -12,10 +12,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks import memory
 from benchmarks.jobs import LLAMA_1B_UNTIED, REPO, bench_job, process_env
 from benchmarks.report import MIB, arguments, command, machine_line, table
-from benchmarks.runs import Measured
+from benchmarks.runs import MALLOC_MMAP_THRESHOLD, Measured
 from testbed.corpus import write_corpus
 
 # (world size, pp, dp, ring, ulysses, activation checkpointing, seq_len, rows per step, loss chunk tokens)
@@ -98,7 +97,7 @@ def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str 
     out = scratch / f"world{world}.json"
     env = process_env()
     if device == "cpu":
-        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": memory.MALLOC_MMAP_THRESHOLD}
+        env |= {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     launch += ["-m", "benchmarks.validate_planner", "--worker", json.dumps(cases), str(corpus), str(out)]
     launch += [str(scratch), device]
@@ -111,18 +110,12 @@ def run(world: int, cases: list[list], corpus: Path, scratch: Path, device: str 
 
 
 def report(results: list[dict], seconds: float, command_line: str, device: str = "cpu", machine: str = "") -> str:
-    if device == "cpu":
-        model = (
-            "model: tiny (recipes/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), fp32, "
-            "gloo, one thread per rank; memory in MiB per rank (the largest rank): resident set"
-        )
-    else:
-        m = LLAMA_1B_UNTIED
-        model = (
-            f"model: width {m['hidden']}, MLP {m['intermediate']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} "
-            f"heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
-            "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)"
-        )
+    m, model = LLAMA_1B_UNTIED, "model: tiny (recipes/tiny_cpu.yaml: width 128, 4 layers, 4/2 heads, vocab 8192), "
+    model += "fp32, gloo, one thread per rank; memory in MiB per rank (the largest rank): resident set"
+    if device == "cuda":
+        model = (f"model: width {m['hidden']}, MLP {m['intermediate']}, {m['layers']} layers, {m['heads']}/"
+                 f"{m['kv_heads']} heads, vocab {m['vocab']} (Llama-3.2-1B untied), bf16, one GPU; memory in MiB: "
+                 "torch.cuda.max_memory_allocated (baseline: allocated before the Trainer)")  # fmt: skip
     lines = [f"command: {command_line}", machine or f"machine: {machine_line()}", model, ""]
     header = ["P", "pp", "dp", "ring", "uly", "AC", "seq_len", "rows", "loss chunk"]
     header += ["estimate: states + gathered + activations + recompute + backward + loss (phase)", "estimate"]
@@ -154,9 +147,8 @@ def main() -> None:
         cases, corpus, out, scratch, device = sys.argv[2:7]
         worker(json.loads(cases), corpus, out, scratch, device)
         return
-    parser = arguments(__doc__, device="cpu")  # cuda: CUDA_CASES on one GPU
-    parser.add_argument("--quick", action="store_true", help="only the one-process cases")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to run")
+    flags = {"quick": (False, "only the one-process cases"), "worlds": ([1, 2, 4], "world sizes to run")}
+    parser = arguments(__doc__, device="cpu", **flags)  # cuda: CUDA_CASES on one GPU
     parser.add_argument("--save", metavar="JSON", help="also write the raw measurements here")
     parser.add_argument("--load", metavar="JSON", help="report saved measurements against the current estimate")
     args = parser.parse_args()
