@@ -42,7 +42,7 @@ from tests.helpers.reference_training import (
     world_job,
 )
 
-STEPS = 10
+STEPS = 4
 MESHES = [(2, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (2, 1, 2, 2), (4, 1, 2, 1)]  # (pp, dp, ring, ulysses)
 CORE_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]  # (schedule, stages per rank)
 AC_MODES = ["none", "full", "selective"]

@@ -93,7 +93,7 @@ from tests.helpers.reference_training import (
     world_job,
 )
 
-STEPS = 20
+STEPS = 8
 # (world, dp, ring, ulysses, batch_size, grad_accum, activation_checkpointing, layout)
 CASES = [
     (2, 1, 2, 1, 2, 2, "full", "zigzag"),
