@@ -17,8 +17,9 @@ Tolerances (fp32), as for the pp=1 parity test:
 - ``STEPS`` steps: every loss within 1e-5 relative, every pre-clipping gradient norm (over all stages) within 1e-3
   relative (torch's fp32 norm kernel differs between full tensors and shards by up to ~2e-4).
 
-Observed on CPU (torch 2.13, the 23 Llama cases): first-step losses within 1.1e-7 relative and gradients within
-4.8e-8 absolute; over 10 steps, losses within 2.3e-7 relative and gradient norms within 7e-5 relative.
+Observed on CPU (torch 2.13, every case): first-step losses within 1.6e-7 relative and gradients within 5.2e-8
+absolute; over 4 steps (the optimizer's moments carried from step to step, clipping acting), losses within 1.6e-7
+relative and gradient norms within 3.1e-5 relative.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tests.helpers.reference_training import (
     world_job,
 )
 
-STEPS = 10
+STEPS = 4
 MESHES = [(2, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (2, 1, 2, 2), (4, 1, 2, 1)]  # (pp, dp, ring, ulysses)
 CORE_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]  # (schedule, stages per rank)
 AC_MODES = ["none", "full", "selective"]
