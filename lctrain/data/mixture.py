@@ -25,6 +25,9 @@ from lctrain.data.packing import Document, Pair
 # One encoder call takes up to this many items or characters (whichever comes first): enough for the tokenizer's
 # threads to share, few enough to bound the memory of the token lists (~40 bytes per token).
 ENCODE_ITEMS = 64
+# A stream's first call takes this many items, each next one twice as many up to ENCODE_ITEMS: the first row needs a
+# few documents, not 64 (a loader opened for a short job or a validation pass would encode them all).
+FIRST_ENCODE_ITEMS = 4
 ENCODE_CHARACTERS = 4_000_000
 SKIP_REASONS = ("overlong", "untrained")  # why an item gives no document: longer than a row (dropped), no target
 # what a stream counts: the skipped items, conversations rendered once per turn, turns no generation prompt leads to
@@ -59,16 +62,22 @@ def _size(item: Item) -> int:
 
 
 def batches(
-    items: Iterator[Item], most_items: int = ENCODE_ITEMS, most_characters: int = ENCODE_CHARACTERS
+    items: Iterator[Item],
+    most_items: int = ENCODE_ITEMS,
+    most_characters: int = ENCODE_CHARACTERS,
+    first_items: int | None = None,
 ) -> Iterator[list[Item]]:
-    """``items`` in lists of up to ``most_items`` items or ``most_characters`` characters (whichever comes first)."""
+    """``items`` in lists of up to ``most_items`` items or ``most_characters`` characters (whichever comes first);
+    with ``first_items``, the first list holds at most that many items and each next one at most twice as many."""
+    limit = most_items if first_items is None else min(first_items, most_items)
     batch, characters = [], 0
     for item in items:
         batch.append(item)
         characters += _size(item)
-        if len(batch) == most_items or characters >= most_characters:
+        if len(batch) == limit or characters >= most_characters:
             yield batch
             batch, characters = [], 0
+            limit = min(2 * limit, most_items)
     if batch:
         yield batch
 
@@ -116,7 +125,7 @@ class SourceStream:
                 f"{self.dp_rank} has only {skipped} documents of {self.description} there: the data changed since "
                 f"it was saved"
             )
-        return batches(items)
+        return batches(items, first_items=FIRST_ENCODE_ITEMS)
 
     def __next__(self) -> Document:
         while True:

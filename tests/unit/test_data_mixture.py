@@ -25,7 +25,8 @@ from lctrain.data import (
     load_tokenizer,
     parse_conversation,
 )
-from lctrain.data.mixture import Mixture, uniform
+from lctrain.data import mixture
+from lctrain.data.mixture import Mixture, batches, uniform
 from lctrain.data.sources import embedded_files
 from lctrain.data.stdlib_chat import stdlib_conversations
 from testbed.corpus import write_chat_corpus, write_corpus
@@ -99,6 +100,25 @@ def test_mixture_rows_hold_both_sources_with_their_labels(files: Path, tokenizer
         == f"{chat['untrained']} conversations without a trained token skipped (chat)"
     )
     assert loader.skipped_line({"chat": dict.fromkeys(counts, 0), "text": dict.fromkeys(counts, 0)}) == ""
+
+
+def test_a_stream_encodes_growing_batches_and_its_rows_do_not_depend_on_them(
+    files: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first encoder call takes 4 items, each next one twice as many up to 64 (or the characters' bound); the
+    loader's rows and state are the same as with 64 items from the first call."""
+    assert [len(b) for b in batches(iter(["a"] * 200), 64, 10**9, first_items=4)] == [4, 8, 16, 32, 64, 64, 12]
+    assert [len(b) for b in batches(iter(["a"] * 100), 64, 10**9)] == [64, 36]
+    assert [len(b) for b in batches(iter(["ab"] * 6), 64, 4, first_items=4)] == [2, 2, 2]
+    config = mixture_config(files, tokenizer_dir, shuffle_buffer=16, seed=3)
+    loader = iter(PackedLoader(config))
+    growing = [next(loader) for _ in range(30)]
+    monkeypatch.setattr(mixture, "FIRST_ENCODE_ITEMS", mixture.ENCODE_ITEMS)
+    fixed_loader = PackedLoader(config)
+    fixed = list(islice(fixed_loader, 30))
+    for got, want in zip(growing, fixed, strict=True):
+        for key in KEYS:
+            assert torch.equal(got[key], want[key]), key
 
 
 def test_resume_mid_mixture_is_exact(files: Path, tokenizer_dir: Path) -> None:
