@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from lctrain.rules import check_activation_offload
 
 
 class Offloaded:
@@ -134,9 +133,10 @@ def apply_activation_checkpointing(
     (the same layers are checkpointed for every pp). Parameter names gain ``_checkpoint_wrapped_module.``
     (``lctrain.models.hf.hf_name`` removes it). ``offload``: checkpointed layers keep their input in host memory
     (``offloaded_checkpoint`` with one ``HostOffload`` for these layers, returned); it needs ``mode`` full or
-    selective."""
-    check_activation_offload(offload, mode)
+    selective (the job's settings are checked together when its config loads: ``ParallelConfig``)."""
     if mode == "none":
+        if offload:
+            raise ValueError("offload=True keeps the inputs of checkpointed layers: it needs mode full or selective")
         return None
     step = 1 if mode == "full" else every
     host_offload = HostOffload() if offload else None
