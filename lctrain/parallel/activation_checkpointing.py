@@ -32,7 +32,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 
-
 class Offloaded:
     """A saved tensor moved to host memory: the pinned copy, the event that marks it complete, and, once reloaded
     (or prefetched), the device copy with the event that marks it ready."""

@@ -121,7 +121,7 @@ def with_router_loss(
     cp_group: dist.ProcessGroup | None,
     scope: str = "sequence",
     forward: Callable[..., Tensor | None] | None = None,
-) -> Any:
+) -> Objective | RouterBalancedLoss:
     """``objective`` with the router's load-balancing loss of the model's ``routers`` (``lctrain.models.moe.Routers``:
     its layers, experts and weight), pooled over ``scope`` (``train.router_aux_scope``), and the experts' load (with a
     weight of 0, the load only); ``objective`` itself for a dense model (``routers`` None). ``totals``: the whole

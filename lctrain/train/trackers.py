@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lctrain.config.schema import LoggingConfig
+
 logger = logging.getLogger("lctrain")
 
 RETRY_S = 30.0
@@ -165,7 +167,7 @@ class Guarded:
                 self.warned = True
 
 
-def open_trackers(cfg: Any, run_dir: Path, config: dict[str, Any], resume_step: int) -> list[Guarded]:
+def open_trackers(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any], resume_step: int) -> list[Guarded]:
     """The trackers ``cfg`` (``LoggingConfig``) turns on; a missing package is one line naming the extra."""
     for enabled, package, extra in ((cfg.tensorboard, "tensorboard", "tensorboard"), (cfg.mlflow, "mlflow", "mlflow")):
         if enabled and importlib.util.find_spec(package) is None:

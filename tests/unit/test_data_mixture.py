@@ -23,9 +23,9 @@ from lctrain.data import (
     SourceConfig,
     check_data,
     load_tokenizer,
+    mixture,
     parse_conversation,
 )
-from lctrain.data import mixture
 from lctrain.data.mixture import Mixture, batches, uniform
 from lctrain.data.sources import embedded_files
 from lctrain.data.stdlib_chat import stdlib_conversations
