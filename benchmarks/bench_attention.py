@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import rings
-from benchmarks.report import MIB, arguments, command, listed, machine_line, table
+from benchmarks.report import MIB, arguments, listed, table, title
 from benchmarks.runs import MALLOC_MMAP_THRESHOLD, follow_malloc_env
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
@@ -284,7 +284,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)
-    print(f"# Attention benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(title("Attention benchmark"))
     print(f"- problem: B={args.batch}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, causal; "
           f"forward+backward, one thread per rank, {args.warmup} warm-up + median of {args.iters} timed iterations, "
           "time = slowest rank")  # fmt: skip

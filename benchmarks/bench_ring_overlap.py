@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 from benchmarks import rings
-from benchmarks.report import arguments, command, listed, machine_line, table
+from benchmarks.report import arguments, listed, table, title
 from benchmarks.timing import clock, gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,7 +305,7 @@ def main() -> None:
     reason = unavailable()
     namespaces = reason is None
     rates = args.rates if namespaces else [None]
-    print(f"# Ring overlap benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(title("Ring overlap benchmark"))
     if not namespaces:
         print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
     print(f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "
