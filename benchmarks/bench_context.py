@@ -115,9 +115,8 @@ class Bench:
         return job_from_args(args, *changes)
 
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
-        """One probe (``layers``: the job's depth by default), or the same one run before: its steps' times, their
-        largest peak and step peak (``runs.run_steps``: over its ranks the largest), with the run's description; or
-        the first failure."""
+        """One probe (``layers``: the job's depth by default), or the same one run before: its steps' times, largest
+        peak and step peak and the run's description, or the first failure."""
         args, layers = self.args, None if layers is not None and layers == self.depth else layers
         key = (side, seq, layers, offload, steps)
         if key in self.done:

@@ -28,8 +28,7 @@ WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (
 
 
 def no_compute(passes: rings.Passes) -> rings.Passes:
-    """lctrain's ring ``passes`` with a kernel that computes nothing (zeros of the right shapes; chosen in the
-    forward): only its transfers."""
+    """lctrain's ring ``passes`` with a kernel that computes nothing (zeros): only its transfers."""
     import torch
 
     from lctrain.attention.kernels import AttentionKernel
@@ -50,8 +49,7 @@ def no_compute(passes: rings.Passes) -> rings.Passes:
 
 
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
-    """Each side (its link rate, its passes) timed once per round, in turn (``timing.rounds``): per side the median
-    of the slowest rank's forward, backward and total seconds."""
+    """Each side (its link rate, its passes) in rounds: per side the median forward, backward and total seconds."""
 
     def timed_pass(rate: str | None, passes: Any, _round: int) -> dict[str, float]:
         set_limit(rate)  # and every rank starts together
@@ -95,8 +93,7 @@ def set_limit(rate: str | None) -> None:
 
 
 def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """On each rank of the default process group: every point of ``spec`` (each round's figures the slowest rank's);
-    rank 0 writes the probe's hardware files."""
+    """On each rank of the default group: every point of ``spec``; rank 0 writes the probe's hardware files."""
     import torch
     import torch.distributed as dist
 

@@ -68,8 +68,8 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
 
 
 def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: int, profiles: bool) -> list[dict]:
-    """Run ``cases`` side by side, one step each in turn (``timing.rounds``): each one's ``ready``, ``first`` and
-    measured ``steps`` and, with ``profiles``, the profiled step it asks for (``--profile``, FSDP2's share)."""
+    """Run ``cases`` side by side in rounds: each one's ``ready``, ``first`` and measured ``steps`` and, with
+    ``profiles``, its profiled step."""
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         runs = []
