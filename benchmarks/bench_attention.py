@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import rings
-from benchmarks.report import MIB, arguments, command, listed, machine_line, table
+from benchmarks.report import MIB, arguments, listed, table, title
 from benchmarks.runs import MALLOC_MMAP_THRESHOLD, follow_malloc_env
 from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
@@ -76,8 +76,7 @@ def cast_op(op: Callable[..., tuple[Tensor, ...]], pass_name: str) -> Callable[.
 
 
 def single_process_case(full: tuple[Tensor, ...]) -> Case:
-    """T1: the fused causal CPU op once on the whole sequence, computed by rank 0 alone (the others idle): lctrain's
-    kernel on one device (``ring_attention`` without a group), each pass in the dtype it computes that pass in."""
+    """T1: lctrain's kernel on the whole sequence (``ring_attention`` without a group), on rank 0 alone."""
     if dist.get_rank() != 0:
         return (lambda: None), {}
     return autograd_step(ring_attention, *(t.clone().requires_grad_(i < 3) for i, t in enumerate(full))), {}
@@ -92,8 +91,7 @@ def torch_ring_case(full: tuple[Tensor, ...]) -> Case:
 
 
 def deepspeed_case(full: tuple[Tensor, ...]) -> Case:
-    """DeepSpeed-Ulysses ``DistributedAttention`` on ``[B, S/P, H, D]`` (batch dim 0: scatter heads, gather seq),
-    its local attention on ``[B, S, H/P, D]`` the fused CPU op, as T1."""
+    """DeepSpeed-Ulysses ``DistributedAttention`` on ``[B, S/P, H, D]``, its local attention the CPU op of T1."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -133,8 +131,7 @@ def parallel_cases(cfg: argparse.Namespace, names: list[str]) -> dict[str, dict[
 
 
 def memory_and_traffic(cfg: argparse.Namespace, seq_per_rank: int) -> dict[str, int]:
-    """Bytes sent per rank by one ``usp_attention`` fwd+bwd (ring over all ranks, Ulysses 1), then the peak RSS
-    growth of a second one."""
+    """Bytes sent per rank by one ``usp_attention`` fwd+bwd (a ring of all ranks), then a second one's peak growth."""
     follow_malloc_env()
     q, k, v, dout = rings.rank_shards(inputs(cfg, seq_per_rank * dist.get_world_size()), "zigzag")
     attend = functools.partial(usp_attention, ulysses_group=None, ring_group=dist.group.WORLD)
@@ -284,7 +281,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips DeepSpeed's accelerator probe and its warning
     started = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)
-    print(f"# Attention benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(title("Attention benchmark"))
     print(f"- problem: B={args.batch}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, causal; "
           f"forward+backward, one thread per rank, {args.warmup} warm-up + median of {args.iters} timed iterations, "
           "time = slowest rank")  # fmt: skip

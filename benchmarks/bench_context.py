@@ -1,13 +1,11 @@
-"""The longest sequence each side (``sides.py``) trains in one step, lctrain against the plain Hugging Face loop, on
-CPU within a memory budget or on one GPU; lctrain's memory by layer count (to predict depths and lengths too slow
-to run), what activation offload saves, and the step peak per rank against S/P with every memory saver on. The
-method: ``docs/benchmarks.md``."""
+"""The longest sequence each side (``sides.py``) trains in one step, on CPU within a memory budget or on one GPU;
+lctrain's memory by layer count, what activation offload saves, and the step peak per rank against S/P with every
+memory saver on. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import GIB, MIB, arguments, command, defaults_by_device, fit_line, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, defaults_by_device, fit_line, percent, save_json, table, title
 from benchmarks.runs import malloc_env, run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
@@ -117,9 +115,8 @@ class Bench:
         return job_from_args(args, *changes)
 
     def probe(self, side: str, seq: int, *, layers: int | None = None, offload: bool = False, steps: int = 1) -> Probe:
-        """One probe (``layers``: the job's depth by default), or the same one run before: its steps' times, their
-        largest peak and step peak (``runs.run_steps``: over its ranks the largest), with the run's description; or
-        the first failure."""
+        """One probe (``layers``: the job's depth by default), or the same one run before: its steps' times, largest
+        peak and step peak and the run's description, or the first failure."""
         args, layers = self.args, None if layers is not None and layers == self.depth else layers
         key = (side, seq, layers, offload, steps)
         if key in self.done:
@@ -372,21 +369,16 @@ def plot(points: list[dict[str, Any]], pooled: list[dict[str, Any]], path: Path,
 
 
 def main() -> None:
-    """Each section is printed (and the JSON rewritten) as soon as it is done: a run stopped by a timeout keeps what
-    it measured."""
     args = parse_args()
     started = time.perf_counter()
     bench = Bench(args)
-    machine = f"\n- machine: {machine_line()}" if args.device == "cpu" else ""
-    print(f"# Longest context: lctrain vs a plain Hugging Face loop\n\n- command: `{command()}`{machine}")
+    print(title("Longest context: lctrain vs a plain Hugging Face loop"))
     job = " ".join(bench.job("lctrain", args.max_seq, None, False))
     print(f"- job (Hydra overrides of lctrain's probes): `{job}`\n", flush=True)
     sections = dict(search=search_section, layers=layers_section, offload=offload_section, scaling=scaling_section)
     for name in args.sections:
         print("\n".join(sections[name](bench)), flush=True)
-        if args.json:
-            saved = {"command": command(), "probes": bench.log, "scaling": bench.points}
-            Path(args.json).write_text(json.dumps(saved, indent=1))
+        save_json(args.json, probes=bench.log, scaling=bench.points)
     device = next((p["result"]["device_name"] for p in bench.log if p["result"].get("device_name")), args.device)
     print(f"device: {device}; {len(bench.log)} probes, total wall time {time.perf_counter() - started:.0f} s")
 

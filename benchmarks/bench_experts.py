@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 from datetime import date
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
+from benchmarks.report import MIB, arguments, defaults_by_device, heading, save_json, table
 from benchmarks.sides import lm_step
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
@@ -97,7 +95,7 @@ def main() -> None:
     defaults_by_device(args, SHAPES)
     torch.set_num_threads(1)
     dtype = "bf16 on one GPU" if args.device == "cuda" else "fp32, one thread per process"
-    print(f"{command()}\ncommit {commit()}, {date.today()}, {machine_line()}")
+    print(f"{heading()}, {date.today()}")
     print(
         f"Qwen3-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.expert_width}, "
         f"top {args.top_k}; {args.seq} tokens a row, {dtype}\n"
@@ -105,8 +103,7 @@ def main() -> None:
     if args.part in ("single", "all"):
         report, times = single(args)
         print(report + "\n")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"command": command(), "device": args.device, "times": times}))
+        save_json(args.json, device=args.device, times=times)
     if args.part in ("ep", "all"):
         print("4 ranks, one row each:\n" + run_distributed(ep_rank, 4, args)[0])
 

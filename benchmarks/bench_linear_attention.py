@@ -1,7 +1,6 @@
-"""One gated delta (linear-attention) layer, forward + backward, at a fixed total length on P ring ranks (zigzag):
-the slowest rank's time, P x that time against one rank's, and the bytes each layer all-gathers (the conv halos and
-the piece summaries: independent of the length); at P = 1 also transformers' own module on the same tokens. The
-layer is Qwen3.5's ``Qwen3_5GatedDeltaNet``, fp32 on CPU, one thread per rank."""
+"""One gated delta layer (Qwen3.5's ``Qwen3_5GatedDeltaNet``), forward + backward on P zigzag ring ranks, fp32 on
+CPU: the slowest rank's time, P x that against one rank's, the bytes a layer all-gathers; transformers' own module
+beside it. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.jobs import bench_job, shape_overrides
-from benchmarks.report import MIB, arguments, command, commit, machine_line, table
+from benchmarks.report import MIB, arguments, heading, table
 from benchmarks.runs import malloc_env, run_steps
 from benchmarks.timing import median
 
@@ -32,27 +32,27 @@ def main() -> None:
     parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5, **shape, trainable=trainable)
     parser.add_argument("--ranks", type=int, choices=sorted(MESHES), default=2)
     args = parser.parse_args()
-    print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
+    print(heading(), flush=True)
     specs, steps = jobs(args), [(args.seq, index) for index in range(args.warmup + args.steps)]
     with malloc_env(for_memory=False):  # both jobs in one group, their steps in turn, each in two parts
         sides = {side: {"side": "lctrain", "job": job, "part": "parts"} for side, job in specs.items()}
         timed = run_steps(sides, args.ranks, steps[: args.warmup], steps[args.warmup :])
-    with malloc_env(for_memory=True):  # each job in a group of its own: a step after a warm-up one
-        peaks = {side: run_steps({side: {"side": "lctrain", "job": specs[side]}}, args.ranks, [(args.seq, 1)],
-                                 [(args.seq, 0)])[side]["steps"][0]["peak"] for side in SIDES}  # fmt: skip
-    times = {
-        side: [median(timed[side]["steps"], part) for part in ("forward_backward_s", "optimizer_s")] for side in SIDES
-    }
+    rows, times = [], {}
+    for side in SIDES:
+        with malloc_env(for_memory=True):  # each job in a group of its own: a step after a warm-up one
+            one = {side: {"side": "lctrain", "job": specs[side]}}
+            peak = run_steps(one, args.ranks, [(args.seq, 1)], [(args.seq, 0)])[side]["steps"][0]["peak"]
+        times[side] = fwd_bwd, opt = [
+            median(timed[side]["steps"], key) for key in ("forward_backward_s", "optimizer_s")
+        ]
+        label, count = "full fine-tuning" if side == "full" else "LoRA", timed[side]["ready"]["model"]["trained"]
+        rows.append([label, f"{count:,}", f"{peak / MIB:,.0f} MiB", f"{fwd_bwd:.3f} s", f"{opt * 1e3:.1f} ms"])
+        rows[-1].append(f"{fwd_bwd + opt:.3f} s")
     ring, ulysses = MESHES[args.ranks]
     trained = f" + {args.trainable}" if args.trainable else ""
     print(f"\n{args.ranks} rank(s) (ring {ring} × Ulysses {ulysses}), width {args.hidden}, MLP {args.intermediate}, "
           f"{args.layers} layers, S={args.seq}, fp32; LoRA rank {args.lora_rank}{trained}; medians of {args.steps} "
           "steps\n")  # fmt: skip
-    rows = []
-    for side in SIDES:
-        (fwd_bwd, opt), count = times[side], timed[side]["ready"]["model"]["trained"]
-        cells = ["full fine-tuning" if side == "full" else "LoRA", f"{count:,}", f"{peaks[side] / MIB:,.0f} MiB"]
-        rows.append([*cells, f"{fwd_bwd:.3f} s", f"{opt * 1e3:.1f} ms", f"{fwd_bwd + opt:.3f} s"])
     header = ["", "trained parameters", "peak memory per rank", "forward + backward", "optimizer step", "step"]
     print(table(header, rows))
     extra, saved = times["lora"][0] - times["full"][0], times["full"][1] - times["lora"][1]

@@ -4,10 +4,9 @@ beside the textbook bubble fraction. The method: ``docs/benchmarks.md``."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from benchmarks.jobs import bench_job, shape_overrides
-from benchmarks.report import arguments, command, machine_line, table
+from benchmarks.report import arguments, heading, progress, table
 from benchmarks.runs import run_steps
 from benchmarks.timing import median
 from lctrain.config import load_config
@@ -45,7 +44,7 @@ def main() -> None:
     model = build_empty_model(model_config(cfg.model, len(load_tokenizer(cfg.data.tokenizer))))
     # the LM head's parameters in units of one decoder layer's (a rough measure of its forward + backward work)
     head = model.lm_head.weight.numel() / sum(p.numel() for p in model.model.layers[0].parameters())
-    print(f"`{command()}`\n\n{machine_line()}\n")
+    print(heading() + "\n")
     print(f"Llama {args.hidden} wide, {args.layers} layers, {args.seq} tokens per row, pp={pp}; the LM head counts as "
           f"{head:.1f} layers for the split.\n")  # fmt: skip
     rows = []
@@ -63,7 +62,7 @@ def main() -> None:
             cells = [schedule, " ".join(point.rsplit(".", 1)[1] for point in split), str(m), f"{measured * 1e3:.0f}"]
             cells += [" / ".join(f"{cpu * 1e3:.0f}" for cpu in busy), f"{1 - max(busy) / measured:.2f}"]
             rows.append([*cells, f"{textbook:.2f}"])
-            print(f"{schedule} m={m}: {measured * 1e3:.0f} ms, busy {busy}", file=sys.stderr, flush=True)
+            progress(f"{schedule} m={m}: {measured * 1e3:.0f} ms, busy {busy}")
     header = ["schedule", "split at layer", "m", "measured (ms)", "busy rank 0 / 1 (ms)", "bubble", "textbook"]
     print(table(header, rows))
 

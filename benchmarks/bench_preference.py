@@ -5,12 +5,10 @@ method: ``docs/benchmarks.md``."""
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import bench_job
-from benchmarks.report import MIB, arguments, command, commit, defaults_by_device, machine_line, table
+from benchmarks.report import MIB, arguments, defaults_by_device, heading, save_json, table
 from benchmarks.runs import malloc_env, run_steps
 from benchmarks.search import Probe, Search
 from benchmarks.timing import median
@@ -73,8 +71,7 @@ def sharing(args: argparse.Namespace) -> None:
         rows.append(cells)
         print(f"  {rows[-1]}", flush=True)
         cases.append({"ratio": ratio, "prompt": prompt, "completion": args.completion, **result})
-        if args.json:  # after every ratio: a run stopped by a timeout keeps what it measured
-            Path(args.json).write_text(json.dumps({"command": command(), "cases": cases}, indent=1))
+        save_json(args.json, cases=cases)
     header = ["prompt:completion", "pair tokens", "step shared / unshared", "time ratio", "step CPU", "ratio"]
     header += ["activations", "ratio", "step peak growth", "ratio", "step peak", "ratio"]
     print("\n" + table(header, rows))
@@ -122,7 +119,7 @@ def main() -> None:
     parser.add_argument("--completion", type=int, help="tokens of each answer (CPU: 32; CUDA: 1024)")
     args = parser.parse_args()
     defaults_by_device(args, DEFAULTS)
-    print(f"`{command()}` at {commit()}; {machine_line()}", flush=True)
+    print(heading(), flush=True)
     if args.device == "cpu":
         print(f"\n4 ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")
     else:

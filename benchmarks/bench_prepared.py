@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from benchmarks.report import arguments, command, machine_line, table
+from benchmarks.report import arguments, heading, table
 from lctrain.data import DataConfig, PackedLoader, SourceConfig, default_tokenizer_dir
 from lctrain.data.prepare import prepare
 from lctrain.data.sources import read_text_files, stdlib_files
@@ -65,7 +65,7 @@ def measure(config: DataConfig, processes: int, seconds: float) -> tuple[float, 
 def main() -> None:
     sizes = {"text_mb": 100.0, "chat_mb": 10.0, "seq_len": 8192, "seconds": (20.0, "each loader reads this long")}
     args = arguments(__doc__, **sizes).parse_args()
-    print(f"`{command()}`\n\n{machine_line()}\n")
+    print(heading() + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_corpus(root, args.text_mb, args.chat_mb)

@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 from benchmarks import rings
-from benchmarks.report import arguments, command, listed, machine_line, table
+from benchmarks.report import arguments, listed, table, title
 from benchmarks.timing import clock, gathered_slowest, median, rounds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,8 +28,7 @@ WAITS = ("forward_kv", "backward_kv", "backward_dkv")  # what a pass waits for (
 
 
 def no_compute(passes: rings.Passes) -> rings.Passes:
-    """lctrain's ring ``passes`` with a kernel that computes nothing (zeros of the right shapes; chosen in the
-    forward): only its transfers."""
+    """lctrain's ring ``passes`` with a kernel that computes nothing (zeros): only its transfers."""
     import torch
 
     from lctrain.attention.kernels import AttentionKernel
@@ -50,8 +49,7 @@ def no_compute(passes: rings.Passes) -> rings.Passes:
 
 
 def time_sides(sides: dict[str, tuple[str | None, Any]], warmup: int, iters: int) -> dict[str, dict[str, float]]:
-    """Each side (its link rate, its passes) timed once per round, in turn (``timing.rounds``): per side the median
-    of the slowest rank's forward, backward and total seconds."""
+    """Each side (its link rate, its passes) in rounds: per side the median forward, backward and total seconds."""
 
     def timed_pass(rate: str | None, passes: Any, _round: int) -> dict[str, float]:
         set_limit(rate)  # and every rank starts together
@@ -95,8 +93,7 @@ def set_limit(rate: str | None) -> None:
 
 
 def points(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """On each rank of the default process group: every point of ``spec`` (each round's figures the slowest rank's);
-    rank 0 writes the probe's hardware files."""
+    """On each rank of the default group: every point of ``spec``; rank 0 writes the probe's hardware files."""
     import torch
     import torch.distributed as dist
 
@@ -305,7 +302,7 @@ def main() -> None:
     reason = unavailable()
     namespaces = reason is None
     rates = args.rates if namespaces else [None]
-    print(f"# Ring overlap benchmark\n\n- command: `{command()}`\n- machine: {machine_line()}")
+    print(title("Ring overlap benchmark"))
     if not namespaces:
         print(f"- no namespace hosts: {reason}; the ranks run on loopback without a limit")
     print(f"- problem: zigzag, causal, bf16, D={HEAD_DIM}, forward + backward, one rank per host, one thread per rank; "

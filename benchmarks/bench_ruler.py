@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 
 import torch
 
 from benchmarks.jobs import bench_job
-from benchmarks.report import arguments, command, commit, machine_line, table
+from benchmarks.report import arguments, heading, progress, table
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.testing import run_distributed
 
@@ -85,7 +84,7 @@ def main() -> None:
     parser = arguments(__doc__, lengths=[16384, 65536], repeats=3, **flags)
     parser.add_argument("--parts", nargs="+", choices=("scoring", "training"), default=["scoring", "training"])
     args = parser.parse_args()
-    print(f"`{command()}` at {commit()}\n{machine_line()}\n")
+    print(heading() + "\n")
     if "scoring" in args.parts:
         scoring(args)
     if "training" in args.parts:
@@ -103,7 +102,7 @@ def scoring(args: argparse.Namespace) -> None:
             ratio, cpu_ratio = wall["score"] / wall["validate"], cpu["score"] / cpu["validate"]
             rows.append([ranks, f"{length:,}", f"{wall['score']:.2f} s", f"{wall['validate']:.2f} s", f"{ratio:.2f}",
                          f"{cpu_ratio:.2f}"])  # fmt: skip
-            print(f"  ranks {world}, {length}: {times}", file=sys.stderr)
+            progress(f"  ranks {world}, {length}: {times}")
     print("Scoring one example against a validation forward of the same tokens (medians of the slowest rank):\n")
     print(table(["ranks", "tokens", "scoring", "validation", "wall ratio (target ≤ 1.2)", "CPU ratio"], rows))
 

@@ -1,7 +1,5 @@
-"""gpt-oss's attention sinks: their cost in a ring step (attention forward+backward on one rank's piece with and
-without ``sinks``), and a tiny gpt-oss's forward+backward as lctrain runs it at world size 1 (USP attention with the
-sinks folded after the merge, lctrain's experts) against transformers' own (eager attention, its experts). The
-method: ``docs/benchmarks.md``."""
+"""gpt-oss's attention sinks: their cost in one rank's attention forward+backward, and a tiny gpt-oss's
+forward+backward as lctrain runs it at world size 1 against transformers' own. The method: ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import functools
 
 import torch
 
-from benchmarks.report import arguments, command, commit, machine_line, table
+from benchmarks.report import arguments, heading, table
 from benchmarks.rings import random_inputs
 from benchmarks.sides import lm_step
 from benchmarks.timing import median, median_seconds, rounds
@@ -74,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    print(f"{command()}\ncommit {commit()}, {machine_line()}")
+    print(heading())
     print(
         f"{args.device}, {args.threads} thread(s), {args.dtype}, {args.heads}/{args.kv_heads} heads x {args.head_dim}\n"
     )

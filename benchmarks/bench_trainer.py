@@ -1,6 +1,6 @@
-"""lctrain's training step against the plain Hugging Face loop (``sides.py``), on CPU or one GPU, in one run: step
-time, tokens/s, MFU, memory and their ratio; FSDP2's cost at world size 1; on CUDA the fragmentation that lctrain's
-allocator default saves; each side's top kernels on request. The method: ``docs/benchmarks.md``."""
+"""lctrain's training step against the plain Hugging Face loop (``sides.py``), on CPU or one GPU: step time, tokens/s,
+MFU, memory and their ratio; FSDP2's cost; on CUDA what the allocator default saves. The method:
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import importlib.metadata
-import json
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import GIB, MIB, arguments, command, commit, defaults_by_device, machine_line, percent, table
+from benchmarks.report import GIB, MIB, arguments, defaults_by_device, percent, progress, save_json, table, title
 from benchmarks.runs import Run, malloc_env
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
@@ -72,8 +68,8 @@ def plan(args: argparse.Namespace) -> list[list[Case]]:
 
 
 def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: int, profiles: bool) -> list[dict]:
-    """Run ``cases`` side by side, one step each in turn (``timing.rounds``): each one's ``ready``, ``first`` and
-    measured ``steps`` and, with ``profiles``, the profiled step it asks for (``--profile``, FSDP2's share)."""
+    """Run ``cases`` side by side in rounds: each one's ``ready``, ``first`` and measured ``steps`` and, with
+    ``profiles``, its profiled step."""
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         runs = []
@@ -89,7 +85,7 @@ def drive(cases: list[Case], args: argparse.Namespace, *, warmup: int, steps: in
             result = runs[index].step(cases[index].side, cases[index].seq, seed)
             outcomes[index].setdefault("first", result)
             shown = f"{result['step_s']:.2f} s" if result["ok"] else result["error"]
-            print(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}", file=sys.stderr, flush=True)
+            progress(f"  step {seed + 1}/{warmup + steps}: {cases[index].label} {shown}")
             return result
 
         sides = {str(i): functools.partial(step, i) for i in range(len(cases))}
@@ -108,20 +104,18 @@ def measure(points: list[list[Case]], args: argparse.Namespace) -> None:
         where = f"S={cases[0].seq}, AC {cases[0].checkpointing}"
         groups = [cases] if args.device == "cpu" else [[case] for case in cases]
         for group in groups:
-            print(f"{where}: {', '.join(c.label for c in group)}", file=sys.stderr, flush=True)
+            progress(f"{where}: {', '.join(c.label for c in group)}")
             with malloc_env(for_memory=False):
                 timed = drive(group, args, warmup=args.warmup, steps=args.steps, profiles=True)
             for case, outcome in zip(group, timed):
                 case.result = outcome | {"memory": outcome["steps"]}
             if args.device == "cpu":
-                print(f"{where}: memory runs, MALLOC_MMAP_THRESHOLD_ set", file=sys.stderr, flush=True)
+                progress(f"{where}: memory runs, MALLOC_MMAP_THRESHOLD_ set")
                 with malloc_env(for_memory=True):
                     memory = drive(group, args, warmup=1, steps=MEMORY_STEPS, profiles=False)
                 for case, outcome in zip(group, memory):
                     case.result["memory"] = outcome["steps"] if outcome["ready"]["ok"] else [outcome["ready"]]
-        if args.json:  # after every point: a benchmark stopped by a timeout keeps what it measured
-            done = [dataclasses.asdict(c) for cs in points for c in cs if c.result]
-            Path(args.json).write_text(json.dumps({"command": command(), "cases": done}, indent=1))
+        save_json(args.json, cases=[dataclasses.asdict(c) for cs in points for c in cs if c.result])
 
 
 def figures(case: Case, args: argparse.Namespace) -> dict[str, Any]:
@@ -150,13 +144,11 @@ def report(args: argparse.Namespace, points: list[list[Case]], seconds: float) -
 
     device = next((c.result["ready"]["device_name"] for c in done), args.device)
     model = next((c.result["ready"]["model"] for c in done), None)
-    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers"))
-    where = f"device: {device}; {versions}" if args.device == "cuda" else f"machine: {machine_line()}"
     rows = f"- rows: {args.rows}" + (f" (documents of {args.doc_len} tokens)" if args.rows == "packed" else "")
     rows += f"; {args.warmup} warm-up + {args.steps} measured steps per run, each run a fresh process"
     rows += f", a point's runs in turn, {args.threads} thread(s) each" if args.device == "cpu" else ""
-    lines = ["# Trainer benchmark: lctrain vs a plain Hugging Face loop", "", f"- command: `{command()}`"]
-    lines.append(f"- {where}; lctrain at {commit()}")
+    lines = [title("Trainer benchmark: lctrain vs a plain Hugging Face loop")]
+    lines += [f"- device: {device}"] * (args.device == "cuda")
     lines.append(f"- job (Hydra overrides of the lctrain runs): `{' '.join(cases[0].job)}`")
     lines[-1] += f"; {model['params']:,} parameters" if model else ""
     lines += [rows, f"- total wall time {seconds:.0f} s", ""]

@@ -1,6 +1,5 @@
-"""The jobs the benchmarks run, each named once: on CPU the tiny job (``testbed/jobs.py``), on one GPU Llama-3.2-1B's
-sizes with an untied head. A job is a list of Hydra overrides for ``lctrain.config.load_config``; later overrides
-win."""
+"""The jobs the benchmarks run (lists of Hydra overrides, later ones win): on CPU the tiny job (``testbed/jobs.py``),
+on one GPU Llama-3.2-1B's sizes with an untied head."""
 
 from __future__ import annotations
 
@@ -59,9 +58,8 @@ def job_from_args(args: argparse.Namespace, *changes: str) -> list[str]:
 
 
 def process_env(allocator: str | None = None) -> dict[str, str]:
-    """The environment of a benchmark's child process: this one's with the repository importable and unbuffered
-    output; ``PYTORCH_CUDA_ALLOC_CONF=allocator``, or where None, lctrain's default unless the user set the
-    allocator (as ``python -m lctrain`` does)."""
+    """A child process's environment: this one's, the repository importable, output unbuffered; its
+    ``PYTORCH_CUDA_ALLOC_CONF`` ``allocator``, or where None as ``python -m lctrain`` sets it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.setdefault("PYTHONUNBUFFERED", "1")
     if allocator is not None:

@@ -1,12 +1,12 @@
-"""What every benchmark's report shares: the command that made it, the machine line, the markdown table and a
-least-squares line through measured figures. No torch here: the drivers of the fresh-process benchmarks only format
-reports."""
+"""What every benchmark's report shares: its flags, the command and machine lines, the markdown table and a
+least-squares line. No torch here: the drivers of the fresh-process benchmarks only format reports."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -38,9 +38,8 @@ def command() -> str:
 
 
 def arguments(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
-    """A benchmark's parser, ``doc`` its description. ``flags``: the shared ``FLAGS`` by name with their default; any
-    other (or one of ``FLAGS`` given its own help) by its default or (default, help), of the default's type (a list:
-    ``nargs="+"`` of its items' type; False: a switch)."""
+    """A benchmark's parser. ``flags``: name=default or (default, help), of the default's type (a list: ``nargs="+"``;
+    False: a switch); the shared ``FLAGS`` by name and default."""
     made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in flags.items():
         default, text = value if isinstance(value, tuple) else (value, None)
@@ -83,6 +82,28 @@ def commit() -> str:
     return "unknown commit"
 
 
+def heading() -> str:
+    """A report's first line: its command, the commit and the machine."""
+    return f"`{command()}` at {commit()}; {machine_line()}"
+
+
+def title(name: str) -> str:
+    """A markdown report's first lines: its title, the command at its commit, the machine."""
+    return f"# {name}\n\n- command: `{command()}` at {commit()}\n- machine: {machine_line()}"
+
+
+def progress(text: str) -> None:
+    """A line of progress on stderr (stdout is the report)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def save_json(path: str | None, **figures: Any) -> None:
+    """``--json``: write the command and ``figures`` to ``path``, when given (again after each part: a run stopped by
+    a timeout keeps what it measured)."""
+    if path:
+        Path(path).write_text(json.dumps({"command": command(), **figures}, indent=1))
+
+
 def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -106,8 +127,7 @@ def machine_line() -> str:
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``y = intercept + slope × x`` through two or more points with at least two distinct ``xs``;
-    returns (intercept, slope)."""
+    """Least squares ``y = intercept + slope × x`` (two distinct ``xs`` at least): (intercept, slope)."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)

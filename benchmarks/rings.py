@@ -22,8 +22,7 @@ CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backwa
 def random_inputs(
     seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, *, seed: int = 0, batch: int = 1
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Full-sequence q, k, v, dout ``[B, S, H, D]`` (``heads`` query heads, ``kv_heads`` key/value heads), the same
-    on every rank for a ``seed``."""
+    """Full-sequence q, k, v, dout ``[B, S, H, D]``, the same on every rank for a ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     heads_of = (heads, kv_heads, kv_heads, heads)
     q, k, v, dout = (torch.randn(batch, seq, h, head_dim, generator=generator).to(dtype) for h in heads_of)
@@ -31,8 +30,7 @@ def random_inputs(
 
 
 def rank_shards(full: tuple[Tensor, ...], layout: str = "zigzag") -> tuple[Tensor, ...]:
-    """This rank's pieces of ``full`` (q, k, v, dout; the ring over the default group), q, k, v leaves that require
-    grad."""
+    """This rank's pieces of ``full`` (q, k, v, dout) over the default group, q, k, v leaves that require grad."""
     rank, size = dist.get_rank(), dist.get_world_size()
     pieces = [shard_sequence(t, dim=1, ring_rank=rank, ring_size=size, layout=layout).clone() for t in full]
     for piece in pieces[:3]:
@@ -64,8 +62,7 @@ class Traffic:
 
 
 def ring_traffic(ranks: int, tokens: int, *, layout: str = "zigzag", **plan: Any) -> list[Traffic]:
-    """Each ring rank's ``Traffic`` by its plan (``plan_ring``, causal; ``plan``: its ``cu_seqlens``, ``window``)
-    for ``tokens`` tokens per rank."""
+    """Each ring rank's ``Traffic`` by its causal ``plan_ring`` (``plan``: ``cu_seqlens``, ``window``)."""
     traffic = []
     for rank in range(ranks):
         steps = plan_ring(rank, ranks, tokens, causal=True, layout=layout, **plan)
@@ -84,8 +81,7 @@ def busiest_steps(ranks: int, tokens: int, kv_row: int, dkv_row: int) -> dict[st
 
 @dataclass
 class Passes:
-    """``forward()`` returns the output ``[B, S/P, H, D]`` and keeps what ``backward()`` needs; ``backward()``
-    returns dq, dk, dv ``[B, S/P, H, D]`` of the last forward."""
+    """``forward()``: the output ``[B, S/P, H, D]``; ``backward()``: dq, dk, dv of the last forward."""
 
     forward: Callable[[], Tensor]
     backward: Callable[[], tuple[Tensor, ...]]
@@ -105,16 +101,8 @@ def lctrain_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, group: dist.Proc
     return Passes(forward, backward)
 
 
-def torch_ring(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    dout: Tensor,
-    group: dist.ProcessGroup,
-    *,
-    forward_op: Callable[..., Any] = CPU_FORWARD,
-    backward_op: Callable[..., Any] = CPU_BACKWARD,
-) -> Passes:
+def torch_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, group: dist.ProcessGroup, *,
+               forward_op: Callable = CPU_FORWARD, backward_op: Callable = CPU_BACKWARD) -> Passes:  # fmt: skip
     """PyTorch's ring, causal, on the same shards (moved to its ``[B, H, S/P, D]`` layout once, here)."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 

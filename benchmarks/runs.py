@@ -1,6 +1,5 @@
-"""Runs: sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured (time,
-CPU time, loss, gradient norm, memory); the figures are described in ``docs/benchmarks.md``. CPU memory runs: the
-glibc setting they run under, and a watchdog that ends a step past its budget."""
+"""Sides (``sides.py``) of jobs trained step by step in processes of their own, each step measured
+(``docs/benchmarks.md``); on CPU the glibc setting of memory runs, and a watchdog that ends a step past its budget."""
 
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ ABORT_EXIT_CODE = 3  # a process the watchdog ended
 
 @contextlib.contextmanager
 def malloc_env(*, for_memory: bool) -> Iterator[None]:
-    """Processes started inside get ``MALLOC_MMAP_THRESHOLD_`` (memory measurements) or glibc's default (timings:
-    the low threshold turns every large allocation into fresh page faults, which would time the allocator)."""
+    """Processes started inside get ``MALLOC_MMAP_THRESHOLD_`` (memory) or glibc's default (timings: the low
+    threshold turns every large allocation into fresh page faults)."""
     saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     os.environ.update({"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD} if for_memory else {})
     try:
@@ -49,8 +48,7 @@ def malloc_env(*, for_memory: bool) -> Iterator[None]:
 
 
 def follow_malloc_env() -> None:
-    """In a forked rank (``lctrain.testing.run_distributed``), whose allocator started before ``malloc_env`` set the
-    variable: apply it as a spawned rank's glibc would."""
+    """In a forked rank (``lctrain.testing.run_distributed``): apply ``malloc_env``'s setting as glibc would."""
     if threshold := os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         ctypes.CDLL(None).mallopt(-3, int(threshold))  # -3: M_MMAP_THRESHOLD
 
@@ -88,8 +86,7 @@ def with_run_dirs(specs: Specs, directory: str) -> Specs:
 
 
 class Measured:
-    """The sides of ``specs`` in this process, each step measured; a step past its budget writes ``marker`` (the
-    watchdog's) and ends the process."""
+    """The sides of ``specs`` in this process, each step measured; past its budget the watchdog writes ``marker``."""
 
     def __init__(self, specs: Specs, marker: Path | None = None):
         import torch
@@ -113,8 +110,7 @@ class Measured:
         self.sides = {name: build[spec["side"]](configs[name], spec) for name, spec in specs.items()}
 
     def describe(self, name: str) -> dict[str, Any]:
-        """What every result of a side shares: the device, its dense bf16 peak FLOP/s (None on CPU), the allocator
-        setting, the model (parameters, FSDP2's counted in full; trained ones; layers; width)."""
+        """The device, its dense bf16 peak FLOP/s (None on CPU), the allocator setting, the model's sizes."""
         import torch
 
         from lctrain.train.meter import peak_flops
@@ -127,8 +123,7 @@ class Measured:
                 "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "model": model}  # fmt: skip
 
     def step(self, name: str, seq: int, seed: int, *, budget: int | None = None) -> dict[str, Any]:
-        """One step of side ``name`` on rows of ``seq`` tokens (``seed``); past ``budget`` bytes of step peak (CPU)
-        the watchdog stops it."""
+        """One step of side ``name`` on rows of ``seq`` tokens (``seed``), stopped past ``budget`` bytes of peak."""
         import torch.distributed as dist
 
         from lctrain.train.meter import StepMemory, proc_bytes
@@ -149,8 +144,7 @@ class Measured:
                 "reserved": peak.reserved}  # fmt: skip
 
     def profile(self, name: str, seq: int, seed: int, top: int) -> dict[str, Any]:
-        """One step of side ``name`` under ``torch.profiler``: the ``top`` kernels (CUDA; operators by self time on
-        CPU) and FSDP2's share (``docs/benchmarks.md``)."""
+        """One step of side ``name`` under ``torch.profiler``: the ``top`` kernels (CPU: operators), FSDP2's share."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -190,9 +184,8 @@ def _outermost(events: list, prefix: str) -> list:
 
 
 def serve(specs: Specs, marker: Path, conn: Connection) -> None:
-    """The fresh process of a ``Run``: build the sides, then answer each request on ``conn`` (the arguments of
-    ``Measured.step``, or with ``top`` of ``Measured.profile``) until the parent closes its end. An error (an
-    out-of-memory: ``OUT_OF_MEMORY``) is answered and ends the process."""
+    """The fresh process of a ``Run``: build the sides, then answer each request on ``conn`` (``Measured.step``, or
+    with ``top`` ``Measured.profile``) until the parent closes it; an error is answered and ends the process."""
     import torch
     import torch.distributed as dist
 
@@ -220,8 +213,8 @@ def serve(specs: Specs, marker: Path, conn: Connection) -> None:
 
 
 class Run:
-    """The sides of ``specs`` in one fresh (spawned) process, driven step by step until the context ends; ``timeout_s``
-    for building the sides and for each step; ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's)."""
+    """The sides of ``specs`` in one fresh (spawned) process, stepped until the context ends; ``timeout_s`` for each
+    request, ``allocator``: its ``PYTORCH_CUDA_ALLOC_CONF`` (None: lctrain's)."""
 
     def __init__(self, specs: Specs, *, timeout_s: float, allocator: str | None = None):
         self.timeout_s, self.failure = timeout_s, None
@@ -283,9 +276,8 @@ class Run:
 
 def in_rounds(run: Measured | Run, names: list[str], warmup: Steps, steps: Steps, budget: int | None,
               log: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """The steps of sides ``names`` of ``run`` in rounds (``warmup``, then the measured ``steps``, those past
-    ``budget`` stopped), each measured one appended to ``log`` (kept when a later step is stopped): ``ready``
-    (each side's ``describe``) and each side's measured ``steps``."""
+    """The steps of sides ``names`` of ``run`` in rounds, each measured one appended to ``log``: ``ready`` (each side's
+    ``describe``) and each side's measured ``steps``."""
     every = [*warmup, *steps]
 
     def step(name: str, index: int) -> dict[str, Any]:
@@ -313,9 +305,8 @@ def group_steps(specs: Specs, warmup: Steps, steps: Steps, budget: int | None, o
 def run_group(
     specs: Specs, ranks: int, warmup: Steps, steps: Steps, *, budget: int | None = None
 ) -> tuple[list[dict[str, Any]], int | None]:
-    """``group_steps`` on a fresh gloo group of ``ranks`` CPU processes: each rank's ``ready`` and ``steps`` and,
-    when a step passed ``budget`` on a rank (its watchdog ended it), the growth seen (else None): then each rank's
-    ``steps`` are those all ranks finished before it, and ``ready`` is None."""
+    """``group_steps`` on a fresh gloo group of ``ranks`` CPU processes: each rank's ``ready`` and ``steps``, and the
+    growth seen when a step passed ``budget`` (else None; then the steps all ranks finished, ``ready`` None)."""
     from lctrain.testing import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_group_") as out_dir:

@@ -1,6 +1,5 @@
 """The longest sequence that fits, found by probes: double from a start while it fits (halve while it does not), then
-bisect between the longest fit and the shortest failure. A training step's peak memory grows with S, so a fit at
-the maximum says that every length below it fits too; lengths are multiples of a unit (the sharding's divisor)."""
+bisect between the longest fit and the shortest failure; lengths are multiples of a unit."""
 
 from __future__ import annotations
 

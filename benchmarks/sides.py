@@ -34,8 +34,8 @@ def document_lengths(seq: int, doc_len: int) -> list[int]:
 
 
 def packed_batch(input_ids: Tensor, doc_len: int | None, shard: Callable[[Tensor], Tensor] = lambda x: x) -> dict:
-    """A trainer micro-batch of the full rows ``input_ids`` ``[B, S]``, each packed with documents of ``doc_len``
-    tokens (None: one), labels shifted and positions restarting within each, cut to this rank's part by ``shard``."""
+    """A trainer micro-batch of the rows ``input_ids`` ``[B, S]`` packed with documents of ``doc_len`` tokens (None:
+    one), cut to this rank's part by ``shard``."""
     batch, seq = input_ids.shape
     lengths = document_lengths(seq, doc_len or seq)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -90,8 +90,7 @@ class LctrainSide:
         return packed_batch(rows, spec.get("doc_len"), lambda x: place.shard(x, dim=1).contiguous())
 
     def step(self, batch: dict) -> dict[str, Any]:
-        """One step (``part``) on ``batch``: its loss and gradient norm (None where it has none), read back at the end;
-        with ``parts`` the seconds of each, ``forward_backward_s`` and ``optimizer_s``."""
+        """One step (``part``) on ``batch``: its loss and gradient norm; with ``parts`` the seconds of each."""
         trainer, part, self.in_use = self.trainer, self.spec.get("part", "train_step"), None
         if part == "train_step":
             result = trainer.train_step([batch])

@@ -1,6 +1,5 @@
-"""How the benchmarks time: the sides of a comparison measured in rounds (each side once per round, in turn, the order
-reversed every other round: A B B A ..., so that a drift in the machine's load hits them alike), after untimed
-warm-up rounds; in a process group, each round's figures taken from the slowest rank; the median over rounds."""
+"""How the benchmarks time: the sides of a comparison in rounds (each side once per round, in turn, A B B A ...) after
+untimed warm-up rounds; in a process group each round's figures the slowest rank's; the median over rounds."""
 
 from __future__ import annotations
 
@@ -30,22 +29,12 @@ def clock(device: Any = None) -> Iterator[Record]:
     seconds["thread"] = time.thread_time() - thread
 
 
-def rounds(
-    sides: Mapping[str, Side],
-    warmup: int,
-    iters: int,
-    *,
-    alternate: bool = True,
-    device: Any = None,
-    memory: bool = False,
-    barrier: bool = False,
-    timed: bool = True,
-) -> dict[str, list[Record]]:
-    """``warmup`` untimed rounds, then ``iters`` measured ones; per side, each measured round's record: its
-    ``clock`` seconds (on ``device``), with ``memory`` the step's ``growth``, ``peak`` and ``before`` bytes
-    (``lctrain.train.meter.StepMemory``), and what the side returned (a mapping). ``alternate``: A B B A (else A B A B);
-    ``barrier``: the ranks of the default process group start each side's round together (inside the memory
-    measurement, outside the clock); ``timed`` false: no clock (sides that time themselves)."""
+def rounds(sides: Mapping[str, Side], warmup: int, iters: int, *, alternate: bool = True, device: Any = None,
+           memory: bool = False, barrier: bool = False, timed: bool = True) -> dict[str, list[Record]]:  # fmt: skip
+    """``warmup`` untimed rounds, then ``iters`` measured ones; per side each measured round's record: its ``clock``
+    seconds, with ``memory`` ``StepMemory``'s ``growth``, ``peak`` and ``before``, and what the side returned.
+    ``alternate``: A B B A (else A B A B); ``barrier``: the ranks start each round together (outside the clock);
+    ``timed`` false: no clock (sides that time themselves)."""
     import torch
     import torch.distributed as dist
 
@@ -79,8 +68,7 @@ def median_seconds(fn: Callable[[], None], iters: int, device: Any = None) -> fl
 
 
 def slowest(per_rank: Sequence[Sequence[Record]]) -> list[Record]:
-    """Round by round, each figure's largest over the ranks (the slowest rank's time, the busiest one's CPU time, the
-    largest memory; ``ok`` when every rank's is, the first ``error``)."""
+    """Round by round, each figure's largest over the ranks (``ok`` when every rank's is, the first ``error``)."""
 
     def over_ranks(key: str, values: list[Any]) -> Any:
         if key in ("ok", "error"):
