@@ -233,7 +233,7 @@ def reference(
 def one_thread() -> Iterator[None]:
     """Torch on one thread inside (also a decorator): the parity models' tensors are tiny, so a second thread only
     spins, and the machine runs the ranks too. On 2 busy cores of an AMD EPYC a 64 x 128 linear layer on 50 tokens
-    takes ~1-6 ms with 2 threads and 0.03 ms with one."""
+    takes 0.9-6 ms with 2 threads and 0.03 ms with one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
