@@ -41,6 +41,7 @@ from tests.helpers.models import exported_lora_logits
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
+    case_configs,
     cases_then_resumed,
     job_config,
     reference,
@@ -86,7 +87,7 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
 
 @functools.cache
 def results_for(workdir: str) -> dict:
-    return run_distributed(cases_then_resumed, 4, job, workdir, CASES, RESUMED)[0]
+    return run_distributed(cases_then_resumed, 4, case_configs(job, workdir, CASES, RESUMED))[0]
 
 
 def reference_for(workdir: str, case: str) -> tuple:

@@ -42,6 +42,7 @@ from lctrain.testing import run_distributed
 from tests.helpers.reference_training import (
     assert_curve_matches,
     assert_first_step_matches,
+    case_configs,
     cases_then_resumed,
     job_config,
     reference,
@@ -116,14 +117,11 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
     )
 
 
-def moe_world(workdir: str) -> dict | None:
-    """Every case, then the resumed run: 2 steps with a checkpoint, then on to ``STEPS`` from it."""
-    return cases_then_resumed(job, workdir, CASES, RESUMED)
-
-
 @functools.cache
 def results_for(workdir: str) -> dict:
-    return run_distributed(moe_world, 4, workdir)[0]
+    """Every case, then the resumed run: 2 steps with a checkpoint, then on to ``STEPS`` from it (the configs made
+    here, once)."""
+    return run_distributed(cases_then_resumed, 4, case_configs(job, workdir, CASES, RESUMED))[0]
 
 
 def reference_for(workdir: str, case: str) -> tuple:

@@ -39,6 +39,7 @@ from tests.helpers.reference_training import (
     job_config,
     reference,
     resumed_case,
+    resumed_configs,
     train_case,
 )
 
@@ -81,16 +82,19 @@ def job(workdir: str, case: str, *, run: str | None = None, steps: int = STEPS) 
     )
 
 
-def sink_window_world(workdir: str) -> dict | None:
+def sink_window_world(configs: dict, resumed: dict) -> dict | None:
     """Every case, then each of ``RESUMED`` again as the run ``resumed_<case>``, stopped at step 2 and resumed."""
-    results = {case: train_case(job(workdir, case)) for case in CASES}
-    results.update({f"resumed_{case}": resumed_case(job, workdir, case, f"resumed_{case}") for case in RESUMED})
+    results = {case: train_case(cfg) for case, cfg in configs.items()}
+    results.update({name: resumed_case(pair) for name, pair in resumed.items()})
     return results if dist.get_rank() == 0 else None
 
 
 @functools.cache
 def results_for(workdir: str) -> dict:
-    return run_distributed(sink_window_world, 4, workdir)[0]
+    """The configs made here, once, and handed to the ranks."""
+    configs = {case: job(workdir, case) for case in CASES}
+    resumed = {f"resumed_{case}": resumed_configs(job, workdir, case, f"resumed_{case}") for case in RESUMED}
+    return run_distributed(sink_window_world, 4, configs, resumed)[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,7 +24,7 @@ from lctrain.train.reference import ReferenceCache
 from lctrain.train.trainer import Trainer
 from testbed.pairs import Pair, Row, pack_pairs, shard_rows
 from tests.helpers.pairs import sequence_logps, trl_loss, trl_metrics
-from tests.helpers.reference_training import SEQ_LEN, job_config, reference_model
+from tests.helpers.reference_training import SEQ_LEN, job_config, one_thread, reference_model
 
 LOSS_TYPES = (["sigmoid"], ["ipo"], ["hinge"], ["robust"], ["simpo"], ["orpo"], ["sigmoid", "sft"])
 BETA, LABEL_SMOOTHING = 0.1, 0.2
@@ -142,6 +142,7 @@ def world_cases(cases: dict) -> dict | None:
     return results if dist.get_rank() == 0 else None
 
 
+@one_thread()
 def expected_losses(
     cfg: JobConfig,
     pairs: Sequence[Pair],
