@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import GIB, MIB, arguments, defaults_by_device, fit_line, percent, save_json, table, title
+from benchmarks.report import (
+    GIB,
+    MIB,
+    arguments,
+    defaults_by_device,
+    fit_line,
+    percent,
+    progress,
+    save_json,
+    table,
+    title,
+)
 from benchmarks.runs import malloc_env, run_steps
 from benchmarks.search import Probe, Search
 from lctrain.flops import flops_per_token, mfu
@@ -125,7 +135,7 @@ class Bench:
         ranks = args.ring * args.ulysses if side == "lctrain" else 1
         what = f"{side}, {ranks} rank(s), S={seq}" + (f", {layers} layers" if layers else "")
         what += ", activation offload" if offload else ""
-        print(f"probe: {what} ...", file=sys.stderr, flush=True)
+        progress(f"probe: {what} ...")
         started, warmup = time.perf_counter(), [(min(args.warmup_seq, seq), 1)]
         with malloc_env(for_memory=args.device == "cpu"):
             run = run_steps({"p": spec}, ranks, warmup, [(seq, 0)] * steps, budget=self.budget,
@@ -140,7 +150,7 @@ class Bench:
         verdict = "fits" if probe.fits else f"does not fit ({probe.reason})"
         if "step_peak" in result:
             verdict += f"; step peak {result['step_peak'] / MIB:,.0f} MiB"
-        print(f"    {verdict} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        progress(f"    {verdict} ({result['wall_s']:.0f} s)")
         self.log.append({"probe": what, "spec": spec, "fits": probe.fits, "result": result})
         self.done[key] = probe
         return probe
@@ -250,14 +260,14 @@ def scaling_points(bench: Bench, side: str, ranks: int, seqs: list[int]) -> list
     """One step per length of ``seqs`` (shortest first) after a warm-up step, in one process group: each rank's
     step peak, PSS and resident set before the step, and the slowest rank's step time."""
     args, mesh = bench.args, MESHES[ranks]
-    print(f"scaling: {side}, ring {mesh[0]} × ulysses {mesh[1]}: S = {seqs}", file=sys.stderr, flush=True)
+    progress(f"scaling: {side}, ring {mesh[0]} × ulysses {mesh[1]}: S = {seqs}")
     spec = {"side": side, "job": bench.job(side, max(seqs), None, side == "lctrain", mesh), "threads": 1}
     steps, budget = [(seq, 0) for seq in seqs], int(args.safe_gib * GIB / ranks)
     with malloc_env(for_memory=True):
         result = run_steps({side: spec}, ranks, [(64 * ranks, 1)], steps, budget=budget)
     done = sum(step["ok"] for step in result[side]["steps"])
     if done < len(seqs):
-        print(f"    stopped at S={seqs[done]:,}: past its share of --safe-gib", file=sys.stderr, flush=True)
+        progress(f"    stopped at S={seqs[done]:,}: past its share of --safe-gib")
     per_rank, slowest = result[side]["per_rank"], result[side]["steps"]
     keys = {"peaks": "step_peak", "pss_before": "pss_before", "rss_before": "before"}
     return [
