@@ -43,7 +43,7 @@ def scoring_vs_validation(overrides: list[str], lengths: list[int], repeats: int
 
         jobs = {
             "score": functools.partial(
-                score_examples, [example], lambda _: forward, pack_tokens=length, rows_per_run=1, place=place,
+                score_examples, [example], forward, pack_tokens=length, rows_per_run=1, place=place,
                 dp_rank=0, dp=1, device=device, tokenizer=prepared.tokenizer
             ),
             "validate": functools.partial(

@@ -1,8 +1,9 @@
 """Building a job, the one way ``train`` and ``eval`` both use, in dependency order: the prepared model (no process
 group: the tokenizer, the transformers config after the ``model.*`` settings, every check of the job against that
-model, and where the weights come from), then ``build_job``: the device, the dtypes (``Precision``, resolved once),
-the mesh and its groups (``lctrain.parallel.mesh.JobMesh``), the model on it. The training and evaluation jobs add
-their own parts to this ``Job`` (``lctrain.train.job``, ``lctrain.eval.evaluator``).
+model, and where the weights come from, the reference model's too), then ``build_job``: the device, the dtypes
+(``Precision``, resolved once), the mesh and its groups (``lctrain.parallel.mesh.JobMesh``), the model on it and,
+when training, the pipeline's training schedule and the preference objective's frozen reference model. The training
+and evaluation jobs add their own parts to this ``Job`` (``lctrain.train.job``, ``lctrain.eval.evaluator``).
 
 ``build_model`` puts a model on the job's mesh, applying parallelism in one fixed order:
 
@@ -41,7 +42,7 @@ from lctrain.parallel.chunked_mlp import apply_chunked_mlp
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel, experts_modules
 from lctrain.parallel.fsdp import apply_fsdp
 from lctrain.parallel.mesh import JobMesh
-from lctrain.parallel.pipeline import PipelineStageModule, apply_pipeline, merge_stages
+from lctrain.parallel.pipeline import PipelineStageModule, Schedule, apply_pipeline, build_schedule, merge_stages
 from lctrain.rules import stage_layers
 from lctrain.runtime import Precision, resolve_device
 
@@ -63,11 +64,16 @@ class PreparedModel:
     # parallel.pp_split_points, else balanced: lctrain.rules.stage_layers); [] when parallel.pp = 1
     stage_layers: list[range]
     routers: Routers | None  # a mixture of experts' routers: layers, experts, loss weight; None for a dense model
+    # the weights of the preference objective's frozen reference model: the initial ones (objective.reference=initial
+    # without LoRA) or objective.reference_path's; None when the objective builds none (no reference, or the LoRA
+    # policy with its adapters disabled)
+    reference: TensorSource | None
 
 
 def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
-    """The tokenizer, the model config, the weight source and the pipeline's stages, with the job checked against
-    them (``check_job``). Raises ``ValueError`` or ``FileNotFoundError`` naming the setting; reads no weight."""
+    """The tokenizer, the model config, the weight sources (the model's, its reference's) and the pipeline's
+    stages, with the job checked against them (``check_job``). Raises ``ValueError`` or ``FileNotFoundError``
+    naming the setting; reads no weight."""
     path = tokenizer_path(cfg)
     tokenizer = load_tokenizer(path)
     config = model_config(cfg.model, len(tokenizer))
@@ -82,11 +88,16 @@ def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
     else:
         source = random_init_source(config, cfg.train.seed)
     source = adapter_source(source, cfg.train.seed)
+    objective, reference = cfg.objective, None
+    if objective.reference == "path" and objective.needs_reference:
+        reference = safetensors_source(objective.reference_path, config)
+    elif objective.needs_reference and not cfg.model.lora.rank:
+        reference = source  # the initial weights (without adapters: the reference is built without LoRA)
     routers = model_routers(config)
     par, layers = cfg.parallel, []
     if par.pp > 1:  # checked by check_job (check_pipeline)
         layers = stage_layers(config.num_hidden_layers, par.pp * par.pp_stages_per_rank, par.pp_split_points)
-    return PreparedModel(tokenizer, config, source, layers, routers)
+    return PreparedModel(tokenizer, config, source, layers, routers, reference)
 
 
 @dataclass
@@ -104,6 +115,7 @@ class BuiltModel:
 
 def build_model(
     prepared: PreparedModel,
+    weights: TensorSource,
     mesh: JobMesh,
     device: torch.device,
     precision: Precision,
@@ -112,9 +124,10 @@ def build_model(
     lora: LoraConfig,
     training: bool,
 ) -> BuiltModel:
-    """The model on ``mesh``, built in the order of the module docstring from the job's ``parallel`` section and
-    ``model.lora``. With ``parallel.pp > 1``, this rank's stage modules are in ``stages`` (for ``build_schedule``).
-    ``training=False``: no activation checkpointing, modules in eval mode."""
+    """The model of ``prepared.config`` with ``weights`` (``prepared.source``, or its reference's) on ``mesh``, built
+    in the order of the module docstring from the job's ``parallel`` section and ``model.lora``. With
+    ``parallel.pp > 1``, this rank's stage modules are in ``stages`` (for ``build_schedule``). ``training=False``: no
+    activation checkpointing, modules in eval mode."""
     model = build_empty_model(prepared.config)
     num_params = sum(p.numel() for p in model.parameters())
     # first, on the empty model: peft's LoRA layers and trained copies; every later step sees ordinary modules
@@ -164,7 +177,7 @@ def build_model(
             cpu_offload=parallel.cpu_offload,
             experts_mesh=None if experts_mesh is None else experts_mesh["efsdp"],
         )
-        materialize(part, prepared.source, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
+        materialize(part, weights, device, params_device=torch.device("cpu") if parallel.cpu_offload else None)
         part.train(training)
     hidden_states = None if stages else FinalHiddenStates(model)
     totals = None
@@ -186,17 +199,52 @@ class Job:
     precision: Precision
     mesh: JobMesh
     model: BuiltModel
+    # training with pipeline stages: the schedule of a step's rows (data.batch_size × train.grad_accum micro-batches)
+    schedule: Schedule | None
+    # training a preference objective with prepared.reference: its frozen reference model, built like the model (the
+    # same attention, mesh, stages, sharding and cpu_offload) without LoRA, in eval mode, without gradients
+    reference: BuiltModel | None
 
 
 def build_job(cfg: JobConfig, *, training: bool) -> Job:
     """The job of ``cfg`` on an initialized default process group, in the order of the module docstring:
-    ``training=False`` builds the model without activation checkpointing, in eval mode."""
+    ``training=False`` builds the model without activation checkpointing, in eval mode, and nothing else."""
     prepared = prepare_model(cfg, dist.get_world_size())
     device = resolve_device(cfg.train.device)
     precision = Precision.resolve(cfg.parallel, device)
     mesh = JobMesh.build(cfg.parallel.dims(), device.type)
     torch.manual_seed(cfg.train.seed)
     model = build_model(
-        prepared, mesh, device, precision, parallel=cfg.parallel, lora=cfg.model.lora, training=training
+        prepared,
+        prepared.source,
+        mesh,
+        device,
+        precision,
+        parallel=cfg.parallel,
+        lora=cfg.model.lora,
+        training=training,
     )
-    return Job(cfg, prepared, device, precision, mesh, model)
+    schedule = reference = None
+    if training and model.stages:
+        rows = cfg.data.batch_size * cfg.train.grad_accum
+        schedule = build_schedule(
+            model.stages,
+            mesh.sub_mesh("pp"),
+            schedule=cfg.parallel.pp_schedule,
+            microbatches=rows,
+            device=device,
+            training=True,
+        )
+    if training and prepared.reference is not None:
+        reference = build_model(
+            prepared,
+            prepared.reference,
+            mesh,
+            device,
+            precision,
+            parallel=cfg.parallel,
+            lora=LoraConfig(),
+            training=False,
+        )
+        reference.model.requires_grad_(False)
+    return Job(cfg, prepared, device, precision, mesh, model, schedule, reference)

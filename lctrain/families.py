@@ -31,14 +31,17 @@ of its layers); adding a family is adding a record, a parity test and a row of t
 attention module actually receives. The job's ``model.*`` settings are written into the config the model is built
 from and exported with here, after its record refused what lctrain cannot run (``lctrain.models.hf.model_config``):
 ``model.sliding_window`` (``apply_sliding_window``) keeps, changes or removes the window, ``set_rope`` the RoPE
-settings, ``set_router_aux_loss`` the router's loss weight. Pure functions of a transformers config: this module
-imports neither torch nor transformers.
+settings, ``set_router_aux_loss`` the router's loss weight; ``model_flops_per_token`` counts a model's training FLOPs
+per token (``lctrain.flops``) by its layers: windows, mixers, routed experts. Pure functions of a transformers
+config: this module imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from lctrain.flops import delta_rule_flops_per_token, flops_per_token
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections, in every family
 PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")  # with a dense MLP's
@@ -369,3 +372,18 @@ def active_parameters(config: Any, num_params: int) -> int:
     hidden, width = config.hidden_size, expert_width(config)
     expert = 3 * hidden * width + (2 * width + hidden) * FAMILIES[config.model_type].expert_bias  # gpt-oss's biases
     return num_params - len(layers) * idle * expert
+
+
+def model_flops_per_token(config: Any, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of a Hugging Face model of ``num_params`` parameters on rows of ``seq_len`` tokens:
+    its active parameters (a mixture of experts counts the routed experts only), each layer's sliding window, and a
+    hybrid's gated delta layers' recurrence in place of their attention."""
+    active = active_parameters(config, num_params)
+    windows = layer_windows(config)
+    linear = set(linear_layers(config))
+    if not linear:
+        return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows)
+    kinds = [i in linear for i in range(config.num_hidden_layers)]
+    heads, dims = config.linear_num_value_heads, (config.linear_key_head_dim, config.linear_value_head_dim)
+    delta = delta_rule_flops_per_token(heads, *dims)
+    return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows, kinds, delta)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lctrain.build import Job, PreparedModel, build_job, prepare_model, tokenizer_path
 from lctrain.config import JobConfig
-from lctrain.config.schema import EvalConfig
+from lctrain.config.schema import EvalConfig, ObjectiveConfig
 from lctrain.data import IGNORE_INDEX, PackedLoader
 from lctrain.eval.passkey import PasskeySample, passkey_sample, sample_key
 from lctrain.train.ruler_suite import SuiteScorer, check_job_suite
@@ -55,7 +55,8 @@ def check_eval(cfg: JobConfig) -> None:
 def eval_config(cfg: JobConfig) -> JobConfig:
     """The eval job's settings checked (a model to evaluate, no pipeline but for the ruler suite alone, the eval
     settings against the mesh, the ruler suite's earlier curves), as a copy whose ``data.seq_len`` is the longest
-    evaluated sequence: the model and the mesh are checked against it."""
+    evaluated sequence (the model and the mesh are checked against it) and without an objective (a training
+    recipe's reference model is neither read nor built)."""
     if cfg.model.path is None:
         raise ValueError("eval needs a model: model.path=<a Hugging Face directory>, e.g. runs/tiny_cpu/hf")
     if cfg.parallel.pp > 1 and set(cfg.eval.tasks) - {"ruler"}:
@@ -71,6 +72,7 @@ def eval_config(cfg: JobConfig) -> JobConfig:
     if missing:
         raise FileNotFoundError(f"ruler.compare: no such file {missing[0]!r} (a ruler.json of an earlier eval)")
     checked.data.seq_len = max([*cfg.eval.lengths, *perplexity_lengths(cfg.eval), *ruler_lengths])
+    checked.objective = ObjectiveConfig()
     return checked
 
 

@@ -36,6 +36,7 @@ from lctrain.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 # (final hidden states after the norm [1, S_local, hidden], LM head weight [vocab, hidden], the row's fields) -> the
 # last stage's output for the row
 StageHead = Callable[[Tensor, Tensor, dict[str, Any]], Tensor]
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -222,7 +223,7 @@ def build_schedule(
     microbatches: int,
     device: torch.device,
     training: bool,
-) -> PipelineScheduleSingle | PipelineScheduleMulti:
+) -> Schedule:
     """The ``torch.distributed.pipelining`` schedule over this rank's (already sharded) stage modules, for
     ``microbatches`` rows a run.
 

@@ -5,7 +5,8 @@ reference pass has one of its own (each completion's log-prob).
 
 - ``ModelForward``: the whole model, one row at a time (``FinalHiddenStates``);
 - ``PipelineForward``: a forward-only pipeline schedule over every row of the step at once (``step_inputs``), whose
-  heads run on the last stage.
+  heads run on the last stage; one schedule per row length, made at the first rows of that length (a schedule's
+  stages keep the shapes of the first rows they run), never the training schedule (which keeps its own mode).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from lctrain.build import BuiltModel, Job
 from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.parallel.pipeline import StageHead, build_schedule, step_inputs
+from lctrain.parallel.mesh import JobMesh
+from lctrain.parallel.pipeline import PipelineStageModule, Schedule, StageHead, build_schedule, step_inputs
 
 Batch = dict[str, Any]
-Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 def row_fields(batch: Batch, row: int, keys: Sequence[str], device: torch.device) -> dict[str, Any]:
@@ -66,33 +66,34 @@ class ModelForward:
 
 
 class PipelineForward:
-    """The same through a forward-only pipeline ``schedule`` (``build_schedule(training=False)``) whose micro-batches
-    are the step's rows; None off the last stage (which alone runs the heads)."""
+    """The same through forward-only pipeline schedules (``parallel.pp_schedule``, ``build_schedule(training=False)``)
+    over ``stages`` on ``mesh``'s pp ranks, whose micro-batches are the ``rows`` rows of a run; None off the last
+    stage (which alone runs the heads)."""
 
-    def __init__(self, schedule: Schedule, device: torch.device):
-        self.schedule, self.device = schedule, device
+    def __init__(
+        self, stages: Sequence[PipelineStageModule], mesh: JobMesh, kind: str, rows: int, device: torch.device
+    ):
+        self.stages, self.mesh, self.kind, self.rows, self.device = stages, mesh, kind, rows, device
+        self.schedules: dict[int, Schedule] = {}  # by row length
 
     def __call__(self, micro_batches: Sequence[Batch], fields: Sequence[str], head: StageHead) -> Tensor | None:
         inputs = step_inputs(micro_batches, fields, self.device)
-        rows = inputs["input_ids"].shape[0]
-        outputs = self.schedule.eval(inputs.pop("input_ids"), **inputs, head=head)
+        rows, length = inputs["input_ids"].shape
+        if length not in self.schedules:
+            pp = self.mesh.sub_mesh("pp")
+            self.schedules[length] = build_schedule(
+                self.stages, pp, schedule=self.kind, microbatches=self.rows, device=self.device, training=False
+            )
+        outputs = self.schedules[length].eval(inputs.pop("input_ids"), **inputs, head=head)
         return None if outputs is None else outputs.view(rows, -1)
 
 
 RowsForward = Callable[[Sequence[Batch], Sequence[str], StageHead], Tensor | None]
 
 
-def pipeline_schedule(built: BuiltModel, job: Job, rows: int, *, training: bool) -> Schedule:
-    """A pipeline schedule (``parallel.pp_schedule``) over ``built``'s stages on ``job``'s mesh with ``rows`` (a
-    step's) as its micro-batches: a training one, or forward-only."""
-    pp, kind = job.mesh.sub_mesh("pp"), job.cfg.parallel.pp_schedule
-    return build_schedule(built.stages, pp, schedule=kind, microbatches=rows, device=job.device, training=training)
-
-
 def forward_only(built: BuiltModel, job: Job, rows: int) -> RowsForward:
-    """A forward-only run of ``rows`` rows (a step's) through ``built`` (``job.model`` or another model built on its
-    mesh): the whole model (its ``hidden_states``), or a forward-only schedule of its own over its pipeline stages
-    (so that a training schedule never switches mode; its shapes are those of the first rows it runs)."""
+    """A forward-only run of ``rows`` rows at a time (a step's) through ``built`` (``job.model`` or its reference):
+    the whole model (its ``hidden_states``), or forward-only schedules of their own over its pipeline stages."""
     if built.stages:
-        return PipelineForward(pipeline_schedule(built, job, rows, training=False), job.device)
+        return PipelineForward(built.stages, job.mesh, job.cfg.parallel.pp_schedule, rows, job.device)
     return ModelForward(built.hidden_states, job.device)

@@ -1,11 +1,11 @@
 """A training job built once, in one straight line: what ``lctrain.build.build_job`` builds for every command (the
-device, the dtypes, the prepared model, the mesh and its groups, the model on it), then the training parts, each from
+device, the dtypes, the prepared model, the mesh and its groups, the model on it; when training, the pipeline's
+training schedule and the frozen reference model), the model's FLOPs per token, then the training parts, each from
 its own config section and what was built before it:
 
-    the data (this rank's rows; the validation rows) -> the model's forward (the whole model's final hidden states,
-    or the pipeline's training schedule) -> the objective (with its reference model, the router's load-balancing
-    loss of a mixture of experts, the precomputed reference log-probs) -> the optimizer and its schedule -> the
-    checkpoints -> the ruler suite (ruler.every) -> the step meter (FLOPs, time, memory)
+    the data (this rank's rows; the validation rows) -> the objective (with its reference's forward, the router's
+    load-balancing loss of a mixture of experts, the precomputed reference log-probs) -> the optimizer and its
+    schedule -> the checkpoints -> the step meter (time, tokens/s, MFU, memory) -> the ruler suite (ruler.every)
 
 ``Trainer`` (``lctrain.train.trainer``) receives the ``TrainingJob`` and only runs it.
 """
@@ -25,9 +25,9 @@ from lctrain.build import Job, build_job, tokenizer_path
 from lctrain.checkpoint import Checkpointer
 from lctrain.config import JobConfig
 from lctrain.data import DataConfig, PackedLoader
-from lctrain.models.hidden_states import FinalHiddenStates
-from lctrain.train.forward import Batch, Schedule, forward_only, pipeline_schedule
-from lctrain.train.meter import StepMeter, model_flops_per_token, peak_flops
+from lctrain.families import model_flops_per_token
+from lctrain.train.forward import Batch, forward_only
+from lctrain.train.meter import StepMeter, peak_flops
 from lctrain.train.objective import Objective, build_objective
 from lctrain.train.optim import build_optimizer, build_scheduler
 from lctrain.train.preference import PreferenceLoss
@@ -44,8 +44,6 @@ class TrainingJob:
     base: Job
     loader: PackedLoader  # this rank's micro-batches
     validator: Validator
-    hidden_states: FinalHiddenStates | None  # the whole model's forward; None with pipeline stages
-    schedule: Schedule | None  # the pipeline's training schedule; None without stages
     objective: Objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -59,6 +57,7 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     the module docstring."""
     job = build_job(cfg, training=True)
     mesh, device, model = job.mesh, job.device, job.model
+    per_token = model_flops_per_token(job.prepared.config, model.num_params, cfg.data.seq_len)
     data = dataclasses.replace(cfg.data, tokenizer=tokenizer_path(cfg))
     loader = PackedLoader(data, dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp, place=mesh.place)
     validator = Validator(
@@ -66,11 +65,6 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     )
 
     rows = cfg.data.batch_size * cfg.train.grad_accum  # a step's rows: with a pipeline, its micro-batches
-    hidden_states = model.hidden_states
-    schedule = None
-    if model.stages:
-        schedule = pipeline_schedule(model, job, rows, training=True)
-
     # one forward-only run of the policy, shared by the LoRA reference and the router's global counts
     policy_forward = functools.cache(lambda: forward_only(model, job, rows))
     objective = build_objective(
@@ -86,6 +80,7 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     )
     if cfg.objective.precompute_reference and isinstance(objective, PreferenceLoss) and objective.reference is not None:
         _precomputed_reference(objective, cfg, mesh.dp_rank, _run_steps(data, job, validator))
+        job.reference = None  # the log-probs replace the reference model: its memory goes with it
     # a mixture of experts adds its routers' load-balancing loss (its statistics over each row's cp ranks, or over
     # the step's rows from a forward-only run of them first: train.router_aux_scope)
     global_scope = cfg.train.router_aux_scope == "global"
@@ -101,18 +96,11 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
     optimizer = build_optimizer(model.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     checkpointer = Checkpointer(Path(cfg.train.run_dir) / "checkpoints", keep=cfg.checkpoint.keep)
-    suite = training_suite(job)
     peak = peak_flops(device, cfg.train.peak_tflops)
-    meter = StepMeter(
-        device,
-        tokens=cfg.data.seq_len * rows * mesh.dims.dp,
-        per_token=model_flops_per_token(job.prepared.config, model.num_params, cfg.data.seq_len),
-        peak=peak,
-        devices=mesh.dims.world_size,
-    )
-    return TrainingJob(
-        job, loader, validator, hidden_states, schedule, objective, optimizer, scheduler, checkpointer, meter, suite
-    )
+    tokens = cfg.data.seq_len * rows * mesh.dims.dp
+    meter = StepMeter(device, tokens=tokens, per_token=per_token, peak=peak, devices=mesh.dims.world_size)
+    suite = training_suite(job)
+    return TrainingJob(job, loader, validator, objective, optimizer, scheduler, checkpointer, meter, suite)
 
 
 def _run_steps(data: DataConfig, job: Job, validator: Validator) -> Iterator[Sequence[Batch]]:

@@ -18,10 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
 
-from lctrain.families import active_parameters, layer_windows, linear_layers
-from lctrain.flops import delta_rule_flops_per_token, flops_per_token, mfu
+from lctrain.flops import mfu
 
 GIB = 2**30
 # Dense bf16 peak FLOP/s of GPUs we know, by a substring of the device name.
@@ -38,21 +36,6 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
             if key in name:
                 return flops
     return None
-
-
-def model_flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token of a Hugging Face model of ``num_params`` parameters on rows of ``seq_len`` tokens:
-    its active parameters (a mixture of experts counts the routed experts only), each layer's sliding window, and a
-    hybrid's gated delta layers' recurrence in place of their attention."""
-    active = active_parameters(config, num_params)
-    windows = layer_windows(config)
-    linear = set(linear_layers(config))
-    if not linear:
-        return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows)
-    kinds = [i in linear for i in range(config.num_hidden_layers)]
-    heads, dims = config.linear_num_value_heads, (config.linear_key_head_dim, config.linear_value_head_dim)
-    delta = delta_rule_flops_per_token(heads, *dims)
-    return flops_per_token(active, config.num_hidden_layers, config.hidden_size, seq_len, windows, kinds, delta)
 
 
 def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
@@ -107,7 +90,7 @@ class StepMemory:
 
 class StepMeter:
     """The figures of each training step of a job: ``tokens`` per step (all ranks), ``per_token`` FLOPs
-    (``model_flops_per_token``), the ``peak`` FLOP/s of one of its ``devices`` (``peak_flops``)."""
+    (``lctrain.families.model_flops_per_token``), the ``peak`` FLOP/s of one of its ``devices`` (``peak_flops``)."""
 
     def __init__(self, device: torch.device, *, tokens: int, per_token: float, peak: float | None, devices: int):
         self.device, self.tokens, self.per_token, self.peak, self.devices = device, tokens, per_token, peak, devices

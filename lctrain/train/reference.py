@@ -3,16 +3,15 @@
 
 - ``initial`` with LoRA: the policy itself with its adapters disabled for the reference pass (no second copy; with a
   pipeline, a forward-only schedule of its own over the policy's stage modules);
-- ``initial`` without LoRA: a frozen copy of the initial weights, built like the policy (``lctrain.build``: the same
-  patched attention, mesh, pipeline stages, FSDP sharding and ``parallel.cpu_offload``), in eval mode, without
-  gradients or optimizer state;
+- ``initial`` without LoRA: a frozen copy of the initial weights, which the job built like the policy
+  (``lctrain.build.build_job``: the same patched attention, mesh, pipeline stages, FSDP sharding and
+  ``parallel.cpu_offload``), in eval mode, without gradients or optimizer state;
 - ``path``: the weights of a Hugging Face directory, built the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -20,9 +19,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lctrain.build import BuiltModel, Job, build_model
+from lctrain.build import BuiltModel, Job
 from lctrain.config.schema import ObjectiveConfig
-from lctrain.models import LoraConfig, safetensors_source
 from lctrain.parallel.pipeline import StageHead
 from lctrain.train.forward import Batch, RowsForward
 
@@ -118,19 +116,11 @@ def build_reference(
     forward_only: Callable[[BuiltModel], RowsForward],
 ) -> Reference | None:
     """The reference model of ``objective`` for the policy ``job.model`` (a ``lctrain.build.Job``), or None when no
-    loss needs one: with LoRA and ``objective.reference=initial`` the policy's own forward (``policy_forward()``)
-    with its adapters disabled; else a frozen model built like the policy (the same attention, mesh, pipeline
-    stages, FSDP sharding and ``parallel.cpu_offload``; the initial weights, or ``objective.reference_path``'s), in
-    eval mode, without gradients or optimizer state, run by ``forward_only``."""
+    loss needs one: the job's frozen reference model (``job.reference``) run by ``forward_only``; without one (LoRA
+    and ``objective.reference=initial``), the policy's own forward (``policy_forward()``) with its adapters
+    disabled."""
     if not objective.needs_reference:
         return None
-    if objective.reference == "initial" and job.cfg.model.lora.rank:
+    if job.reference is None:
         return Reference(policy_forward(), adapters_disabled(job.model.model))
-    prepared = job.prepared
-    if objective.reference == "path":
-        prepared = dataclasses.replace(prepared, source=safetensors_source(objective.reference_path, prepared.config))
-    built = build_model(
-        prepared, job.mesh, job.device, job.precision, parallel=job.cfg.parallel, lora=LoraConfig(), training=False
-    )
-    built.model.requires_grad_(False)
-    return Reference(forward_only(built))
+    return Reference(forward_only(job.reference))

@@ -97,7 +97,7 @@ def answer_head(width: int) -> Callable[[Tensor, Tensor, dict[str, Any]], Tensor
 @torch.no_grad()
 def score_examples(
     examples: Sequence[Example],
-    forward_for: Callable[[int], RowsForward],
+    forward: RowsForward,
     *,
     pack_tokens: int,
     rows_per_run: int,
@@ -108,8 +108,8 @@ def score_examples(
     tokenizer: PreTrainedTokenizerBase,
 ) -> list[dict[str, Any]]:
     """Every example scored (module docstring): one record each, the same on every rank. Examples of one length L
-    go ``pack_tokens // L`` (at least one) to a row; ``forward_for(row_length)`` is the forward for rows of that
-    length, run ``rows_per_run`` rows at a time (a pipeline's micro-batches)."""
+    go ``pack_tokens // L`` (at least one) to a row; ``forward`` runs the rows ``rows_per_run`` at a time (a
+    pipeline's micro-batches)."""
     width = max(e.length - e.answer_start for e in examples)
     head, per_example = answer_head(width), 3 * width + CHOICES
     sums = torch.zeros(len(examples), per_example, dtype=torch.float64, device=device)
@@ -119,7 +119,6 @@ def score_examples(
         rows = [indices[i : i + slots] for i in range(0, len(indices), slots)]
         turns = list(dp_turns(len(rows), dp_rank, dp))  # every dp rank the same number of rows
         turns += [(0, False)] * (-len(turns) % rows_per_run)
-        forward = forward_for(slots * length)
         for start in range(0, len(turns), rows_per_run):
             run = turns[start : start + rows_per_run]
             batches = [packed_row([examples[i] for i in rows[k]], slots, width, place) for k, _ in run]

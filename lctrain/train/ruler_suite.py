@@ -9,7 +9,6 @@ and returns its figures for ``metrics.jsonl`` and W&B (``lctrain.ruler.report.me
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,9 @@ class SuiteScorer:
         cfg = self.cfg = job.cfg
         self.tokenizer, self.device, self.place = job.prepared.tokenizer, job.device, job.mesh.place
         self.dp_rank, self.dp = job.mesh.dp_rank, job.mesh.dims.dp
-        # a pipeline runs the rows of a step (its micro-batches) at a time; one schedule per row length (its shapes)
+        # a pipeline runs the rows of a step (its micro-batches) at a time
         self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if job.model.stages else 1
-        self.forward_for = functools.cache(lambda _row_length: forward_only(job.model, job, self.rows_per_run))
+        self.forward = forward_only(job.model, job, self.rows_per_run)
         lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
         self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
         self.examples = build_suite(cfg.ruler, self.tokenizer, lengths)
@@ -52,7 +51,7 @@ class SuiteScorer:
         """(every example's record, the summary), the same on every rank."""
         records = score_examples(
             self.examples,
-            self.forward_for,
+            self.forward,
             pack_tokens=self.pack_tokens,
             rows_per_run=self.rows_per_run,
             place=self.place,

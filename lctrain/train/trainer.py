@@ -52,7 +52,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         # with pp > 1 the schedule runs this rank's stage modules, and self.model is their parts under Hugging Face
         # names, for the optimizer, clipping, checkpoints and export
-        self.model, self.hidden_states, self.schedule = base.model.model, job.hidden_states, job.schedule
+        self.model, self.hidden_states, self.schedule = base.model.model, base.model.hidden_states, base.schedule
         self.loader, self.validator, self.objective = job.loader, job.validator, job.objective
         self.optimizer, self.scheduler, self.checkpointer = job.optimizer, job.scheduler, job.checkpointer
         self.suite = job.suite  # the ruler suite every ruler.every steps; None when never

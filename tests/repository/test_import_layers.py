@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lctrain"
 
 # lowest first; a part may import from the layers before its own, never from its own layer's other parts or above
 LAYERS = [
-    {"rules", "families", "flops", "checkpoint", "testing", "lazy"},  # torch-free rules and family records, FLOPs, ...
+    {"rules", "flops", "checkpoint", "testing", "lazy"},  # torch-free rules, FLOPs, ...
+    {"families"},  # the family records, and a config's FLOPs per token by its layers
     {"attention"},
     {"linear_attention"},  # mixers whose state passes between context-parallel ranks; Ulysses from attention
     {"parallel", "models", "data"},

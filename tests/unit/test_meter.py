@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
+from lctrain.families import model_flops_per_token
 from lctrain.flops import flops_per_token, mfu
-from lctrain.train.meter import GIB, StepMemory, StepMeter, model_flops_per_token
+from lctrain.train.meter import GIB, StepMemory, StepMeter
 
 CPU = torch.device("cpu")
 

@@ -151,7 +151,7 @@ def test_summary_exchange_in_the_ring_step() -> None:
 def test_flops_count_attention_on_the_attention_layers_only(family: str) -> None:
     """The planner's FLOPs per token and the trainer's (``lctrain.train.meter``) agree: 6 per active parameter,
     the causal pairs of the attention layers only, and the gated delta rule's on the others."""
-    from lctrain.train.meter import model_flops_per_token as trainer_flops
+    from lctrain.families import model_flops_per_token as trainer_flops
 
     spec, model = tiny(family)
     delta = delta_rule_flops_per_token(4, 16, 8, CHUNK)

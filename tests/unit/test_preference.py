@@ -183,8 +183,10 @@ def test_a_precomputed_reference_serves_the_pairs_under_other_paths(
         cfg = preference_job(str(tmp_path), str(tmp_path / "run"), objective=objective, data=[f"data.paths=[{paths}]"])
         if not steps:
             other_model(cfg, tmp_path / "reference")
-        trainer = Trainer(build_training_job(cfg))
+        training_job = build_training_job(cfg)
+        trainer = Trainer(training_job)
         assert trainer.objective.reference is None and trainer.objective.cache is not None
+        assert training_job.base.reference is None  # the frozen model not kept by the job either
         cache = tmp_path / "run" / "reference_logps" / "dp0.pt"
         saved = cache.stat().st_mtime_ns
         step = trainer.forward_backward([next(iter(trainer.loader))])
