@@ -1,5 +1,4 @@
-"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic. The
-method: ``docs/benchmarks.md``."""
+"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way). The
-method: ``docs/benchmarks.md``."""
+"""A block the sliding window cuts, on PyTorch's CPU flash op: one masked call, or row tiles (the kernel's way)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What ring attention computes and sends for packed documents and for sliding windows, counted from the ring plan
-(no timing). The method: ``docs/benchmarks.md``."""
+"""What ring attention computes and sends for packed documents and for sliding windows, counted from the ring plan (no
+timing)."""
 
 from __future__ import annotations
 
