@@ -13,8 +13,7 @@ from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
 from benchmarks.report import GIB, MIB, OnDevice, arguments, fit_line, percent, progress, save_json, table, title
-from benchmarks.runs import malloc_env, run_steps
-from benchmarks.search import Probe, Search
+from benchmarks.runs import Probe, Search, malloc_env, run_steps
 from lctrain.flops import flops_per_token, mfu
 
 SECTIONS = ("search", "layers", "offload", "scaling")

@@ -8,8 +8,7 @@ from typing import Any
 
 from benchmarks.jobs import bench_job
 from benchmarks.report import MIB, OnDevice, arguments, heading, save_json, table
-from benchmarks.runs import malloc_env, run_steps
-from benchmarks.search import Probe, Search
+from benchmarks.runs import Probe, Search, malloc_env, run_steps
 from benchmarks.timing import median
 
 RANKS = {"cpu": 4, "cuda": 1}
