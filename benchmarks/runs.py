@@ -40,13 +40,10 @@ ABORT_EXIT_CODE = 3  # a process the watchdog ended
 def malloc_env(*, for_memory: bool) -> Iterator[None]:
     """Processes started inside get ``MALLOC_MMAP_THRESHOLD_`` (memory) or glibc's default (timings: the low
     threshold turns every large allocation into fresh page faults)."""
-    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    os.environ.update({"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD} if for_memory else {})
-    try:
-        yield
-    finally:
+    with mock.patch.dict(os.environ):  # this process's environment as it was, afterwards
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        os.environ.update({} if saved is None else {"MALLOC_MMAP_THRESHOLD_": saved})
+        os.environ.update({"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD} if for_memory else {})
+        yield
 
 
 def follow_malloc_env() -> None:
