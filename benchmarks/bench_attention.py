@@ -1,5 +1,5 @@
-"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic. The
-method: ``docs/benchmarks.md``."""
+"""Benchmark exact distributed attention on CPU: parallel efficiency, baselines, memory scaling and ring traffic; the
+CPU op per pass, and on a block that a sliding window cuts."""
 
 from __future__ import annotations
 
@@ -22,14 +22,16 @@ from torch import Tensor
 from benchmarks import rings
 from benchmarks.report import MIB, arguments, listed, table, title
 from benchmarks.runs import MALLOC_MMAP_THRESHOLD, follow_malloc_env
-from benchmarks.timing import clock, gathered_slowest, median, rounds, slowest
+from benchmarks.timing import clock, gathered_slowest, median, median_seconds, rounds, slowest
 from lctrain.attention import kernels, ring_attention, ulysses_attention, usp_attention
-from lctrain.attention.kernels import accumulation_dtype
+from lctrain.attention.kernels import accumulation_dtype, bands
+from lctrain.attention.kernels.base import visible_keys
+from lctrain.attention.kernels.torch_cpu import TORCH_CPU_FLASH, cpu_attend, cpu_attend_backward
 from lctrain.testing import run_distributed
 from lctrain.train.meter import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SECTIONS = ("efficiency", "baselines", "memory", "kernel")
+SECTIONS = ("efficiency", "baselines", "memory", "kernel", "window")
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -210,6 +212,42 @@ def report_kernel(cfg: argparse.Namespace, reps: int) -> None:
     )
 
 
+def window_pass(tensors: list[Tensor], scale: float, window_left: int | None, visible: Any = None) -> None:
+    """Forward + backward of ``TORCH_CPU_FLASH`` on a causal block (row tiles when ``window_left`` is set); with the
+    band's mask ``visible``, of the CPU op once over the whole block."""
+    q, k, v, dout = tensors
+    if visible is not None:
+        cpu_attend_backward(dout, q, k, v, *cpu_attend(q, k, v, visible, scale), visible, scale)
+        return
+    out, lse = TORCH_CPU_FLASH.forward(q, k, v, causal=True, scale=scale, window_left=window_left)
+    TORCH_CPU_FLASH.backward(dout, q, k, v, out, lse, causal=True, scale=scale, window_left=window_left)
+
+
+def report_window(cfg: argparse.Namespace) -> None:
+    """A diagonal block of ``--rows`` queries cut by each window of ``--windows``: one masked call of the CPU op, row
+    tiles of each ``--tiles`` (``bands.BAND_TILE_ROWS``), and the plain causal block (fp32, one thread)."""
+    torch.set_num_threads(1)
+    gen, rows = torch.Generator().manual_seed(0), []
+    tensors = [torch.randn(1, cfg.rows, cfg.heads, cfg.head_dim, generator=gen) for _ in range(4)]
+    scale = cfg.head_dim**-0.5
+    plain = median_seconds(functools.partial(window_pass, tensors, scale, None), cfg.iters) * 1e3
+    for window in cfg.windows:
+        seen = sum(min(window, row + 1) for row in range(cfg.rows))
+        visible = visible_keys(cfg.rows, cfg.rows, causal=True, window_left=window - 1, device=torch.device("cpu"))
+        ms = median_seconds(functools.partial(window_pass, tensors, scale, None, visible), cfg.iters) * 1e3
+        rows.append([str(window), "one masked call", f"{ms:.0f}", f"{cfg.rows**2 / seen:.2f}"])
+        for tile in cfg.tiles:
+            bands.BAND_TILE_ROWS = tile  # band_tiles reads it from its own module, kernels.bands
+            tiles = bands.band_tiles(cfg.rows, cfg.rows, causal=True, window_left=window - 1)
+            computed = sum((r.stop - r.start) * (c.stop - c.start) for r, c in tiles)
+            ms = median_seconds(functools.partial(window_pass, tensors, scale, window - 1), cfg.iters) * 1e3
+            rows.append([str(window), f"row tiles of {tile}", f"{ms:.0f}", f"{computed / seen:.2f}"])
+        rows.append([str(window), "plain causal block (no window)", f"{plain:.0f}", f"{cfg.rows**2 / 2 / seen:.2f}"])
+    where = f"{cfg.heads} heads × {cfg.head_dim}, fp32, one thread, forward+backward, a warm-up + median of {cfg.iters}"
+    print(f"\n## 5. A diagonal block of {cfg.rows} queries that a window cuts ({where})\n")
+    print(table(["window", "way", "ms", "pairs computed / pairs seen"], rows))
+
+
 def report_efficiency(cfg: argparse.Namespace, results: dict[str, dict[str, Any]], ranks: int) -> None:
     base = time_ms(results["single"])
     rows = [["fused SDPA, one process (T1)", "1", f"{base:.1f}", f"{peak_mib(results['single']):.1f}", "—"]]
@@ -269,7 +307,8 @@ def report_memory(cfg: argparse.Namespace, seq_per_rank: int, results: dict[int,
 
 def main() -> None:
     flags = {"seq": (16384, "global sequence length for sections 1 and 2"), "ranks": (2, "P for sections 1 and 2")}
-    flags |= {"seq_per_rank": (4096, "S/P for section 3"), "batch": 1}
+    flags |= {"seq_per_rank": (4096, "S/P for section 3"), "batch": 1, "rows": (4096, "section 5's block")}
+    flags |= {"windows": ([512, 2048], "section 5's windows"), "tiles": ([64, 128, 256, 512, 1024], "its row tiles")}
     parser = arguments(__doc__, heads=8, kv_heads=8, head_dim=64, warmup=1, iters=3, **flags)
     only = f"comma-separated subset of {SECTIONS}"
     parser.add_argument("--only", type=listed(str, SECTIONS), default=list(SECTIONS[:3]), help=only)
@@ -298,6 +337,8 @@ def main() -> None:
         report_baselines(args, results, args.ranks)
     if "kernel" in args.only:
         report_kernel(args, max(args.iters, 3))
+    if "window" in args.only:
+        report_window(args)
     if "memory" in args.only:
         measured = {p: run_distributed(memory_and_traffic, p, args, args.seq_per_rank) for p in args.memory_ranks}
         report_memory(args, args.seq_per_rank, measured)

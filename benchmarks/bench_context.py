@@ -1,6 +1,6 @@
 """The longest sequence each side (``sides.py``) trains in one step, on CPU within a memory budget or on one GPU;
-lctrain's memory by layer count, what activation offload saves, and the step peak per rank against S/P with every
-memory saver on. The method: ``docs/benchmarks.md``."""
+lctrain's memory by layer count, what activation offload saves, and the step peak per rank against S/P with every memory
+saver on."""
 
 from __future__ import annotations
 
@@ -12,36 +12,24 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import (
-    GIB,
-    MIB,
-    arguments,
-    defaults_by_device,
-    fit_line,
-    percent,
-    progress,
-    save_json,
-    table,
-    title,
-)
-from benchmarks.runs import malloc_env, run_steps
-from benchmarks.search import Probe, Search
+from benchmarks.report import GIB, MIB, OnDevice, arguments, fit_line, percent, progress, save_json, table, title
+from benchmarks.runs import Probe, Search, malloc_env, run_steps
 from lctrain.flops import flops_per_token, mfu
 
 SECTIONS = ("search", "layers", "offload", "scaling")
 MESHES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (4, 2)}  # scaling: ranks -> (ring, ulysses)
-# the integer flags whose defaults depend on the device: (CPU, CUDA, help)
+# the integer flags whose defaults depend on the device
 DEFAULTS = {
-    "ring": (4, 1, "lctrain's ring degree"),
-    "start_seq": (1024, 32768, "the HF loop's first probe"),
-    "max_seq": (32768, 262144, "no probe above this"),
-    "seq_unit": (256, 8192, "probed lengths are multiples of this"),
-    "warmup_seq": (512, 4096, "each probe's warm-up step"),
-    "layer_counts": ([1, 2], [2, 4], "depths of the layer fit"),
-    "fit_seqs": ([4096, 8192], [131072, 262144], "lengths of the layer fit"),
-    "check_seq": (4096, 131072, "the full-depth run checking the prediction"),
-    "offload_seq": (8192, 262144, "activation offload: S"),
-    "offload_layers": (2, 4, "activation offload: layers"),
+    "ring": OnDevice(4, 1, "lctrain's ring degree"),
+    "start_seq": OnDevice(1024, 32768, "the HF loop's first probe"),
+    "max_seq": OnDevice(32768, 262144, "no probe above this"),
+    "seq_unit": OnDevice(256, 8192, "probed lengths are multiples of this"),
+    "warmup_seq": OnDevice(512, 4096, "each probe's warm-up step"),
+    "layer_counts": OnDevice([1, 2], [2, 4], "depths of the layer fit"),
+    "fit_seqs": OnDevice([4096, 8192], [131072, 262144], "lengths of the layer fit"),
+    "check_seq": OnDevice(4096, 131072, "the full-depth run checking the prediction"),
+    "offload_seq": OnDevice(8192, 262144, "activation offload: S"),
+    "offload_layers": OnDevice(2, 4, "activation offload: layers"),
 }
 
 
@@ -54,13 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flags = {"ulysses": (1, "lctrain's Ulysses degree"), "bisect": (1, "bisection steps after doubling")}
     flags["target_ratio"] = (4.0, "lctrain starts at this × the HF loop's S")
     flags["probe_timeout"] = (240.0, "seconds a probe may take to start or step")
-    parser = arguments(__doc__, json=None, **flags)
+    parser = arguments(__doc__, json=None, **flags, **DEFAULTS)
     add_job_args(parser)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: search (CPU), all but scaling (CUDA)")
-    for name, (cpu, cuda, text) in DEFAULTS.items():
-        many = "+" if isinstance(cpu, list) else None
-        flag, text = f"--{name.replace('_', '-')}", f"{text} (CPU {cpu}, CUDA {cuda})"
-        parser.add_argument(flag, type=int, nargs=many, help=text)
     parser.add_argument("--loss-chunk-tokens", type=int, help="lctrain's train.loss_chunk_tokens (default: the job's)")
     parser.add_argument("--hf-checkpointing", choices=("none", "full"), help="the HF loop's (CPU none, CUDA full)")
     parser.add_argument("--budget-mib", type=int, help="CPU: the step peak a process may add (default 1024)")
@@ -73,13 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scaling.add_argument("--mlp-chunk-tokens", type=int, default=256, help="lctrain's parallel.mlp_chunk_tokens")
     scaling.add_argument("--safe-gib", type=float, default=16.0, help="stop a run whose ranks pass this together")
     scaling.add_argument("--plot", default="docs/memory_per_rank.png", help="the PNG of step peak per rank vs S/P")
+    parser.by_device |= {"hf_checkpointing": ("none", "full"), "sections": (["search"], list(SECTIONS[:3]))}
+    parser.by_device["budget_mib"] = (1024, None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and "scaling" in (args.sections or []):
         parser.error("--sections scaling runs CPU process groups: --device cpu")
     if args.device == "cuda" and args.budget_mib is not None:
         parser.error("--budget-mib limits a CPU run's memory; on CUDA the GPU's memory is the limit")
-    defaults = {"hf_checkpointing": ("none", "full"), "sections": (["search"], list(SECTIONS[:3]))}
-    defaults_by_device(args, DEFAULTS | defaults | {"budget_mib": (1024, None)})
     divisor = 2 * args.ring * args.ulysses  # zigzag sharding
     for name in ("seq_unit", "warmup_seq", "start_seq", "max_seq"):
         if getattr(args, name) % divisor:

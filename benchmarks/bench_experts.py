@@ -1,5 +1,5 @@
 """Mixture-of-experts layers: lctrain's experts implementation against transformers' own at world size 1, and expert
-parallelism against none on 4 ranks, on CPU; the first on one GPU too. The method: ``docs/benchmarks.md``."""
+parallelism against none on 4 ranks, on CPU; the first on one GPU too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
-from benchmarks.report import MIB, arguments, defaults_by_device, heading, save_json, table
+from benchmarks.report import MIB, OnDevice, arguments, heading, save_json, table
 from benchmarks.sides import lm_step
 from benchmarks.timing import gathered_slowest, median, rounds
 from lctrain.parallel.expert import apply_expert_parallel, expert_kernel
@@ -19,9 +19,10 @@ from lctrain.testing import run_distributed
 
 VOCAB = 1024
 EP_DEGREES = (1, 2, 4)
-# the single part's model, (CPU, CUDA): flags left unset take these
-SHAPES = {"seq": (2048, 16384), "hidden": (256, 2048), "experts": (16, 128), "expert_width": (256, 768)}
-SHAPES["top_k"] = (4, 8)
+# the single part's model on CPU and on CUDA
+SHAPES = {"seq": OnDevice(2048, 16384, "tokens a row"), "hidden": OnDevice(256, 2048, "width")}
+SHAPES |= {"experts": OnDevice(16, 128, "experts"), "expert_width": OnDevice(256, 768, "an expert's width")}
+SHAPES["top_k"] = OnDevice(4, 8, "experts per token")
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -85,14 +86,11 @@ def ep_rank(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = arguments(__doc__.split("\n\n")[0], device="cpu", warmup=1, steps=5, json=None, layers=2)
+    p = arguments(__doc__, device="cpu", warmup=1, steps=5, json=None, layers=2, **SHAPES)
     p.add_argument("--part", choices=("single", "ep", "all"), default="all")
-    for key, (cpu, cuda) in SHAPES.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"CPU {cpu}, CUDA {cuda}")
     args = p.parse_args()
     if args.device == "cuda" and args.part != "single":
         p.error("--device cuda runs --part single only: add --part single")
-    defaults_by_device(args, SHAPES)
     torch.set_num_threads(1)
     dtype = "bf16 on one GPU" if args.device == "cuda" else "fp32, one thread per process"
     print(f"{heading()}, {date.today()}")

@@ -1,6 +1,6 @@
-"""One gated delta layer (Qwen3.5's ``Qwen3_5GatedDeltaNet``), forward + backward on P zigzag ring ranks, fp32 on
-CPU: the slowest rank's time, P x that against one rank's, the bytes a layer all-gathers; transformers' own module
-beside it. The method: ``docs/benchmarks.md``."""
+"""One gated delta layer (Qwen3.5's ``Qwen3_5GatedDeltaNet``), forward + backward on P zigzag ring ranks, fp32 on CPU:
+the slowest rank's time, P x that against one rank's, the bytes a layer all-gathers; transformers' own module beside it.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank, for
-text and for conversations. The method: ``docs/benchmarks.md``."""
+"""Is the data loader ever the bottleneck? Loader throughput beside what one training step consumes, per rank, for text
+and for conversations."""
 
 from __future__ import annotations
 

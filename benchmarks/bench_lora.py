@@ -1,6 +1,5 @@
 """A LoRA step against a full fine-tuning step of the same model on the same mesh, on CPU ranks: per-rank peak memory
-and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule). The method:
-``docs/benchmarks.md``."""
+and step time, split into the forward + backward and the optimizer step (clipping, AdamW, the schedule)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ def jobs(args: argparse.Namespace) -> dict[str, list[str]]:
 def main() -> None:
     shape = {"seq": (2048, "tokens per row"), "hidden": 512, "intermediate": 1376, "layers": 4, "lora_rank": 16}
     trainable = ("", "model.lora.trainable, comma-separated (default: none)")
-    parser = arguments(__doc__.splitlines()[0], warmup=1, steps=5, **shape, trainable=trainable)
+    parser = arguments(__doc__, warmup=1, steps=5, **shape, trainable=trainable)
     parser.add_argument("--ranks", type=int, choices=sorted(MESHES), default=2)
     args = parser.parse_args()
     print(heading(), flush=True)

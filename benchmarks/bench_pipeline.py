@@ -1,5 +1,5 @@
 """Benchmark the pipeline bubble: the measured step time of pp=2 against the ideal, per schedule and micro-batch count,
-beside the textbook bubble fraction. The method: ``docs/benchmarks.md``."""
+beside the textbook bubble fraction."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def main() -> None:
     schedules = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
     shape = {"microbatches": [2, 4, 8], "hidden": 256, "layers": 8, "seq": 512}
     quick = (False, "GPipe and 1F1B at m = 2, 4; 3 timed steps")
-    args = arguments(__doc__.split("\n")[0], warmup=2, steps=5, schedules=schedules, **shape, quick=quick).parse_args()
+    args = arguments(__doc__, warmup=2, steps=5, schedules=schedules, **shape, quick=quick).parse_args()
     if args.quick:
         args.schedules, args.microbatches, args.steps = ["GPipe", "1F1B"], [2, 4], 3
     pp, cfg = 2, load_config(job_overrides(args, 1, []))

@@ -1,6 +1,5 @@
 """Preference pairs with the prompt once against the prompt repeated for each answer, and what each reference option
-costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step. The
-method: ``docs/benchmarks.md``."""
+costs, on 4 CPU ranks (ring 2 x Ulysses 2) or one GPU: step time and per-rank peak memory growth of a DPO step."""
 
 from __future__ import annotations
 
@@ -8,14 +7,12 @@ import argparse
 from typing import Any
 
 from benchmarks.jobs import bench_job
-from benchmarks.report import MIB, arguments, defaults_by_device, heading, save_json, table
-from benchmarks.runs import malloc_env, run_steps
-from benchmarks.search import Probe, Search
+from benchmarks.report import MIB, OnDevice, arguments, heading, save_json, table
+from benchmarks.runs import Probe, Search, malloc_env, run_steps
 from benchmarks.timing import median
 
 RANKS = {"cpu": 4, "cuda": 1}
 MESH = {"cpu": ("parallel.ring=2", "parallel.ulysses=2"), "cuda": ()}
-DEFAULTS = {"ratios": ([1, 4, 16, 64], [16]), "completion": (32, 1024)}  # (CPU, CUDA)
 
 
 def pair_length(prompt: int, completion: int, shared: bool) -> int:
@@ -114,11 +111,9 @@ def longest(args: argparse.Namespace) -> None:
 def main() -> None:
     flags = {"reference_ratio": (16, "the ratio of the reference options' rows")}
     flags["longest"] = (0, "only search the longest prompt up to this")
-    parser = arguments(__doc__.splitlines()[0], device="cpu", warmup=1, steps=4, json=None, **flags)
-    parser.add_argument("--ratios", type=int, nargs="+", help="prompt:completion ratios (CPU: 1 4 16 64; CUDA: 16)")
-    parser.add_argument("--completion", type=int, help="tokens of each answer (CPU: 32; CUDA: 1024)")
-    args = parser.parse_args()
-    defaults_by_device(args, DEFAULTS)
+    flags["ratios"] = OnDevice([1, 4, 16, 64], [16], "prompt:completion ratios")
+    flags["completion"] = OnDevice(32, 1024, "tokens of each answer")
+    args = arguments(__doc__, device="cpu", warmup=1, steps=4, json=None, **flags).parse_args()
     print(heading(), flush=True)
     if args.device == "cpu":
         print(f"\n4 ranks (ring 2 x Ulysses 2), the tiny recipe's model, fp32, DPO, medians of {args.steps} steps")

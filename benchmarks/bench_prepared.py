@@ -1,5 +1,5 @@
-"""Prepared data against the files: ``lctrain prepare``'s throughput, then the loader's time to its first batch
-and its tokens per second from the prepared set and from the files. The method: ``docs/benchmarks.md``."""
+"""Prepared data against the files: ``lctrain prepare``'s throughput, then the loader's time to its first batch and its
+tokens per second from the prepared set and from the files."""
 
 from __future__ import annotations
 

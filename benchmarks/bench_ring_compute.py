@@ -1,5 +1,4 @@
-"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput. The method:
-``docs/benchmarks.md``."""
+"""Compute efficiency of the ring decomposition on one device (no communication), and kernel throughput."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts. The method:
-``docs/benchmarks.md``."""
+"""Does the ring hide its transfers? lctrain's ring attention on rate-limited links between network hosts."""
 
 from __future__ import annotations
 

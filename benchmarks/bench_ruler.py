@@ -1,5 +1,5 @@
 """The cost of the ruler suite: scoring an example against a validation forward of the same tokens, and the in-training
-suite against the run it is part of. The method: ``docs/benchmarks.md``."""
+suite against the run it is part of."""
 
 from __future__ import annotations
 

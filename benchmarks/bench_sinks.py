@@ -1,5 +1,5 @@
-"""gpt-oss's attention sinks: their cost in one rank's attention forward+backward, and a tiny gpt-oss's
-forward+backward as lctrain runs it at world size 1 against transformers' own. The method: ``docs/benchmarks.md``."""
+"""gpt-oss's attention sinks: their cost in one rank's attention forward+backward, and a tiny gpt-oss's forward+backward
+as lctrain runs it at world size 1 against transformers' own."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def against_transformers(args: argparse.Namespace, device: torch.device, dtype: 
 
 def main() -> None:
     sizes = {"tokens": (4096, "the attention part's tokens"), "model_tokens": (2048, "the model part's tokens")}
-    parser = arguments(__doc__.split("\n\n")[0], heads=8, kv_heads=2, head_dim=64, iters=5, device="cpu", **sizes)
+    parser = arguments(__doc__, heads=8, kv_heads=2, head_dim=64, iters=5, device="cpu", **sizes)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

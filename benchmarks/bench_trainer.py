@@ -1,6 +1,5 @@
 """lctrain's training step against the plain Hugging Face loop (``sides.py``), on CPU or one GPU: step time, tokens/s,
-MFU, memory and their ratio; FSDP2's cost; on CUDA what the allocator default saves. The method:
-``docs/benchmarks.md``."""
+MFU, memory and their ratio; FSDP2's cost; on CUDA what the allocator default saves."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.jobs import add_job_args, job_from_args
-from benchmarks.report import GIB, MIB, arguments, defaults_by_device, percent, progress, save_json, table, title
+from benchmarks.report import GIB, MIB, OnDevice, arguments, percent, progress, save_json, table, title
 from benchmarks.runs import Run, malloc_env
 from benchmarks.sides import ROWS, SIDES, document_lengths
 from benchmarks.timing import median, rounds
@@ -23,8 +22,6 @@ CHECKPOINTING = ("none", "full")
 LABELS = {"lctrain": "lctrain", "hf": "HF loop"}
 ALLOCATOR_OFF = "expandable_segments:False"
 MEMORY_STEPS = 2  # CPU: measured steps of each memory run, after one warm-up step
-# the flags' defaults by device: (CPU, CUDA)
-DEFAULTS = {"seq": ([4096], [16384]), "checkpointing": (["none"], list(CHECKPOINTING)), "steps": (10, 5)}
 
 
 @dataclass
@@ -276,15 +273,15 @@ def main() -> None:
     flags["activation_offload"] = (False, "also parallel.activation_offload (AC full)")
     flags |= {"profile": (False, "print each run's top kernels"), "top": (12, "kernels per run with --profile")}
     flags["run_timeout"] = (300.0, "seconds a run may take to start or to step")
-    parser = arguments(__doc__, warmup=2, steps=None, json=None, **flags)
+    flags["seq"] = OnDevice([4096], [16384], "sequence lengths")
+    parser = arguments(__doc__, warmup=2, steps=OnDevice(10, 5), json=None, **flags)
     add_job_args(parser)
-    parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: 4096 on CPU, 16384 on CUDA)")
     parser.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, help="default: CPU none; CUDA both")
     parser.add_argument("--rows", choices=ROWS, default="one-document", help="one document per row, or packed")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--no-allocator-compare", dest="allocator_compare", action="store_false", help=ALLOCATOR_OFF)
+    parser.by_device["checkpointing"] = (["none"], list(CHECKPOINTING))
     args = parser.parse_args()
-    defaults_by_device(args, DEFAULTS)
     started = time.perf_counter()
     points = plan(args)
     measure(points, args)

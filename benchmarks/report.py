@@ -12,9 +12,10 @@ import platform
 import shlex
 import subprocess
 import sys
+from argparse import RawDescriptionHelpFormatter as RawDescription
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 MIB, GIB = 2**20, 2**30
 # the flags several benchmarks share: their settings but the default
@@ -37,12 +38,39 @@ def command() -> str:
     return shlex.join(["python", *program, *sys.argv[1:]])
 
 
-def arguments(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
+class OnDevice(NamedTuple):
+    """A flag's default on CPU and on CUDA (``--device``), and its help."""
+
+    cpu: Any
+    cuda: Any
+    help: str | None = None
+
+
+class Parser(argparse.ArgumentParser):
+    """``arguments``' parser: each flag of ``by_device`` (name: (CPU, CUDA)) left unset takes its default for
+    ``--device``."""
+
+    by_device: dict[str, tuple[Any, Any]]
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+        parsed = super().parse_args(*args, **kwargs)
+        for key, values in self.by_device.items():
+            if getattr(parsed, key) is None:
+                setattr(parsed, key, values[parsed.device == "cuda"])
+        return parsed
+
+
+def arguments(doc: str | None, **flags: Any) -> Parser:
     """A benchmark's parser. ``flags``: name=default or (default, help), of the default's type (a list: ``nargs="+"``;
-    False: a switch); the shared ``FLAGS`` by name and default."""
-    made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    False: a switch), or ``OnDevice``; the shared ``FLAGS`` by name and default."""
+    made = Parser(description=doc, epilog="The method: docs/benchmarks.md.", formatter_class=RawDescription)
+    made.by_device = {}
     for name, value in flags.items():
-        default, text = value if isinstance(value, tuple) else (value, None)
+        if isinstance(value, OnDevice):
+            made.by_device[name] = value[:2]
+            default, text = value.cpu, f"{value.help or FLAGS[name]['help']} (CPU {value.cpu}, CUDA {value.cuda})"
+        else:
+            default, text = value if isinstance(value, tuple) else (value, None)
         if name in FLAGS and text is None:
             kind = FLAGS[name]
         elif default is False:
@@ -50,6 +78,7 @@ def arguments(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
         else:
             many = isinstance(default, list)
             kind = {"type": type(default[0] if many else default), "nargs": "+" if many else None, "help": text}
+        default = None if name in made.by_device else default
         made.add_argument(f"--{name.replace('_', '-')}", default=default, **kind)
     return made
 
@@ -65,13 +94,6 @@ def listed(kind: type = str, choices: Sequence[Any] | None = None) -> Any:
         return values
 
     return parse
-
-
-def defaults_by_device(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> None:
-    """Set each flag of ``defaults`` the user left unset to its (CPU, CUDA) default for ``args.device``."""
-    for key, values in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, values[args.device == "cuda"])
 
 
 def commit() -> str:

@@ -1,5 +1,4 @@
-"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16). The
-method: ``docs/benchmarks.md``."""
+"""Check ``lctrain plan``'s memory estimate against measured peaks: on CPU (fp32, gloo), or on one GPU (bf16)."""
 
 from __future__ import annotations
 

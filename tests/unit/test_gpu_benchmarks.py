@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.bench_context import fits, line
 from benchmarks.report import fit_line
-from benchmarks.search import Probe, Search
+from benchmarks.runs import Probe, Search
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4"]
