@@ -90,7 +90,7 @@ def prepare_model(cfg: JobConfig, world_size: int) -> PreparedModel:
     source = adapter_source(source, cfg.train.seed)
     objective, reference = cfg.objective, None
     if objective.reference == "path" and objective.needs_reference:
-        reference = safetensors_source(objective.reference_path, config)
+        reference = safetensors_source(objective.reference_path, config, "objective.reference_path")
     elif objective.needs_reference and not cfg.model.lora.rank:
         reference = source  # the initial weights (without adapters: the reference is built without LoRA)
     routers = model_routers(config)

@@ -217,13 +217,13 @@ def random_init_source(config: PretrainedConfig, seed: int) -> TensorSource:
     return make
 
 
-def safetensors_source(path: str | Path, config: PretrainedConfig) -> TensorSource:
+def safetensors_source(path: str | Path, config: PretrainedConfig, setting: str = "model.path") -> TensorSource:
     """Full tensors by the model's names, read lazily (memory-mapped) from the local Hugging Face checkpoint in
-    ``path`` for a model of ``config``: in the family's published layout or transformers' fused one, converted as
-    ``from_pretrained`` converts them (``lctrain.models.layouts``). Fails now, before any weight is read, if the
-    checkpoint cannot make every tensor of the model."""
+    ``path`` (the job's ``setting``) for a model of ``config``: in the family's published layout or transformers'
+    fused one, converted as ``from_pretrained`` converts them (``lctrain.models.layouts``). Fails now, before any
+    weight is read, if the checkpoint cannot make every tensor of the model."""
     source = model_source(str(path), config.model_type)
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, setting)
     reading = checkpoint_reading(path)
     read, plan = checkpoint_source(files, build_empty_model(config), source, reading)
     dequantized = " (MXFP4 experts dequantized by transformers as they are read)" if reading.quantizer else ""

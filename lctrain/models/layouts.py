@@ -66,10 +66,10 @@ class CheckpointLayoutError(ValueError):
     """A checkpoint whose tensors do not make the model: named in one line with the layouts tried and the fix."""
 
 
-def checkpoint_files(path: str | Path) -> dict[str, Path]:
-    """Each tensor name of the Hugging Face checkpoint in ``path`` and the ``*.safetensors`` file holding it: from
-    ``model.safetensors.index.json`` (a sharded checkpoint) or the files' headers. A file that cannot be read, or an
-    index naming a missing file, is named."""
+def checkpoint_files(path: str | Path, setting: str = "model.path") -> dict[str, Path]:
+    """Each tensor name of the Hugging Face checkpoint in ``path`` (the job's ``setting``) and the ``*.safetensors``
+    file holding it: from ``model.safetensors.index.json`` (a sharded checkpoint) or the files' headers. A file that
+    cannot be read, or an index naming a missing file, is named."""
     path = Path(path)
     index = path / f"{WEIGHTS_NAME}.index.json"
     if index.is_file():
@@ -86,7 +86,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     for file in sorted(path.glob("*.safetensors")):
         files.update(dict.fromkeys(_tensor_names(file), file))
     if not files:
-        raise FileNotFoundError(f"model.path={str(path)!r} has no *.safetensors weights")
+        raise FileNotFoundError(f"{setting}={str(path)!r} has no *.safetensors weights")
     return files
 
 

@@ -122,6 +122,14 @@ def test_reference_free_losses_need_no_reference() -> None:
     assert not ObjectiveConfig().needs_reference  # lm
 
 
+def test_a_reference_path_without_weights_is_refused_before_any_process_group(tmp_path: Path) -> None:
+    from lctrain.build import prepare_model
+
+    cfg = job(tmp_path, reference="path", reference_path=str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=r"objective.reference_path='.*missing' has no \*\.safetensors"):
+        prepare_model(cfg, 1)
+
+
 def test_validation_pairs_give_trl_metrics(world_of_one, tmp_path: Path) -> None:  # noqa: ANN001
     from lctrain.train.job import build_training_job
     from lctrain.train.trainer import Trainer
