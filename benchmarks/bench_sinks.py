@@ -34,9 +34,9 @@ def sinks_share(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         name: median_seconds(functools.partial(attention_pass, tensors, s, args.window), args.iters, device=device)
         for name, s in (("without sinks", None), ("with sinks", sinks))
     }
-    for name, seconds in times.items():
-        print(f"| {name} | {seconds * 1e3:.1f} ms |")
-    print(f"| the sinks' share | {times['with sinks'] / times['without sinks'] - 1:+.1%} |\n")
+    rows = [[name, f"{seconds * 1e3:.1f}"] for name, seconds in times.items()]
+    rows.append(["the sinks' share", f"{times['with sinks'] / times['without sinks'] - 1:+.1%}"])
+    print(table(["attention", "fwd+bwd ms (median)"], rows) + "\n")
 
 
 def against_transformers(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
