@@ -25,13 +25,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 train: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m lctrain train recipe=tiny_cpu $(ARGS)
 
+# Two pytest workers, each running one test file at a time (a file's fixtures are built once): a single worker leaves
+# a core idle about a fifth of the time (timeouts, servers, process starts) and the single-process tests use one core
+# each (docs/testing.md).
+PYTEST_WORKERS := -n 2 --dist loadfile
+
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(PYTEST_WORKERS)
 
 # The inner loop: tests/unit and tests/repository without the tests marked slow (benchmark smoke runs in worker
 # processes, the wheel build); no spawned process group, about 2 minutes on 2 cores (docs/testing.md).
 test-fast: install
-	$(PY) -m pytest tests/unit tests/repository -m "not slow"
+	$(PY) -m pytest tests/unit tests/repository -m "not slow" $(PYTEST_WORKERS)
 
 # The cluster suite (tests/cluster): a real slurm cluster (munge, slurmctld, two slurmd nodes) and two hosts in
 # network namespaces, started and stopped by the tests. Needs root; installs Debian's packages when they are missing
