@@ -12,7 +12,8 @@ TensorBoard drops its events after the resumed step (``purge_step``), MLflow reo
 
 A tracker that fails (a server that cannot be reached) is warned about once and training goes on: its records wait
 and are sent again with the first step ``RETRY_S`` seconds later, and at the end; ``metrics.jsonl`` holds every step
-in any case.
+in any case. A request that failed without an answer (a server slower than MLflow's request timeout) may have been
+stored all the same: MLflow looks the step up before sending it again, so that no step is logged twice.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class MLflowTracker:
         if uri is None:
             local.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{local / 'mlflow.db'}")
+        self.unanswered: int | None = None  # the step whose request failed: the server may have stored it all the same
         id_file = run_dir / "mlflow_run_id"
         self.run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else None
         if self.run_id is None:
@@ -111,7 +113,17 @@ class MLflowTracker:
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        if metrics and self.unanswered == step and self._stored(metrics[0]):
+            self.unanswered = None
+            return
+        self.unanswered = step
+        self.client.log_batch(self.run_id, metrics=metrics)  # one transaction: all of the step's metrics or none
+        self.unanswered = None
+
+    def _stored(self, metric: Any) -> bool:
+        """Whether the run holds ``metric``'s step with its value (a batch sent again would add a second point)."""
+        history = self.client.get_metric_history(self.run_id, metric.key)
+        return any(point.step == metric.step and point.value == metric.value for point in history)
 
     def finish(self, plots: list[Path], exported: Path | None) -> None:
         for plot in plots:

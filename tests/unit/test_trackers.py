@@ -165,3 +165,27 @@ def test_a_server_never_reached_warns_once_and_the_run_goes_on(tmp_path: Path, c
     assert len(warnings) == 2 and "training goes on" in warnings[0]
     assert warnings[1] == "MLflow: 4 records were never sent (metrics.jsonl holds them)"
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_step_stored_before_its_request_failed_is_not_logged_twice(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A server slower than the client's timeout stores the batch whose request fails: sent again, it is looked up
+    first, and MLflow's history holds each step once."""
+    log_batch, failed = MlflowClient.log_batch, []
+
+    def stored_then_timed_out(self: MlflowClient, run_id: str, metrics=(), **kwargs) -> None:  # noqa: ANN001
+        log_batch(self, run_id, metrics=metrics, **kwargs)
+        if not failed and any(metric.step == 2 for metric in metrics):
+            failed.append(run_id)
+            raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", stored_then_timed_out)
+    monkeypatch.setattr(trackers, "RETRY_S", 0.0)
+    with caplog.at_level(logging.WARNING, logger="lctrain"):
+        run(LoggingConfig(mlflow=True, plot=False), tmp_path, range(1, 5))
+    assert failed and [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"MLflow failed (TimeoutError: read timed out); training goes on, metrics.jsonl holds every step, and the "
+        f"records are sent again every {trackers.RETRY_S:.0f} s"
+    ]
+    uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    assert mlflow_history(uri, tmp_path, "loss") == [(step, 10.0 - step) for step in range(1, 5)]
+    assert mlflow_history(uri, tmp_path, "val_loss") == [(2, 7.0), (4, 5.0)]
