@@ -25,9 +25,12 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lctrain.config.schema import LoggingConfig
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
 
 logger = logging.getLogger("lctrain")
 
@@ -120,7 +123,7 @@ class MLflowTracker:
         self.client.log_batch(self.run_id, metrics=metrics)  # one transaction: all of the step's metrics or none
         self.unanswered = None
 
-    def _stored(self, metric: Any) -> bool:
+    def _stored(self, metric: Metric) -> bool:
         """Whether the run holds ``metric``'s step with its value (a batch sent again would add a second point)."""
         history = self.client.get_metric_history(self.run_id, metric.key)
         return any(point.step == metric.step and point.value == metric.value for point in history)
