@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ from tqdm import tqdm
 from lctrain.config import JobConfig, ParallelConfig, load_config
 
 logger = logging.getLogger("lctrain")
+# a rank but rank 0 that finds a bad config waits this long before its line and exit (``_exit_before_group``): the
+# ranks reach the check within a second or two of each other, even on a loaded machine
+OTHER_RANKS_WAIT_S = 5.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -149,10 +153,13 @@ def first_sentence(error: BaseException) -> str:
 
 
 def _exit_before_group(message: str) -> None:
-    """Exit status 1 with one line, printed by rank 0 only: before the process group, every rank finds the same
-    problem in the same config."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"lctrain: {message}", file=sys.stderr, flush=True)
+    """Exit status 1 with one line. Before the process group every rank finds the same problem in the same config:
+    rank 0 prints it and exits at once, the others print it only after ``OTHER_RANKS_WAIT_S``. The launcher stops
+    every rank as soon as one exits, so the line comes once, from rank 0, and still comes (from another rank) when
+    rank 0 is the slowest to get there."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    print(f"lctrain: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 
@@ -164,7 +171,7 @@ def _exit_from_job(message: str) -> None:
 
 
 def load_config_or_exit(overrides: Sequence[str]) -> JobConfig:
-    """The job's config; a bad one ends the process with one line (printed by rank 0) and exit status 1."""
+    """The job's config; a bad one ends the process with one line and exit status 1 (``_exit_before_group``)."""
     try:
         return load_config(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:

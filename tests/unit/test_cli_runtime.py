@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lctrain import cli
+from lctrain import cli, runtime
 from lctrain.runtime import process_group_backend
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -59,6 +59,26 @@ def test_process_group_backend() -> None:
     assert process_group_backend(cpu) == process_group_backend(cpu, host_collectives=True) == "gloo"
     assert process_group_backend(cuda) == "nccl"
     assert process_group_backend(cuda, host_collectives=True) == "cuda:nccl,cpu:gloo"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_bad_job_is_told_by_rank_0_at_once_and_by_the_others_only_after_a_wait(
+    rank: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """torchrun stops every rank as soon as one exits: a rank but 0 that told the error and exited first could cut
+    rank 0 off before its line (seen once on a loaded machine: only torchrun's report, no ``lctrain:`` line)."""
+    waits: list[float] = []
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(runtime.time, "sleep", waits.append)
+
+    def check(cfg: object, world_size: int) -> None:
+        raise ValueError("parallel.ring=3 needs 3 processes")
+
+    with pytest.raises(SystemExit) as exit:
+        runtime.run_command(["train.device=cpu"], check=check, job=lambda cfg: None)
+    assert exit.value.code == 1
+    assert capsys.readouterr().err == "lctrain: parallel.ring=3 needs 3 processes\n"
+    assert waits == ([] if rank == 0 else [runtime.OTHER_RANKS_WAIT_S])
 
 
 SIGTERM_INSIDE = {
