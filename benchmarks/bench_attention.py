@@ -343,7 +343,8 @@ def main() -> None:
         measured = {p: run_distributed(memory_and_traffic, p, args, args.seq_per_rank) for p in args.memory_ranks}
         report_memory(args, args.seq_per_rank, measured)
     forward, backward = (kernels.cpu_compute_dtype(DTYPES[args.dtype], name) for name in ("forward", "backward"))
-    if (forward, backward) != (DTYPES[args.dtype],) * 2:
+    in_dtype = {"efficiency", "baselines", "memory"} & set(args.only)  # sections 4 and 5 state their dtypes
+    if in_dtype and (forward, backward) != (DTYPES[args.dtype],) * 2:
         reason = kernels.cpu_bf16_dtypes().reason
         print(f"\nCompute dtype: {args.dtype} blocks computed in {forward} forward, {backward} backward ({reason}).")
     print(f"\nTotal wall time {time.perf_counter() - started:.0f} s.")

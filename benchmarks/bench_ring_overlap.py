@@ -16,10 +16,10 @@ from typing import Any
 from unittest import mock
 
 from benchmarks import rings
+from benchmarks.jobs import REPO
 from benchmarks.report import arguments, listed, table, title
 from benchmarks.timing import clock, gathered_slowest, median, rounds
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"mha": (2, 2), "gqa": (4, 1)}  # (query heads, key/value heads), head_dim 64
 HEAD_DIM = 64
 LINK = "LCTRAIN_BENCH_LINK"  # the worker's own link, which it limits (namespace hosts only)
