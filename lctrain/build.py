@@ -199,7 +199,7 @@ class Job:
     precision: Precision
     mesh: JobMesh
     model: BuiltModel
-    # training with pipeline stages: the schedule of a step's rows (data.batch_size × train.grad_accum micro-batches)
+    # training with pipeline stages: the schedule of a step's rows (``cfg.step_rows`` micro-batches)
     schedule: Schedule | None
     # training a preference objective with prepared.reference: its frozen reference model, built like the model (the
     # same attention, mesh, stages, sharding and cpu_offload) without LoRA, in eval mode, without gradients
@@ -226,12 +226,11 @@ def build_job(cfg: JobConfig, *, training: bool) -> Job:
     )
     schedule = reference = None
     if training and model.stages:
-        rows = cfg.data.batch_size * cfg.train.grad_accum
         schedule = build_schedule(
             model.stages,
             mesh.sub_mesh("pp"),
             schedule=cfg.parallel.pp_schedule,
-            microbatches=rows,
+            microbatches=cfg.step_rows,
             device=device,
             training=True,
         )

@@ -74,7 +74,7 @@ def check_job(
             par.pp_stages_per_rank,
             par.pp_split_points,
             num_layers,
-            data.batch_size * train.grad_accum,
+            cfg.step_rows,
             tied_embeddings=tied_embeddings,
         )
     check_rope(cfg, dims.cp, max_position_embeddings, rope_type)

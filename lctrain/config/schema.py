@@ -243,3 +243,9 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     ruler: RulerConfig = field(default_factory=RulerConfig)
+
+    @property
+    def step_rows(self) -> int:
+        """The rows of one optimizer step on each dp rank, ``data.batch_size`` × ``train.grad_accum``: with a
+        pipeline, the step's micro-batches."""
+        return self.data.batch_size * self.train.grad_accum

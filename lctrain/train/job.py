@@ -64,7 +64,7 @@ def build_training_job(cfg: JobConfig) -> TrainingJob:
         data, cfg.train, place=mesh.place, dp_rank=mesh.dp_rank, dp=mesh.dims.dp, group=mesh.dp_cp, device=device
     )
 
-    rows = cfg.data.batch_size * cfg.train.grad_accum  # a step's rows: with a pipeline, its micro-batches
+    rows = cfg.step_rows  # with a pipeline, the step's micro-batches
     # one forward-only run of the policy, shared by the LoRA reference and the router's global counts
     policy_forward = functools.cache(lambda: forward_only(model, job, rows))
     objective = build_objective(

@@ -41,7 +41,7 @@ class SuiteScorer:
         self.tokenizer, self.device, self.place = job.prepared.tokenizer, job.device, job.mesh.place
         self.dp_rank, self.dp = job.mesh.dp_rank, job.mesh.dims.dp
         # a pipeline runs the rows of a step (its micro-batches) at a time
-        self.rows_per_run = cfg.data.batch_size * cfg.train.grad_accum if job.model.stages else 1
+        self.rows_per_run = cfg.step_rows if job.model.stages else 1
         self.forward = forward_only(job.model, job, self.rows_per_run)
         lengths = cfg.ruler.suite_lengths(cfg.data.seq_len)
         self.pack_tokens = max(lengths)  # shorter examples share rows: no row is longer than the longest example
