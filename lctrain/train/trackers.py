@@ -13,7 +13,8 @@ TensorBoard drops its events after the resumed step (``purge_step``), MLflow reo
 A tracker that fails (a server that cannot be reached) is warned about once and training goes on: its records wait
 and are sent again with the first step ``RETRY_S`` seconds later, and at the end; ``metrics.jsonl`` holds every step
 in any case. A request that failed without an answer (a server slower than MLflow's request timeout) may have been
-stored all the same: MLflow looks the step up before sending it again, so that no step is logged twice.
+stored all the same: MLflow looks the step up before sending it again, so that no step is logged twice, and a start
+tried again looks up the run its failed request may have made (by the tag ``lctrain.start_id``) before making one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,8 +106,17 @@ class MLflowTracker:
             found = self.client.get_experiment_by_name(experiment)
             artifacts = None if uri else (local / "artifacts").as_uri()
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
-            self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+            # a start whose request failed may have made its run all the same: the retry finds it by this tag
+            start_file, tag = run_dir / "mlflow_start_id", "lctrain.start_id"
+            retried = start_file.is_file()
+            if not retried:
+                start_file.write_text(uuid.uuid4().hex)
+            tags = {tag: start_file.read_text()}
+            made = self.client.search_runs([experiment_id], f"tags.`{tag}` = '{tags[tag]}'") if retried else []
+            run = made[0] if made else self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
+            self.run_id = run.info.run_id
             id_file.write_text(self.run_id)
+            start_file.unlink()
         logged = self.client.get_run(self.run_id).data.params  # a resumed run keeps the values it started with
         params = [Param(key, value[:6000]) for key, value in flat_config(config).items() if key not in logged]
         for start in range(0, len(params), 100):  # MLflow takes up to 100 parameters a call

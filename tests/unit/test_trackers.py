@@ -189,3 +189,27 @@ def test_a_step_stored_before_its_request_failed_is_not_logged_twice(tmp_path: P
     uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
     assert mlflow_history(uri, tmp_path, "loss") == [(step, 10.0 - step) for step in range(1, 5)]
     assert mlflow_history(uri, tmp_path, "val_loss") == [(2, 7.0), (4, 5.0)]
+
+
+def test_a_run_created_before_its_request_failed_is_adopted_by_the_retry(tmp_path: Path, monkeypatch) -> None:
+    """A server slower than the client's timeout creates the run whose request fails: the retried start finds that
+    run by its tag, and the experiment holds one run, the one ``mlflow_run_id`` names, with every step."""
+    create_run, failed = MlflowClient.create_run, []
+
+    def created_then_timed_out(self: MlflowClient, *args, **kwargs):
+        made = create_run(self, *args, **kwargs)
+        if not failed:
+            failed.append(made.info.run_id)
+            raise TimeoutError("read timed out")
+        return made
+
+    monkeypatch.setattr(MlflowClient, "create_run", created_then_timed_out)
+    monkeypatch.setattr(trackers, "RETRY_S", 0.0)
+    run(LoggingConfig(mlflow=True, plot=False), tmp_path, range(1, 4))
+    uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("lctrain").experiment_id])
+    assert failed and [r.info.run_id for r in runs] == failed
+    assert (tmp_path / "mlflow_run_id").read_text() == failed[0]
+    assert mlflow_history(uri, tmp_path, "loss") == [(step, 10.0 - step) for step in range(1, 4)]
+    assert not (tmp_path / "mlflow_start_id").exists()
