@@ -39,9 +39,12 @@ config: this module imports neither torch nor transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lctrain.flops import delta_rule_flops_per_token, flops_per_token
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections, in every family
 PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")  # with a dense MLP's
@@ -222,7 +225,7 @@ REFUSED = {
 }
 
 
-def rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
+def rope_parameters(config: PretrainedConfig) -> dict[str, dict[str, Any]]:
     """The RoPE parameters of each kind of layer: ``{layer type: parameters}`` for a family with RoPE per layer type
     (``Family.rope_per_layer_type``), else ``{"all": config.rope_parameters}``; the dicts are the config's own."""
     rope = getattr(config, "rope_parameters", None) or {}
@@ -247,7 +250,7 @@ def family_of(model_type: str, source: str) -> Family:
     )
 
 
-def layer_windows(config: Any) -> list[int | None]:
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
     """The sliding window each decoder layer's attention receives from transformers (None = full causal)."""
     layers = config.num_hidden_layers
     rule = FAMILIES[config.model_type].window
@@ -259,7 +262,7 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in config.layer_types]  # layers, pattern
 
 
-def apply_sliding_window(config: Any, setting: int | None) -> None:
+def apply_sliding_window(config: PretrainedConfig, setting: int | None) -> None:
     """``model.sliding_window`` on a checkpoint's config, in place: None keeps the checkpoint's own windows; 0
     removes every window (full causal attention on every layer); W > 0 makes W the window of every layer that
     has one (Mistral: every layer, also when the checkpoint declares none; Qwen: the layers ``layer_types`` marks
@@ -295,7 +298,7 @@ def apply_sliding_window(config: Any, setting: int | None) -> None:
 ROPE_GEOMETRY = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
-def set_rope(config: Any, cfg: Any) -> None:
+def set_rope(config: PretrainedConfig, cfg: Any) -> None:
     """Apply ``model.max_position_embeddings``, ``model.rope_theta`` and ``model.rope_scaling`` (when set; ``cfg`` is
     the ``model`` section, ``lctrain.models.config.ModelConfig``) to the transformers config, in place: its
     ``rope_parameters`` are what the model computes RoPE from and what the exported ``config.json`` holds, so the
@@ -319,7 +322,7 @@ def set_rope(config: Any, cfg: Any) -> None:
     config.rope_parameters = rope if kind == "all" else {**kinds, kind: rope}
 
 
-def set_router_aux_loss(config: Any, coef: float | None) -> None:
+def set_router_aux_loss(config: PretrainedConfig, coef: float | None) -> None:
     """``model.router_aux_loss_coef`` on a mixture of experts' config, in place: None keeps the checkpoint's (its
     coefficient counts only when ``output_router_logits`` is set, as in transformers' forward); a value sets
     ``router_aux_loss_coef`` and ``output_router_logits`` (coefficient > 0), so the exported config says what was
@@ -330,26 +333,26 @@ def set_router_aux_loss(config: Any, coef: float | None) -> None:
     config.output_router_logits = coef > 0
 
 
-def linear_layers(config: Any) -> list[int]:
+def linear_layers(config: PretrainedConfig) -> list[int]:
     """The decoder layers whose sequence mixer is a gated delta (linear-attention) layer; [] for a family without."""
     if FAMILIES[config.model_type].linear_mixer is None:
         return []
     return [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
 
 
-def num_experts(config: Any) -> int:
+def num_experts(config: PretrainedConfig) -> int:
     """The routed experts per layer of a transformers config (its family's ``Experts.count`` attribute); 0 for a
     dense family."""
     experts = FAMILIES[config.model_type].experts
     return 0 if experts is None else int(getattr(config, experts.count))
 
 
-def expert_width(config: Any) -> int:
+def expert_width(config: PretrainedConfig) -> int:
     """One expert's width (its family's ``Experts.width`` attribute) of a mixture of experts' config."""
     return int(getattr(config, FAMILIES[config.model_type].experts.width))
 
 
-def moe_layers(config: Any) -> list[int]:
+def moe_layers(config: PretrainedConfig) -> list[int]:
     """The decoder layers whose MLP is a mixture of experts (``Experts.sparse_layers``: not in ``mlp_only_layers``,
     every ``decoder_sparse_step``-th; else all); [] for a dense family."""
     experts = FAMILIES[config.model_type].experts
@@ -361,7 +364,7 @@ def moe_layers(config: Any) -> list[int]:
     return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
 
-def active_parameters(config: Any, num_params: int) -> int:
+def active_parameters(config: PretrainedConfig, num_params: int) -> int:
     """The parameters one token computes with, of a model of ``num_params``: each MoE layer's experts count for the
     ``num_experts_per_tok`` it is routed to (each expert: gate, up and down, 3 · hidden · width, and gpt-oss's
     biases, 2 · width + hidden); a dense model's all. What the FLOP count (MFU) of a mixture of experts takes."""
@@ -374,7 +377,7 @@ def active_parameters(config: Any, num_params: int) -> int:
     return num_params - len(layers) * idle * expert
 
 
-def model_flops_per_token(config: Any, num_params: int, seq_len: int) -> float:
+def model_flops_per_token(config: PretrainedConfig, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token of a Hugging Face model of ``num_params`` parameters on rows of ``seq_len`` tokens:
     its active parameters (a mixture of experts counts the routed experts only), each layer's sliding window, and a
     hybrid's gated delta layers' recurrence in place of their attention."""

@@ -29,7 +29,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -41,6 +41,9 @@ from lctrain.data.mixture import COUNTS
 from lctrain.data.packing import Document, Pair
 from lctrain.data.shards import AGAIN, CheckedArray, text_digest
 from lctrain.data.sources import ordered
+
+if TYPE_CHECKING:
+    from lctrain.data.kinds import ChatSource, PairSource, TextSource
 
 VERSION = 1
 DOCUMENT, PAIR, COUNT = 0, 1, 2  # the kinds of part
@@ -186,7 +189,7 @@ class PreparedSource:
     """A source read from a prepared set, in the shape of ``lctrain.data.kinds``' classes: its ``items`` are
     (index, where) and ``encode`` reads them and fits them to the row like the kind (``kind``) of its files."""
 
-    def __init__(self, shards: PreparedShards, kind: Any):
+    def __init__(self, shards: PreparedShards, kind: TextSource | ChatSource | PairSource):
         self.documents, self.kind, self.description = shards, kind, shards.description
 
     def items(self, epoch: int) -> Iterator[tuple[int, str]]:
