@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from lctrain.config import JobConfig, ParallelConfig, load_config
@@ -145,6 +146,14 @@ def is_communication_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
 
 
+def rank_error(error: BaseException, rank: int) -> BaseException:
+    """What stopped ``rank``: ``error`` itself, or inside a checkpoint's save or load (DCP gathers every rank's error
+    into one ``CheckpointException``, SIGTERM's ``Terminated`` among them) this rank's own error, else the first."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return (error.failures.get(rank) or next(iter(error.failures.values())))[0]
+    return error
+
+
 def first_sentence(error: BaseException) -> str:
     """``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1970. This is ...`` ->
     ``Connection closed by peer [127.0.0.1]:1970``."""
@@ -203,8 +212,9 @@ def run_command(
     except (ValueError, FileNotFoundError) as error:
         sigterm.armed = False  # the launcher stops the other ranks now: their SIGTERM is no news here
         _exit_from_job(str(error))
-    except (Terminated, Exception) as error:
+    except (Terminated, CheckpointException, Exception) as error:
         sigterm.armed = False
+        error = rank_error(error, dist.get_rank())
         if not (isinstance(error, Terminated) or is_communication_failure(error)):
             raise
         if isinstance(error, Terminated):

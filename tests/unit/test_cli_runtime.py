@@ -85,6 +85,11 @@ SIGTERM_INSIDE = {
     # what the CI saw: SIGTERM while rank 0 logged "checkpoint ...", and the handler's ``except Exception`` kept it
     "a-log-line": "runtime.tqdm.write = stop_once\n    runtime.logger.warning('a line')",
     "except-exception": "try:\n        stop_here()\n    except Exception:\n        pass",
+    # what the cluster suite saw: slurm's SIGTERM while DCP wrote a checkpoint, which gathers every rank's error
+    # into one CheckpointException (a BaseException) and raises that instead
+    "a-checkpoint-save": "import tempfile, torch, torch.distributed.checkpoint as dcp\n"
+    "    torch.save = lambda *a, **k: stop_here()\n"
+    "    dcp.save({'w': torch.zeros(2)}, checkpoint_id=tempfile.mkdtemp())",
 }
 
 
